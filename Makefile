@@ -1,0 +1,40 @@
+# vae.cu: make vae | make test | make dev | make data | make clean
+NVCC ?= nvcc
+# GPU architecture: the first GPU's compute capability (e.g. 9.0 -> 90), sm_90 without a GPU.
+GPU_ARCH ?= $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '.[:space:]')
+ifeq ($(GPU_ARCH),)
+GPU_ARCH := 90
+endif
+$(info vae.cu: building for sm_$(GPU_ARCH))
+NVCCFLAGS ?= -O3 -std=c++17 -lineinfo -arch=sm_$(GPU_ARCH) -Xcompiler -Wall,-Wextra -Werror all-warnings
+LDLIBS = -lcublas -lcublasLt
+
+# A Python that can import torch, for prepare_weights.py (Debian's python3-torch lives in /usr/bin).
+PYTHON ?= $(firstword $(foreach p,python3 /usr/bin/python3 python,$(shell $(p) -c 'import torch' >/dev/null 2>&1 && echo $(p))))
+# Inputs for prepare_weights.py: a local folder when there is one, else it downloads them.
+DATA_SRC ?= $(wildcard ../shared/data)
+DATA = data/vae_weights.bin data/t10k-images-idx3-ubyte data/t10k-labels-idx1-ubyte data/vae_debug_state.bin
+
+.PHONY: all test dev data clean
+all: vae test_vae dev
+
+vae: vae.cu
+	$(NVCC) $(NVCCFLAGS) $< -o $@ $(LDLIBS)
+
+test_vae: test_vae.cu vae.cu
+	$(NVCC) $(NVCCFLAGS) $< -o $@ $(LDLIBS)
+
+test: test_vae $(DATA)
+	./test_vae
+
+dev:
+	$(MAKE) -C dev all GPU_ARCH=$(GPU_ARCH)
+
+data: $(DATA)
+$(DATA) &: prepare_weights.py
+	@test -n "$(PYTHON)" || { echo "error: no python with torch found. HINT: apt-get install -y python3-torch python3-numpy, or make PYTHON=/path/to/python"; exit 1; }
+	$(PYTHON) prepare_weights.py $(if $(DATA_SRC),--src $(DATA_SRC))
+
+clean:
+	rm -f vae test_vae
+	-$(MAKE) -C dev clean

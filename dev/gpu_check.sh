@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call: build everything, run the tests, the program, and the dev drivers.
+# Logs and images go to $OUT (default /tmp/vae_out). Usage: bash dev/gpu_check.sh [sections...]
+# sections: test vae break dev bench (default: all of them)
+set -uo pipefail
+OUT=${OUT:-/tmp/vae_out}
+mkdir -p "$OUT"
+sections=${*:-test vae break dev bench}
+status=0
+has() { [[ " $sections " == *" $1 "* ]]; }
+run() { echo "== $*"; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
+
+nvidia-smi --query-gpu=name,compute_cap,driver_version,clocks.sm,clocks.mem --format=csv
+run make vae test_vae
+if has test; then
+    ./test_vae > "$OUT/test.log" 2>&1; rc=$?
+    grep -E "NOT OK|^GPU|^ case|passed,|skip" "$OUT/test.log"; grep -A12 "^GPU fp32" "$OUT/test.log" | head -14
+    [ $rc -eq 0 ] || { echo "FAILED: test_vae rc=$rc"; status=1; }
+fi
+if has vae; then
+    run bash -c "./vae -o out 2>&1 | tee $OUT/vae.log"
+    run bash -c "./vae --zmu -o out_zmu 2>&1 | tail -5 | tee -a $OUT/vae.log"
+    python3 -c "
+from PIL import Image
+for n in ('recon', 'samples', 'interp'):
+    im = Image.open(f'out/{n}.ppm'); im = im.resize((im.width * 2, im.height * 2), Image.NEAREST)
+    im.save('$OUT/' + n + '.png')
+print('PPM files parse as valid images')
+" || status=1
+fi
+if has break; then
+    # deliberately drop the bias of every layer: the tests must catch it
+    mkdir -p /tmp/broken && sed 's/acc\[i\]\[j\] + bias\[c\]/acc[i][j]/' vae.cu > /tmp/broken/vae.cu
+    cp test_vae.cu /tmp/broken/ && (cd /tmp/broken && ln -sf "$OLDPWD/data" data && \
+        nvcc -O3 -std=c++17 -arch=sm_90 test_vae.cu -o test_vae -lcublas -lcublasLt && ./test_vae > "$OUT/broken.log" 2>&1)
+    echo "broken-bias build: test_vae rc=$? (non-zero expected)"; grep -E "NOT OK" "$OUT/broken.log" | head -12; tail -1 "$OUT/broken.log"
+fi
+if has dev && [ -f dev/run_gemm.sh ]; then run bash dev/run_gemm.sh; fi
+exit $status
