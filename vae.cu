@@ -16,6 +16,7 @@ Build and run (prepare_weights.py writes data/ first):
 The file reads top to bottom: utilities, file formats, random numbers, kernels, launchers,
 the model, image output, and (unless TESTING is defined, as test_vae.cu does) the CLI.
 */
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <errno.h>
 #include <math.h>
@@ -274,7 +275,12 @@ __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32
     uint4 r = philox4x32(make_uint4(latent, image, sample, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
     float u1 = ((r.x >> 8) + 1) * (1.0f / 16777216.0f); // (0, 1]: log stays finite
     float u2 = (r.y >> 8) * (1.0f / 16777216.0f);       // [0, 1)
-    return sqrtf(-2.0f * logf(u1)) * cosf(6.283185307f * u2);
+#ifdef __CUDA_ARCH__
+    const float c = cospif(2.0f * u2); // no large-argument reduction path (and its stack) on the device
+#else
+    const float c = cosf(6.283185307f * u2);
+#endif
+    return sqrtf(-2.0f * logf(u1)) * c;
 }
 
 // ----------------------------------------------------------------------------
@@ -340,29 +346,46 @@ __device__ inline float warp_sum(float v) {
     return v;
 }
 
-// z = mu + eps * exp(logvar / 2) and the per-image KL(q(z|x) || N(0,I)) = -1/2 sum(1 + lv - mu^2 - e^lv).
-// One warp per image, one lane per latent: the 20 latents sum with a warp shuffle.
-// eps comes from `eps_in` when given (tests feed PyTorch's), else from the counter-based generator.
+// z_j = mu_j + eps_j * exp(logvar_j / 2) for lane j of a warp that holds one image's [mu | logvar],
+// and that image's KL(q(z|x) || N(0,I)) = -1/2 sum_j (1 + logvar_j - mu_j^2 - exp(logvar_j)),
+// summed over the 20 lanes with a shuffle (every lane gets it). eps comes from `eps_row` when
+// given (tests feed PyTorch's), else from the counter-based generator keyed by the global index.
+struct LatentSample {
+    float z, kl;
+};
+__device__ inline LatentSample sample_latent(const float* mulv_row, const float* eps_row, int lane, uint32_t image,
+                                             uint64_t seed, bool z_is_mu) {
+    float z = 0.0f, kl_term = 0.0f;
+    if (lane < LATENT_DIM) {
+        const float mu = mulv_row[lane], logvar = mulv_row[LATENT_DIM + lane];
+        float eps = 0.0f;
+        if (!z_is_mu) eps = eps_row ? eps_row[lane] : gaussian(seed, STREAM_POSTERIOR, image, 0, lane);
+        z = mu + eps * expf(0.5f * logvar);
+        kl_term = 1.0f + logvar - mu * mu - expf(logvar);
+    }
+    return LatentSample{z, -0.5f * warp_sum(kl_term)};
+}
+
+// One warp per image, one lane per latent.
 enum { REPARAM_WARPS = 4 };
 __global__ void reparameterize_kernel(float* z, float* kl, const float* mulv, const float* eps_in, int B,
                                       uint32_t first_image, uint64_t seed, bool z_is_mu) {
-    const int b = blockIdx.x * REPARAM_WARPS + threadIdx.x / 32, j = threadIdx.x % 32;
-    if (b >= B) return; // whole warps leave together, so the shuffle below stays full
-    float kl_term = 0.0f;
-    if (j < LATENT_DIM) {
-        const float mu = mulv[b * 2 * LATENT_DIM + j], logvar = mulv[b * 2 * LATENT_DIM + LATENT_DIM + j];
-        float eps = 0.0f;
-        if (!z_is_mu) eps = eps_in ? eps_in[b * LATENT_DIM + j] : gaussian(seed, STREAM_POSTERIOR, first_image + b, 0, j);
-        z[b * LATENT_DIM + j] = mu + eps * expf(0.5f * logvar);
-        kl_term = 1.0f + logvar - mu * mu - expf(logvar);
-    }
-    const float total = warp_sum(kl_term);
-    if (j == 0) kl[b] = -0.5f * total;
+    const int b = blockIdx.x * REPARAM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (b >= B) return; // whole warps leave together, so the shuffle stays full
+    const LatentSample s = sample_latent(mulv + b * 2 * LATENT_DIM, eps_in ? eps_in + b * LATENT_DIM : NULL, lane,
+                                         first_image + b, seed, z_is_mu);
+    if (lane < LATENT_DIM) z[b * LATENT_DIM + lane] = s.z;
+    if (lane == 0) kl[b] = s.kl;
 }
 
-// Per-image BCE summed over the 784 pixels, straight from the logits so it never overflows or
-// takes log(0): max(l,0) - x*l + log(1 + e^-|l|). One warp per image, lanes striding over the
-// pixels (coalesced reads), then a shuffle sum. Optionally writes recon = sigmoid(logits).
+// One pixel's binary cross-entropy, straight from the logit so it never overflows or takes
+// log(0): -[x log s(l) + (1-x) log(1-s(l))] = max(l,0) - x*l + log(1 + e^-|l|).
+__device__ inline float bce_term(float logit, uint8_t pixel) {
+    return fmaxf(logit, 0.0f) - to_float(pixel) * logit + log1pf(expf(-fabsf(logit)));
+}
+
+// Per-image BCE summed over the 784 pixels. One warp per image, lanes striding over the pixels
+// (coalesced reads), then a shuffle sum. Optionally writes recon = sigmoid(logits).
 enum { LOSS_WARPS = 4 };
 __global__ void bce_loss_kernel(float* bce, float* recon, const float* logits, const uint8_t* pixels, int B) {
     const int b = blockIdx.x * LOSS_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -371,9 +394,8 @@ __global__ void bce_loss_kernel(float* bce, float* recon, const float* logits, c
     const uint8_t* x = pixels + (size_t)b * INPUT_DIM;
     float sum = 0.0f;
     for (int i = lane; i < INPUT_DIM; i += 32) {
-        const float li = l[i], xi = to_float(x[i]);
-        sum += fmaxf(li, 0.0f) - xi * li + log1pf(expf(-fabsf(li)));
-        if (recon) recon[(size_t)b * INPUT_DIM + i] = 1.0f / (1.0f + expf(-li));
+        sum += bce_term(l[i], x[i]);
+        if (recon) recon[(size_t)b * INPUT_DIM + i] = 1.0f / (1.0f + expf(-l[i]));
     }
     sum = warp_sum(sum);
     if (lane == 0) bce[b] = sum;
@@ -386,55 +408,412 @@ __global__ void sigmoid_kernel(float* out, const float* in, size_t n) {
 }
 
 // ----------------------------------------------------------------------------
-// launchers
+// kernels: bf16 tensor cores (--precision bf16)
+//
+// The same network with bf16 operands and fp32 accumulation, on the tensor cores through the
+// warp-level mma.sync.m16n8k16 instruction, in four launches:
+//   linear_bf16_kernel    fc1: uint8 pixels -> h1 (bf16), bias + ReLU fused
+//   latent_bf16_kernel    fc21+fc22, sampling, KL and fc3 fused: h1 -> h3 (bf16)
+//   fc4_bce_bf16_kernel   fc4 with the BCE in its epilogue: the logits never reach memory
+//   bce_finalize_kernel   the per-tile BCE sums of each image added in a fixed order
+
+typedef __nv_bfloat16 bf16;
+
+// D += A (16x16, row-major) * B (16x8, column-major), bf16 inputs, fp32 accumulators.
+// With g = lane / 4 and t = lane % 4, each register holds two consecutive k of one row:
+//   a[0] = A[g][2t..]  a[1] = A[g+8][2t..]  a[2] = A[g][2t+8..]  a[3] = A[g+8][2t+8..]
+//   b[0] = B[2t..][g]  b[1] = B[2t+8..][g]       (B[k][n] = W[n][k]: rows of W are columns of B)
+//   d[0], d[1] = D[g][2t], D[g][2t+1]    d[2], d[3] = D[g+8][2t], D[g+8][2t+1]
+__device__ inline void mma_bf16_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// 16-byte asynchronous copy global -> shared (sm_80+). When !valid it writes 16 zero bytes and
+// reads nothing, so tiles hanging over the matrix edge hold zeros and the math needs no edge case.
+__device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ inline void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+// Two consecutive k of a staged row as a bf16x2 register: bf16 rows are read as is; pixel rows
+// are widened here (integers 0..255 are exact in bf16; the 1/255 is applied to the fp32 sum).
+__device__ inline uint32_t bf16x2_at(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ inline uint32_t bf16x2_at(const uint8_t* p) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn((float)p[0], (float)p[1]);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// A block tile of X[M,K] W[N,K]^T: BM x BN outputs from WARPS_M x WARPS_N warps, each owning
+// MT x NT mma tiles of 16 x 8. K is walked in slices of 32 through a 3-stage cp.async pipeline,
+// so two slices are in flight while the tensor cores work on a third. Rows of the staged slices
+// are padded (to 80 bytes for bf16, 48 for bytes) so that the 8 rows one fragment load touches
+// fall into 8 different shared-memory banks.
+enum { MMA_BK = 32, MMA_STAGES = 3 };
+
+template <typename TX, int WARPS_M_, int WARPS_N_, int MT_, int NT_>
+struct MmaTile {
+    typedef TX InputType;
+    static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, MT = MT_, NT = NT_;
+    static constexpr int BM = WARPS_M * MT * 16, BN = WARPS_N * NT * 8, THREADS = 32 * WARPS_M * WARPS_N;
+    static constexpr int X_PITCH = sizeof(TX) == 1 ? MMA_BK + 16 : MMA_BK + 8, W_PITCH = MMA_BK + 8; // elements
+    struct Smem {
+        TX x[MMA_STAGES][BM][X_PITCH];
+        bf16 w[MMA_STAGES][BN][W_PITCH];
+    };
+};
+
+// acc[mt][nt] += the warp's share of X[row0.., :] W[col0.., :]^T. Requires K * sizeof(TX) to be a
+// multiple of 16 bytes (true for every layer here); rows and columns past M and N read as zeros.
+template <typename Tile>
+__device__ inline void mma_mainloop(float (&acc)[Tile::MT][Tile::NT][4], typename Tile::Smem& sm,
+                                    const typename Tile::InputType* X, const bf16* W, int M, int N, int K, int row0,
+                                    int col0) {
+    typedef typename Tile::InputType TX;
+    constexpr int X_CHUNK = 16 / sizeof(TX), X_CHUNKS_PER_ROW = MMA_BK / X_CHUNK, W_CHUNKS_PER_ROW = MMA_BK / 8;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int warp_row = (warp / Tile::WARPS_N) * Tile::MT * 16, warp_col = (warp % Tile::WARPS_N) * Tile::NT * 8;
+
+    auto load_slice = [&](int stage, int k0) {
+        for (int c = threadIdx.x; c < Tile::BM * X_CHUNKS_PER_ROW; c += Tile::THREADS) {
+            const int r = c / X_CHUNKS_PER_ROW, k = (c % X_CHUNKS_PER_ROW) * X_CHUNK;
+            const bool valid = row0 + r < M && k0 + k < K;
+            cp_async16(&sm.x[stage][r][k], valid ? X + (size_t)(row0 + r) * K + k0 + k : X, valid);
+        }
+        for (int c = threadIdx.x; c < Tile::BN * W_CHUNKS_PER_ROW; c += Tile::THREADS) {
+            const int r = c / W_CHUNKS_PER_ROW, k = (c % W_CHUNKS_PER_ROW) * 8;
+            const bool valid = col0 + r < N && k0 + k < K;
+            cp_async16(&sm.w[stage][r][k], valid ? W + (size_t)(col0 + r) * K + k0 + k : W, valid);
+        }
+    };
+
+    const int num_slices = (K + MMA_BK - 1) / MMA_BK;
+    for (int s = 0; s < MMA_STAGES - 1; s++) {
+        if (s < num_slices) load_slice(s, s * MMA_BK);
+        cp_async_commit(); // empty groups keep the count uniform
+    }
+    for (int kt = 0; kt < num_slices; kt++) {
+        cp_async_wait<MMA_STAGES - 2>(); // slice kt has landed (for this thread's copies) ...
+        __syncthreads();                 // ... and for everyone's; slice kt-1's stage is free again
+        const int next = kt + MMA_STAGES - 1;
+        if (next < num_slices) load_slice(next % MMA_STAGES, next * MMA_BK);
+        cp_async_commit();
+        const int stage = kt % MMA_STAGES;
+        #pragma unroll
+        for (int kk = 0; kk < MMA_BK; kk += 16) {
+            uint32_t a[Tile::MT][4], b[Tile::NT][2];
+            #pragma unroll
+            for (int mt = 0; mt < Tile::MT; mt++) {
+                const TX* top = &sm.x[stage][warp_row + mt * 16 + g][kk + 2 * t];
+                const TX* bottom = top + 8 * Tile::X_PITCH;
+                a[mt][0] = bf16x2_at(top), a[mt][1] = bf16x2_at(bottom);
+                a[mt][2] = bf16x2_at(top + 8), a[mt][3] = bf16x2_at(bottom + 8);
+            }
+            #pragma unroll
+            for (int nt = 0; nt < Tile::NT; nt++) {
+                const bf16* w = &sm.w[stage][warp_col + nt * 8 + g][kk + 2 * t];
+                b[nt][0] = bf16x2_at(w), b[nt][1] = bf16x2_at(w + 8);
+            }
+            #pragma unroll
+            for (int mt = 0; mt < Tile::MT; mt++)
+                #pragma unroll
+                for (int nt = 0; nt < Tile::NT; nt++) mma_bf16_m16n8k16(acc[mt][nt], a[mt], b[nt]);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads(); // shared memory may be reused by the caller's epilogue
+}
+
+// Visits the accumulator elements a thread owns as pairs of adjacent columns:
+// f(row in tile, column in tile, value at column, value at column + 1).
+template <typename Tile, typename F>
+__device__ inline void for_each_acc_pair(const float (&acc)[Tile::MT][Tile::NT][4], F f) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int warp_row = (warp / Tile::WARPS_N) * Tile::MT * 16, warp_col = (warp % Tile::WARPS_N) * Tile::NT * 8;
+    #pragma unroll
+    for (int mt = 0; mt < Tile::MT; mt++)
+        #pragma unroll
+        for (int nt = 0; nt < Tile::NT; nt++)
+            #pragma unroll
+            for (int half = 0; half < 2; half++)
+                f(mt, half, warp_row + mt * 16 + g + 8 * half, warp_col + nt * 8 + 2 * t, acc[mt][nt][2 * half],
+                  acc[mt][nt][2 * half + 1]);
+}
+
+// Y = act(scale * X W^T + b) with Y in bf16. Used for fc1 on raw pixels with scale = 1/255.
+template <typename Tile, Activation ACT>
+__global__ void __launch_bounds__(Tile::THREADS)
+    linear_bf16_kernel(bf16* Y, const typename Tile::InputType* X, const bf16* W, const float* bias, int M, int N,
+                       int K, float scale) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    typename Tile::Smem& sm = *reinterpret_cast<typename Tile::Smem*>(smem_raw);
+    const int row0 = blockIdx.y * Tile::BM, col0 = blockIdx.x * Tile::BN;
+    float acc[Tile::MT][Tile::NT][4] = {};
+    mma_mainloop<Tile>(acc, sm, X, W, M, N, K, row0, col0);
+    for_each_acc_pair<Tile>(acc, [&](int, int, int r, int c, float v0, float v1) {
+        r += row0, c += col0;
+        if (r >= M || c >= N) return; // N is even, so c < N means c + 1 < N
+        v0 = v0 * scale + bias[c], v1 = v1 * scale + bias[c + 1];
+        if (ACT == ACT_RELU) v0 = fmaxf(v0, 0.0f), v1 = fmaxf(v1, 0.0f);
+        *reinterpret_cast<__nv_bfloat162*>(&Y[(size_t)r * N + c]) = __floats2bfloat162_rn(v0, v1);
+    });
+}
+
+// fc21+fc22, sampling and fc3 in one launch. A block takes BM images through
+//   [mu | logvar] = h1 Wenc^T + b     tensor cores, N = 40, kept in shared memory
+//   z, KL                             one warp per image (sample_latent, as in the fp32 path)
+//   h3 = ReLU(z W3^T + b3)            tensor cores, K = 20 zero-padded to 32, N = 400 in 10 chunks
+// mu, logvar and z reach memory only when asked for (tests).
+typedef MmaTile<bf16, 2, 1, 1, 5> LatentTile; // 32 images x 40 outputs, 2 warps of 16 images
+enum { FC3_K_PADDED = 32 };
+
+__global__ void __launch_bounds__(LatentTile::THREADS)
+    latent_bf16_kernel(bf16* h3, float* kl, float* mulv_out, float* z_out, const bf16* h1, const bf16* enc_w,
+                       const float* enc_b, const bf16* fc3_w_padded, const float* fc3_b, const float* eps_in, int M,
+                       uint32_t first_image, uint64_t seed, bool z_is_mu) {
+    constexpr int BM = LatentTile::BM, MULV = 2 * LATENT_DIM;
+    static_assert(LatentTile::BN == MULV && LatentTile::WARPS_N == 1, "one block row covers [mu | logvar]");
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    LatentTile::Smem& sm = *reinterpret_cast<LatentTile::Smem*>(smem_raw);
+    __shared__ float mulv[BM][MULV];
+    __shared__ __align__(16) bf16 z_tile[BM][FC3_K_PADDED + 8];
+    const int row0 = blockIdx.x * BM, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+
+    float acc[1][LatentTile::NT][4] = {};
+    mma_mainloop<LatentTile>(acc, sm, h1, enc_w, M, MULV, HIDDEN_DIM, row0, 0);
+    for_each_acc_pair<LatentTile>(acc, [&](int, int, int r, int c, float v0, float v1) {
+        mulv[r][c] = v0 + enc_b[c], mulv[r][c + 1] = v1 + enc_b[c + 1];
+    });
+    __syncthreads();
+
+    for (int i = 0; i < 16; i++) { // this warp's 16 images, one at a time across its lanes
+        const int r = warp * 16 + i, b = row0 + r;
+        float z = 0.0f; // rows past M and the K padding (lanes 20..31) stay zero
+        if (b < M) {    // warp-uniform: the shuffle inside sample_latent sees all lanes
+            const LatentSample s = sample_latent(mulv[r], eps_in ? eps_in + (size_t)b * LATENT_DIM : NULL, lane,
+                                                 first_image + b, seed, z_is_mu);
+            z = s.z;
+            if (lane == 0) kl[b] = s.kl;
+            if (z_out && lane < LATENT_DIM) z_out[(size_t)b * LATENT_DIM + lane] = s.z;
+            if (mulv_out)
+                for (int c = lane; c < MULV; c += 32) mulv_out[(size_t)b * MULV + c] = mulv[r][c];
+        }
+        z_tile[r][lane] = __float2bfloat16(z);
+    }
+    __syncthreads();
+
+    uint32_t a[2][4]; // this warp's 16 rows of z as two k16 fragments
+    #pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        const bf16* top = &z_tile[warp * 16 + g][kk * 16 + 2 * t];
+        const bf16* bottom = top + 8 * (FC3_K_PADDED + 8);
+        a[kk][0] = bf16x2_at(top), a[kk][1] = bf16x2_at(bottom), a[kk][2] = bf16x2_at(top + 8),
+        a[kk][3] = bf16x2_at(bottom + 8);
+    }
+    #pragma unroll
+    for (int chunk = 0; chunk < HIDDEN_DIM / MULV; chunk++) { // 400 outputs as 10 chunks of 5 mma tiles
+        float acc3[5][4] = {};
+        #pragma unroll
+        for (int nt = 0; nt < 5; nt++)
+            #pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                const bf16* w = &fc3_w_padded[(chunk * MULV + nt * 8 + g) * FC3_K_PADDED + kk * 16 + 2 * t];
+                const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
+                mma_bf16_m16n8k16(acc3[nt], a[kk], b);
+            }
+        #pragma unroll
+        for (int nt = 0; nt < 5; nt++)
+            #pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int r = row0 + warp * 16 + g + 8 * half, c = chunk * MULV + nt * 8 + 2 * t;
+                if (r >= M) continue;
+                const float v0 = fmaxf(acc3[nt][2 * half] + fc3_b[c], 0.0f);
+                const float v1 = fmaxf(acc3[nt][2 * half + 1] + fc3_b[c + 1], 0.0f);
+                *reinterpret_cast<__nv_bfloat162*>(&h3[(size_t)r * HIDDEN_DIM + c]) = __floats2bfloat162_rn(v0, v1);
+            }
+    }
+}
+
+// fc4 with the loss in its epilogue: each thread turns its logits into BCE terms against the
+// pixels, the 4 threads sharing a row add theirs with shuffles, the warps sharing a row through
+// shared memory, and each block writes one partial sum per image for its 112 columns. No atomics:
+// the finalize kernel adds the 7 partials in a fixed order, so results are reproducible bit for bit.
+// Logits and recon are written only when asked for (tests, images).
+typedef MmaTile<bf16, 4, 2, 2, 7> Fc4Tile; // 128 images x 112 pixels, 8 warps
+enum { FC4_COL_BLOCKS = INPUT_DIM / Fc4Tile::BN };
+static_assert(INPUT_DIM % Fc4Tile::BN == 0, "column blocks tile the 784 pixels exactly");
+
+__global__ void __launch_bounds__(Fc4Tile::THREADS)
+    fc4_bce_bf16_kernel(float* bce_partial, float* logits_out, float* recon_out, const bf16* h3, const bf16* W,
+                        const float* bias, const uint8_t* pixels, int M) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    Fc4Tile::Smem& sm = *reinterpret_cast<Fc4Tile::Smem*>(smem_raw);
+    __shared__ float row_sums[Fc4Tile::WARPS_N][Fc4Tile::BM];
+    const int row0 = blockIdx.y * Fc4Tile::BM, col0 = blockIdx.x * Fc4Tile::BN;
+    float acc[Fc4Tile::MT][Fc4Tile::NT][4] = {};
+    mma_mainloop<Fc4Tile>(acc, sm, h3, W, M, INPUT_DIM, HIDDEN_DIM, row0, col0);
+
+    float sums[Fc4Tile::MT][2] = {}; // [mt][half]: this thread's part of its rows' BCE
+    for_each_acc_pair<Fc4Tile>(acc, [&](int mt, int half, int r, int c, float v0, float v1) {
+        r += row0, c += col0;
+        if (r >= M) return;
+        const size_t at = (size_t)r * INPUT_DIM + c;
+        const float l0 = v0 + bias[c], l1 = v1 + bias[c + 1];
+        sums[mt][half] += bce_term(l0, pixels[at]) + bce_term(l1, pixels[at + 1]);
+        if (logits_out) logits_out[at] = l0, logits_out[at + 1] = l1;
+        if (recon_out) recon_out[at] = 1.0f / (1.0f + expf(-l0)), recon_out[at + 1] = 1.0f / (1.0f + expf(-l1));
+    });
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    #pragma unroll
+    for (int mt = 0; mt < Fc4Tile::MT; mt++)
+        #pragma unroll
+        for (int half = 0; half < 2; half++) {
+            float v = sums[mt][half];
+            v += __shfl_xor_sync(0xffffffffu, v, 1); // the 4 lanes of a quad share rows
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if (lane % 4 == 0)
+                row_sums[warp % Fc4Tile::WARPS_N][(warp / Fc4Tile::WARPS_N) * Fc4Tile::MT * 16 + mt * 16 + lane / 4 +
+                                                  8 * half] = v;
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < Fc4Tile::BM; i += Fc4Tile::THREADS) {
+        if (row0 + i >= M) break;
+        float total = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < Fc4Tile::WARPS_N; w++) total += row_sums[w][i];
+        bce_partial[(size_t)(row0 + i) * FC4_COL_BLOCKS + blockIdx.x] = total;
+    }
+}
+
+__global__ void bce_finalize_kernel(float* bce, const float* bce_partial, int M) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= M) return;
+    float total = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < FC4_COL_BLOCKS; j++) total += bce_partial[(size_t)r * FC4_COL_BLOCKS + j];
+    bce[r] = total;
+}
+
+// fp32 -> bf16, once at load. Copies a rows x cols matrix into rows x dst_cols, zero-filling
+// the extra columns (fc3's K = 20 becomes 32 so it fits whole mma tiles).
+__global__ void to_bf16_kernel(bf16* dst, const float* src, int rows, int cols, int dst_cols) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * dst_cols) return;
+    const int r = i / dst_cols, c = i % dst_cols;
+    dst[i] = __float2bfloat16(c < cols ? src[(size_t)r * cols + c] : 0.0f);
+}
+
+// ----------------------------------------------------------------------------
+// launchers (every launch goes to the model's stream, so a forward pass can be graph-captured)
 
 template <typename TX>
-static void linear_fp32(float* Y, const TX* X, const float* W, const float* bias, int M, int N, int K, Activation act) {
+static void linear_fp32(float* Y, const TX* X, const float* W, const float* bias, int M, int N, int K, Activation act,
+                        cudaStream_t stream) {
     const dim3 grid(ceil_div(N, LIN_TILE), ceil_div(M, LIN_TILE));
     if (act == ACT_RELU)
-        linear_fp32_kernel<TX, ACT_RELU><<<grid, LIN_THREADS>>>(Y, X, W, bias, M, N, K);
+        linear_fp32_kernel<TX, ACT_RELU><<<grid, LIN_THREADS, 0, stream>>>(Y, X, W, bias, M, N, K);
     else
-        linear_fp32_kernel<TX, ACT_NONE><<<grid, LIN_THREADS>>>(Y, X, W, bias, M, N, K);
+        linear_fp32_kernel<TX, ACT_NONE><<<grid, LIN_THREADS, 0, stream>>>(Y, X, W, bias, M, N, K);
     cudaCheck(cudaGetLastError());
 }
 
 static void reparameterize(float* z, float* kl, const float* mulv, const float* eps_in, int B, uint32_t first_image,
-                           uint64_t seed, bool z_is_mu) {
-    reparameterize_kernel<<<ceil_div(B, REPARAM_WARPS), REPARAM_WARPS * 32>>>(z, kl, mulv, eps_in, B, first_image, seed,
-                                                                              z_is_mu);
+                           uint64_t seed, bool z_is_mu, cudaStream_t stream) {
+    reparameterize_kernel<<<ceil_div(B, REPARAM_WARPS), REPARAM_WARPS * 32, 0, stream>>>(z, kl, mulv, eps_in, B,
+                                                                                         first_image, seed, z_is_mu);
     cudaCheck(cudaGetLastError());
 }
 
-static void bce_loss(float* bce, float* recon, const float* logits, const uint8_t* pixels, int B) {
-    bce_loss_kernel<<<ceil_div(B, LOSS_WARPS), LOSS_WARPS * 32>>>(bce, recon, logits, pixels, B);
+static void bce_loss(float* bce, float* recon, const float* logits, const uint8_t* pixels, int B, cudaStream_t stream) {
+    bce_loss_kernel<<<ceil_div(B, LOSS_WARPS), LOSS_WARPS * 32, 0, stream>>>(bce, recon, logits, pixels, B);
     cudaCheck(cudaGetLastError());
 }
 
-static void sigmoid(float* out, const float* in, size_t n) {
-    const int threads = 256;
-    sigmoid_kernel<<<(unsigned)((n + threads - 1) / threads), threads>>>(out, in, n);
+static void sigmoid(float* out, const float* in, int n, cudaStream_t stream) {
+    sigmoid_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(out, in, (size_t)n);
+    cudaCheck(cudaGetLastError());
+}
+
+typedef MmaTile<uint8_t, 4, 2, 2, 5> Fc1Tile; // 128 images x 80 hidden units (400 = 5 x 80), 8 warps
+
+static void fc1_bf16(bf16* h1, const uint8_t* pixels, const bf16* W, const float* bias, int B, cudaStream_t stream) {
+    const dim3 grid(ceil_div(HIDDEN_DIM, Fc1Tile::BN), ceil_div(B, Fc1Tile::BM));
+    linear_bf16_kernel<Fc1Tile, ACT_RELU><<<grid, Fc1Tile::THREADS, sizeof(Fc1Tile::Smem), stream>>>(
+        h1, pixels, W, bias, B, HIDDEN_DIM, INPUT_DIM, 1.0f / 255.0f);
+    cudaCheck(cudaGetLastError());
+}
+
+static void latent_bf16(bf16* h3, float* kl, float* mulv_out, float* z_out, const bf16* h1, const bf16* enc_w,
+                        const float* enc_b, const bf16* fc3_w_padded, const float* fc3_b, const float* eps_in, int B,
+                        uint32_t first_image, uint64_t seed, bool z_is_mu, cudaStream_t stream) {
+    latent_bf16_kernel<<<ceil_div(B, LatentTile::BM), LatentTile::THREADS, sizeof(LatentTile::Smem), stream>>>(
+        h3, kl, mulv_out, z_out, h1, enc_w, enc_b, fc3_w_padded, fc3_b, eps_in, B, first_image, seed, z_is_mu);
+    cudaCheck(cudaGetLastError());
+}
+
+static void fc4_bce_bf16(float* bce, float* bce_partial, float* logits_out, float* recon_out, const bf16* h3,
+                         const bf16* W, const float* bias, const uint8_t* pixels, int B, cudaStream_t stream) {
+    const dim3 grid(FC4_COL_BLOCKS, ceil_div(B, Fc4Tile::BM));
+    fc4_bce_bf16_kernel<<<grid, Fc4Tile::THREADS, sizeof(Fc4Tile::Smem), stream>>>(bce_partial, logits_out, recon_out,
+                                                                                  h3, W, bias, pixels, B);
+    cudaCheck(cudaGetLastError());
+    bce_finalize_kernel<<<ceil_div(B, 256), 256, 0, stream>>>(bce, bce_partial, B);
+    cudaCheck(cudaGetLastError());
+}
+
+// The bf16 kernels take more than the default 48 KB of dynamic shared memory; allow it once.
+static void bf16_kernels_init() {
+    cudaCheck(cudaFuncSetAttribute(linear_bf16_kernel<Fc1Tile, ACT_RELU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(Fc1Tile::Smem)));
+    cudaCheck(cudaFuncSetAttribute(latent_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(LatentTile::Smem)));
+    cudaCheck(cudaFuncSetAttribute(fc4_bce_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(Fc4Tile::Smem)));
+}
+
+static void to_bf16(bf16* dst, const float* src, int rows, int cols, int dst_cols, cudaStream_t stream) {
+    to_bf16_kernel<<<ceil_div(rows * dst_cols, 256), 256, 0, stream>>>(dst, src, rows, cols, dst_cols);
     cudaCheck(cudaGetLastError());
 }
 
 // ----------------------------------------------------------------------------
 // the model
 
+typedef enum { PRECISION_FP32, PRECISION_BF16 } Precision;
+static const char* PRECISION_NAMES[] = {"fp32", "bf16"};
+
 typedef struct {
     int max_batch;
-    float* params; // one device allocation holding the tensors below
+    Precision precision;
+    cudaStream_t stream;
+    float* params; // one device allocation holding the fp32 tensors below
     const float *fc1_w, *fc1_b;
     const float *enc_w, *enc_b; // fc21 then fc22 stacked: one GEMM yields [mu | logvar]
     const float *fc3_w, *fc3_b, *fc4_w, *fc4_b;
-    // activations for up to max_batch images, row-major [image][feature]
+    // fp32 activations for up to max_batch images, row-major [image][feature]; the bf16 path
+    // writes mulv, z, logits and recon here only when asked to keep them
     float *h1, *mulv, *z, *h3, *logits, *recon;
+    // bf16 path only: weights converted once at load (biases stay fp32), bf16 activations
+    bf16* params_bf16;
+    const bf16 *fc1_w16, *enc_w16, *fc3_w16, *fc4_w16; // fc3_w16 is [400][32], K zero-padded
+    bf16 *h1_16, *h3_16;
+    float* bce_partial; // [max_batch][FC4_COL_BLOCKS]
 } VAE;
 
-// How one forward pass draws z.
+// How one forward pass draws z and what it keeps.
 typedef struct {
     uint64_t seed;
-    bool z_is_mu;       // z = mu (no noise): the deterministic reconstruction
-    const float* eps;   // device [B][20] noise to use instead of the generator (tests), or NULL
-    bool want_recon;    // also write recon = sigmoid(logits)
+    bool z_is_mu;          // z = mu (no noise): the deterministic reconstruction
+    const float* eps;      // device [B][20] noise to use instead of the generator (tests), or NULL
+    bool want_recon;       // also write recon = sigmoid(logits)
+    bool keep_activations; // bf16 path: also write mulv, z and logits (the fp32 path always does)
 } ForwardOptions;
 
 static void* device_alloc(size_t bytes, const char* what, int batch) {
@@ -446,10 +825,13 @@ static void* device_alloc(size_t bytes, const char* what, int batch) {
     return p;
 }
 
-static void vae_init(VAE* m, const HostWeights* w, int max_batch) {
+static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision) {
+    memset(m, 0, sizeof(*m));
+    m->max_batch = max_batch;
+    m->precision = precision;
+    cudaCheck(cudaStreamCreate(&m->stream));
     // device layout: fc1.w fc1.b | fc21.w fc22.w | fc21.b fc22.b | fc3.w fc3.b fc4.w fc4.b
     const int order[NUM_TENSORS] = {FC1_W, FC1_B, FC21_W, FC22_W, FC21_B, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B};
-    m->max_batch = max_batch;
     m->params = (float*)device_alloc(w->count * sizeof(float), "the weights", max_batch);
     const float* dst[NUM_TENSORS];
     size_t offset = 0;
@@ -471,41 +853,69 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch) {
     m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3", max_batch);
     m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits", max_batch);
     m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
+
+    if (precision == PRECISION_BF16) {
+        bf16_kernels_init();
+        const size_t fc1 = (size_t)HIDDEN_DIM * INPUT_DIM, enc = 2 * LATENT_DIM * HIDDEN_DIM,
+                     fc3 = (size_t)HIDDEN_DIM * FC3_K_PADDED, fc4 = (size_t)INPUT_DIM * HIDDEN_DIM;
+        bf16* p = (bf16*)device_alloc((fc1 + enc + fc3 + fc4) * sizeof(bf16), "the bf16 weights", max_batch);
+        m->params_bf16 = p;
+        to_bf16(p, m->fc1_w, HIDDEN_DIM, INPUT_DIM, INPUT_DIM, m->stream), m->fc1_w16 = p, p += fc1;
+        to_bf16(p, m->enc_w, 2 * LATENT_DIM, HIDDEN_DIM, HIDDEN_DIM, m->stream), m->enc_w16 = p, p += enc;
+        to_bf16(p, m->fc3_w, HIDDEN_DIM, LATENT_DIM, FC3_K_PADDED, m->stream), m->fc3_w16 = p, p += fc3;
+        to_bf16(p, m->fc4_w, INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, m->stream), m->fc4_w16 = p;
+        m->h1_16 = (bf16*)device_alloc(B * HIDDEN_DIM * sizeof(bf16), "h1 (bf16)", max_batch);
+        m->h3_16 = (bf16*)device_alloc(B * HIDDEN_DIM * sizeof(bf16), "h3 (bf16)", max_batch);
+        m->bce_partial = (float*)device_alloc(B * FC4_COL_BLOCKS * sizeof(float), "BCE partial sums", max_batch);
+        cudaCheck(cudaStreamSynchronize(m->stream));
+    }
 }
 
 static void vae_free(VAE* m) {
-    float* buffers[] = {m->params, m->h1, m->mulv, m->z, m->h3, m->logits, m->recon};
-    for (float* p : buffers) cudaCheck(cudaFree(p));
+    void* buffers[] = {m->params, m->h1,          m->mulv,  m->z,     m->h3,         m->logits,
+                       m->recon,  m->params_bf16, m->h1_16, m->h3_16, m->bce_partial};
+    for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
+    cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
 }
 
-// mulv = [mu | logvar] of B images (device uint8 pixels).
+// mulv = [mu | logvar] of B images (device uint8 pixels), in fp32.
 static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
-    linear_fp32(m->h1, pixels, m->fc1_w, m->fc1_b, B, HIDDEN_DIM, INPUT_DIM, ACT_RELU);
-    linear_fp32(m->mulv, m->h1, m->enc_w, m->enc_b, B, 2 * LATENT_DIM, HIDDEN_DIM, ACT_NONE);
+    linear_fp32(m->h1, pixels, m->fc1_w, m->fc1_b, B, HIDDEN_DIM, INPUT_DIM, ACT_RELU, m->stream);
+    linear_fp32(m->mulv, m->h1, m->enc_w, m->enc_b, B, 2 * LATENT_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
 }
 
-// logits of B latents in z (a device pointer, m->z or any other).
+// logits of B latents in z (a device pointer, m->z or any other), in fp32.
 static void vae_decode_logits(VAE* m, const float* z, int B) {
-    linear_fp32(m->h3, z, m->fc3_w, m->fc3_b, B, HIDDEN_DIM, LATENT_DIM, ACT_RELU);
-    linear_fp32(m->logits, m->h3, m->fc4_w, m->fc4_b, B, INPUT_DIM, HIDDEN_DIM, ACT_NONE);
+    linear_fp32(m->h3, z, m->fc3_w, m->fc3_b, B, HIDDEN_DIM, LATENT_DIM, ACT_RELU, m->stream);
+    linear_fp32(m->logits, m->h3, m->fc4_w, m->fc4_b, B, INPUT_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
 }
 
-// recon = the decoder's images of B latents.
+// recon = the decoder's images of B latents, in fp32.
 static void vae_decode(VAE* m, const float* z, int B) {
     vae_decode_logits(m, z, B);
-    sigmoid(m->recon, m->logits, (size_t)B * INPUT_DIM);
+    sigmoid(m->recon, m->logits, B * INPUT_DIM, m->stream);
 }
 
 // The whole forward pass and loss for images first_image .. first_image+B-1, whose pixels are
-// at `pixels` on the device. Writes per-image BCE and KL to the device arrays bce[B], kl[B].
+// at `pixels` on the device, in the model's precision. Writes per-image BCE and KL to the device
+// arrays bce[B], kl[B]. Asynchronous on m->stream; nothing is allocated or copied.
 static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
                         float* bce, float* kl) {
     if (B < 1 || B > m->max_batch) fail("internal: batch %d outside 1..%d", B, m->max_batch);
-    vae_encode(m, pixels, B);
-    reparameterize(m->z, kl, m->mulv, opt->eps, B, first_image, opt->seed, opt->z_is_mu);
-    vae_decode_logits(m, m->z, B);
-    bce_loss(bce, opt->want_recon ? m->recon : NULL, m->logits, pixels, B);
+    if (m->precision == PRECISION_FP32) {
+        vae_encode(m, pixels, B);
+        reparameterize(m->z, kl, m->mulv, opt->eps, B, first_image, opt->seed, opt->z_is_mu, m->stream);
+        vae_decode_logits(m, m->z, B);
+        bce_loss(bce, opt->want_recon ? m->recon : NULL, m->logits, pixels, B, m->stream);
+    } else {
+        const bool keep = opt->keep_activations;
+        fc1_bf16(m->h1_16, pixels, m->fc1_w16, m->fc1_b, B, m->stream);
+        latent_bf16(m->h3_16, kl, keep ? m->mulv : NULL, keep ? m->z : NULL, m->h1_16, m->enc_w16, m->enc_b,
+                    m->fc3_w16, m->fc3_b, opt->eps, B, first_image, opt->seed, opt->z_is_mu, m->stream);
+        fc4_bce_bf16(bce, m->bce_partial, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL, m->h3_16,
+                     m->fc4_w16, m->fc4_b, pixels, B, m->stream);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -548,6 +958,8 @@ typedef struct {
     int count; // images to evaluate; 0 = the whole test set
     uint64_t seed;
     bool z_is_mu;
+    Precision precision;
+    bool bench;
     bool help;
 } Config;
 
@@ -563,6 +975,9 @@ static const char* USAGE =
     "  -o DIR      folder for the images (default out; created if missing)\n"
     "  --zmu       use z = mu instead of sampling z\n"
     "  --csv FILE  also write per-image index,label,bce,kl\n"
+    "  --precision fp32|bf16\n"
+    "              fp32: exact against PyTorch (default); bf16: tensor cores, fp32 accumulation\n"
+    "  --bench     time one forward+loss at batch 1024, 2048, 4096, 10000 in both precisions\n"
     "  -h, --help  this help\n";
 
 static bool parse_int(const char* flag, const char* text, long long min, long long max, long long* out, Error* err) {
@@ -581,7 +996,7 @@ static bool parse_int(const char* flag, const char* text, long long min, long lo
 enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper bound
 
 static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
-    *cfg = (Config){"data/vae_weights.bin", "data", "out", NULL, 4096, 0, 0, false, false};
+    *cfg = (Config){"data/vae_weights.bin", "data", "out", NULL, 4096, 0, 0, false, PRECISION_FP32, false, false};
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
         const char* value = i + 1 < argc ? argv[i + 1] : NULL;
@@ -590,6 +1005,13 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
             cfg->help = true;
         } else if (!strcmp(a, "--zmu")) {
             cfg->z_is_mu = true;
+        } else if (!strcmp(a, "--bench")) {
+            cfg->bench = true;
+        } else if (!strcmp(a, "--precision")) {
+            if (value != NULL && !strcmp(value, "fp32")) cfg->precision = PRECISION_FP32;
+            else if (value != NULL && !strcmp(value, "bf16")) cfg->precision = PRECISION_BF16;
+            else return set_error(err, "--precision needs fp32 or bf16, got '%s'. HINT: vae -h lists the options", value ? value : "");
+            i++;
         } else if (!strcmp(a, "-w") || !strcmp(a, "-d") || !strcmp(a, "-o") || !strcmp(a, "--csv")) {
             if (value == NULL || value[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", a);
             const char** dst = !strcmp(a, "-w") ? &cfg->weights_path
@@ -671,7 +1093,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
 
     // recon.ppm: the first test images over their reconstructions
     const int n_recon = count < RECON_COLS ? count : RECON_COLS;
-    ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, true};
+    const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, true, false};
     vae_forward(m, d_pixels, n_recon, 0, &opt, d_loss, d_loss + RECON_COLS);
     for (int i = 0; i < RECON_COLS * INPUT_DIM; i++)
         tiles[i] = i < n_recon * INPUT_DIM ? images->pixels[i] / 255.0f : 0.0f;
@@ -737,6 +1159,64 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     cudaCheck(cudaFree(d_loss));
 }
 
+// Times one whole forward+loss (sampled z) per batch size and precision: the forward pass is
+// captured once as a CUDA graph, replayed 20 times to warm up, then 200 replays are each timed
+// with CUDA events; the table shows the median.
+static void run_bench(const HostWeights* w, const uint8_t* d_pixels, int count, uint64_t seed) {
+    enum { WARMUP = 20, REPS = 200 };
+    const int batches[] = {1024, 2048, 4096, 10000};
+    const double flops_per_image =
+        2.0 * ((double)INPUT_DIM * HIDDEN_DIM + HIDDEN_DIM * 2 * LATENT_DIM + LATENT_DIM * HIDDEN_DIM +
+               (double)HIDDEN_DIM * INPUT_DIM);
+    const double floor_tflops = 770.0; // dense bf16 matrix rate measured on an H200 (random data)
+    float* d_bce = (float*)device_alloc((size_t)count * sizeof(float), "the losses", count);
+    float* d_kl = (float*)device_alloc((size_t)count * sizeof(float), "the losses", count);
+    cudaEvent_t start[REPS], stop[REPS];
+    for (int i = 0; i < REPS; i++) cudaCheck(cudaEventCreate(&start[i])), cudaCheck(cudaEventCreate(&stop[i]));
+    printf("forward + loss per batch (CUDA graph replay, median of %d after %d warm-up)\n", REPS, WARMUP);
+    printf("| precision | batch | us/batch | images/s | TFLOP/s | %% of bf16 floor |\n");
+    printf("|---|---:|---:|---:|---:|---:|\n");
+    for (int p = 0; p < 2; p++) {
+        VAE m;
+        vae_init(&m, w, count, (Precision)p);
+        for (int B : batches) {
+            if (B > count) continue;
+            const ForwardOptions opt = {seed, false, NULL, false, false};
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            cudaCheck(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeGlobal));
+            vae_forward(&m, d_pixels, B, 0, &opt, d_bce, d_kl);
+            cudaCheck(cudaStreamEndCapture(m.stream, &graph));
+            cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+            for (int i = 0; i < WARMUP; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
+            for (int i = 0; i < REPS; i++) {
+                cudaCheck(cudaEventRecord(start[i], m.stream));
+                cudaCheck(cudaGraphLaunch(exec, m.stream));
+                cudaCheck(cudaEventRecord(stop[i], m.stream));
+            }
+            cudaCheck(cudaStreamSynchronize(m.stream));
+            float us[REPS];
+            for (int i = 0; i < REPS; i++) {
+                cudaCheck(cudaEventElapsedTime(&us[i], start[i], stop[i]));
+                us[i] *= 1000.0f;
+            }
+            qsort(us, REPS, sizeof(float), [](const void* a, const void* b) {
+                const float x = *(const float*)a, y = *(const float*)b;
+                return (x > y) - (x < y);
+            });
+            const double median_us = us[REPS / 2], tflops = flops_per_image * B / (median_us * 1e6);
+            printf("| %s | %d | %.1f | %.3g | %.1f | %.1f%% |\n", PRECISION_NAMES[p], B, median_us, B / (median_us * 1e-6),
+                   tflops, 100.0 * tflops / floor_tflops);
+            cudaCheck(cudaGraphExecDestroy(exec));
+            cudaCheck(cudaGraphDestroy(graph));
+        }
+        vae_free(&m);
+    }
+    for (int i = 0; i < REPS; i++) cudaCheck(cudaEventDestroy(start[i])), cudaCheck(cudaEventDestroy(stop[i]));
+    cudaCheck(cudaFree(d_bce));
+    cudaCheck(cudaFree(d_kl));
+}
+
 int main(int argc, char** argv) {
     Config cfg;
     Error err;
@@ -777,32 +1257,35 @@ int main(int argc, char** argv) {
     print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, HIDDEN_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM);
     print_row("images", "%d from %s", count, images_path);
     print_row("batch", "%d", batch);
-    print_row("precision", "fp32");
+    print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
     print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
     print_row("seed", "%llu", (unsigned long long)cfg.seed);
     print_separator();
 
-    VAE model;
-    vae_init(&model, &weights, batch > IMAGE_TILES_MAX ? batch : IMAGE_TILES_MAX); // the images need up to 100
-    uint8_t* d_pixels;
-    float *d_bce, *d_kl;
-    cudaCheck(cudaMalloc(&d_pixels, (size_t)count * INPUT_DIM));
-    cudaCheck(cudaMalloc(&d_bce, (size_t)count * sizeof(float)));
-    cudaCheck(cudaMalloc(&d_kl, (size_t)count * sizeof(float)));
+    // the test images stay on the device as uint8 for the whole run: no copies in the batch loop
+    uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the test images", batch);
     cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)count * INPUT_DIM, cudaMemcpyHostToDevice));
+    if (cfg.bench) {
+        run_bench(&weights, d_pixels, count, cfg.seed);
+        return 0;
+    }
+    float* d_bce = (float*)device_alloc((size_t)count * sizeof(float), "the losses", batch);
+    float* d_kl = (float*)device_alloc((size_t)count * sizeof(float), "the losses", batch);
+    VAE model;
+    vae_init(&model, &weights, batch > IMAGE_TILES_MAX ? batch : IMAGE_TILES_MAX, cfg.precision); // images need 100
 
     // one untimed batch first, so module loading stays out of the timing
-    const ForwardOptions opt = {cfg.seed, cfg.z_is_mu, NULL, false};
+    const ForwardOptions opt = {cfg.seed, cfg.z_is_mu, NULL, false, false};
     vae_forward(&model, d_pixels, batch, 0, &opt, d_bce, d_kl);
     cudaEvent_t start, stop;
     cudaCheck(cudaEventCreate(&start));
     cudaCheck(cudaEventCreate(&stop));
-    cudaCheck(cudaEventRecord(start));
+    cudaCheck(cudaEventRecord(start, model.stream));
     for (int first = 0; first < count; first += batch) {
         const int B = count - first < batch ? count - first : batch;
         vae_forward(&model, d_pixels + (size_t)first * INPUT_DIM, B, first, &opt, d_bce + first, d_kl + first);
     }
-    cudaCheck(cudaEventRecord(stop));
+    cudaCheck(cudaEventRecord(stop, model.stream));
     cudaCheck(cudaEventSynchronize(stop));
     float ms;
     cudaCheck(cudaEventElapsedTime(&ms, start, stop));

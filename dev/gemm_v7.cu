@@ -1,0 +1,275 @@
+// GEMM v7: pipelined tensor-core GEMM with mma.sync, ldmatrix and cp.async,
+// bf16 inputs, fp32 accumulation, fused bias + activation epilogue.
+//
+// Changes vs v6, each removing a stall v6 has:
+//  1. Multi-stage pipeline: cp.async copies global -> shared memory without
+//     passing through registers and without blocking the thread, so the
+//     copies for the next STAGES-1 K-tiles are in flight while the tensor
+//     cores work on the current one. v6 stops the tensor cores for every load.
+//  2. mma.sync.m16n8k16 with ldmatrix instead of WMMA: the fragment layout is
+//     documented, so the epilogue adds the bias, applies the activation and
+//     stores bf16 pairs straight from the accumulator registers, with no trip
+//     through shared memory.
+//  3. Tile shape per layer (template parameters). At M = 4096 these GEMMs are
+//     ~2.6 GFLOP, a few microseconds: what matters is spreading the work
+//     evenly over all 132 SMs (wave quantisation) while keeping tiles big
+//     enough that L2 -> SM traffic stays low. `./dev/gemm_v7 --sweep`
+//     validates and times every compiled tile shape on every layer; the
+//     dispatch in launch_gemm_v7 picks from those measurements.
+//
+// Shared memory rows are BK + 8 = 40 bf16 (80 bytes): the 8 row addresses of
+// one ldmatrix then fall in 8 different 16-byte bank groups (no conflicts),
+// and every row stays 16-byte aligned for cp.async.
+//
+// Build and run:  make -C dev gemm_v7 && ./dev/gemm_v7  [--sweep]
+#include <cstring>
+#include <string>
+
+#include "common.h"
+
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------------------
+// PTX wrappers
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy that bypasses L1 (.cg) and registers.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `kPending` of this thread's committed groups are unfinished.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Four 8x8 bf16 matrices from shared memory; lane l gives the address of row
+// l % 8 of matrix l / 8 and receives, per matrix, the two elements that the
+// mma fragment layout assigns to it.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+
+// D[16x8] += A[16x16] (row-major) * B[16x8] (column-major), fp32 accumulate.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// ---------------------------------------------------------------------------
+// Kernel
+
+// Starts loading a ROWS x BK tile of a row-major [rows, K] matrix into shared
+// memory in 16-byte chunks. Full, aligned chunks go through cp.async; chunks
+// past the edges (rows, K tail, or all of them when K % 8 != 0, e.g. K = 20)
+// are written synchronously, zero-filled. Both are visible after the
+// wait + __syncthreads that precede the tile's use.
+template <int ROWS, int BK, int kThreads>
+__device__ __forceinline__ void load_tile_async(bf16* dst, const bf16* src, int row0, int rows, int K, int k0,
+                                                bool vec_ok) {
+    constexpr int kLd = BK + 8;
+    constexpr int kChunksPerRow = BK / 8;
+    constexpr int kChunks = ROWS * kChunksPerRow;
+#pragma unroll
+    for (int i0 = 0; i0 < kChunks; i0 += kThreads) {
+        const int i = i0 + threadIdx.x;
+        if (kChunks % kThreads != 0 && i >= kChunks) break;
+        const int r = i / kChunksPerRow, c = (i % kChunksPerRow) * 8;
+        const int row = row0 + r, k = k0 + c;
+        bf16* d = dst + r * kLd + c;
+        if (row < rows && vec_ok && k + 8 <= K) {
+            cp_async_16(d, src + static_cast<size_t>(row) * K + k);
+        } else {
+            unsigned e[8] = {};
+            if (row < rows) {
+                const bf16* p = src + static_cast<size_t>(row) * K;
+                for (int j = 0; j < 8; ++j)
+                    if (k + j < K) e[j] = __bfloat16_as_ushort(p[k + j]);
+            }
+            *reinterpret_cast<uint4*>(d) =
+                make_uint4(e[0] | e[1] << 16, e[2] | e[3] << 16, e[4] | e[5] << 16, e[6] | e[7] << 16);
+        }
+    }
+}
+
+// Block tile BM x BN, WARPS_M x WARPS_N warps each owning a (BM/WARPS_M) x
+// (BN/WARPS_N) sub-tile of m16n8 MMA tiles, K walked in BK steps through a
+// ring of STAGES shared-memory buffers.
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES>
+__global__ __launch_bounds__(WARPS_M * WARPS_N * 32) void gemm_mma_pipelined(
+    const bf16* __restrict__ X, const bf16* __restrict__ W, const bf16* __restrict__ bias, bf16* __restrict__ Y,
+    int M, int N, int K, Act act, bool vec_ok) {
+    constexpr int kThreads = WARPS_M * WARPS_N * 32;
+    constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
+    constexpr int MI = WM / 16, NI = WN / 8;  // MMA tiles per warp
+    constexpr int kLd = BK + 8;
+    constexpr int kStageElems = (BM + BN) * kLd;
+    static_assert(WM % 16 == 0 && WN % 8 == 0, "warp tile must be whole m16n8 MMA tiles");
+    static_assert(BK % 16 == 0, "K tile must be whole k16 MMA steps");
+    static_assert(STAGES >= 2, "a pipeline needs at least two buffers");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16* smem = reinterpret_cast<bf16*>(smem_raw);  // STAGES x {A: [BM][kLd], B: [BN][kLd]}
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int wm0 = (warp / WARPS_N) * WM, wn0 = (warp % WARPS_N) * WN;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int num_k_tiles = ceil_div(K, BK);
+
+    auto load_stage = [&](int kt) {
+        bf16* stage = smem + (kt % STAGES) * kStageElems;
+        load_tile_async<BM, BK, kThreads>(stage, X, m0, M, K, kt * BK, vec_ok);
+        load_tile_async<BN, BK, kThreads>(stage + BM * kLd, W, n0, N, K, kt * BK, vec_ok);
+    };
+
+    // Prologue: STAGES-1 tiles in flight. One commit group per tile, empty
+    // past the end of K, so that "group kt is complete" is always what
+    // wait_group<STAGES-2> means below.
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < num_k_tiles) load_stage(s);
+        cp_async_commit();
+    }
+
+    float acc[MI][NI][4] = {};
+    for (int kt = 0; kt < num_k_tiles; ++kt) {
+        cp_async_wait<STAGES - 2>();  // this thread's copies of tile kt have landed
+        __syncthreads();              // everyone's have; and every warp is done reading tile kt-1
+        if (kt + STAGES - 1 < num_k_tiles) load_stage(kt + STAGES - 1);  // into tile kt-1's buffer
+        cp_async_commit();
+
+        const bf16* As = smem + (kt % STAGES) * kStageElems;
+        const bf16* Bs = As + BM * kLd;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            if (kt * BK + kk >= K) break;  // the rest of the last tile is zero padding
+            unsigned a[MI][4], b[NI][2];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+                ldmatrix_x4(a[mi], As + (wm0 + mi * 16 + lane % 16) * kLd + kk + (lane / 16) * 8);
+#pragma unroll
+            for (int ni = 0; ni < NI; ni += 2) {
+                // B is stored [n][k], so non-transposed 8x8 loads of it are
+                // already the column-major fragments mma wants.
+                const bf16* row = Bs + (wn0 + ni * 8 + lane % 8) * kLd + kk + ((lane / 8) % 2) * 8;
+                if (ni + 1 < NI) {
+                    unsigned t[4];
+                    ldmatrix_x4(t, row + (lane / 16) * 8 * kLd);
+                    b[ni][0] = t[0];
+                    b[ni][1] = t[1];
+                    b[ni + 1][0] = t[2];
+                    b[ni + 1][1] = t[3];
+                } else {
+                    ldmatrix_x2(b[ni], row);
+                }
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni) mma_bf16_16816(acc[mi][ni], a[mi], b[ni]);
+        }
+    }
+
+    // Fused epilogue. Accumulator c[0..1] of an m16n8 tile is (row g, cols
+    // 2q, 2q+1) and c[2..3] is (row g+8, same cols), g = lane/4, q = lane%4.
+    const int g = lane / 4, q = lane % 4;
+    const bool paired = N % 2 == 0;  // a bf16x2 store at an even column is 4-byte aligned only if N is even
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+        const int n = n0 + wn0 + ni * 8 + q * 2;
+        const float b0 = n < N ? __bfloat162float(bias[n]) : 0.0f;
+        const float b1 = n + 1 < N ? __bfloat162float(bias[n + 1]) : 0.0f;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int m = m0 + wm0 + mi * 16 + g + half * 8;
+                if (m >= M || n >= N) continue;
+                const float v0 = apply_act(acc[mi][ni][2 * half] + b0, act);
+                const float v1 = apply_act(acc[mi][ni][2 * half + 1] + b1, act);
+                bf16* y = Y + static_cast<size_t>(m) * N + n;
+                if (paired && n + 1 < N) {
+                    *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                    y[0] = __float2bfloat16(v0);
+                    if (n + 1 < N) y[1] = __float2bfloat16(v1);
+                }
+            }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Host side
+
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES>
+void launch_tile(const GemmArgs<bf16>& g) {
+    constexpr int kThreads = WARPS_M * WARPS_N * 32;
+    constexpr int kSmemBytes = STAGES * (BM + BN) * (BK + 8) * static_cast<int>(sizeof(bf16));
+    const auto kernel = gemm_mma_pipelined<BM, BN, BK, WARPS_M, WARPS_N, STAGES>;
+    // Above 48 KB of dynamic shared memory a kernel must opt in, once.
+    static const bool opted_in = [&] {
+        cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+        return true;
+    }();
+    (void)opted_in;
+    const bool vec_ok = g.K % 8 == 0 && is_aligned(g.X, 16) && is_aligned(g.W, 16);
+    const dim3 grid(ceil_div(g.N, BN), ceil_div(g.M, BM));
+    kernel<<<grid, kThreads, kSmemBytes>>>(g.X, g.W, g.bias, g.Y, g.M, g.N, g.K, g.act, vec_ok);
+    cudaCheck(cudaGetLastError());
+}
+
+struct TileConfig {
+    const char* name;
+    void (*launch)(const GemmArgs<bf16>&);
+};
+
+// Tile shapes worth trying here (BMxBN, warps, stages). 400 = 5 x 80 = 2 x 200
+// and 784 = 7 x 112, so some shapes divide the real layers exactly.
+constexpr TileConfig kTileConfigs[] = {
+    {"64x64_k32_w2x2_s4", launch_tile<64, 64, 32, 2, 2, 4>},
+    {"64x128_k64_w2x4_s3", launch_tile<64, 128, 64, 2, 4, 3>},
+    {"128x80_k64_w4x2_s3", launch_tile<128, 80, 64, 4, 2, 3>},
+    {"128x112_k32_w4x2_s4", launch_tile<128, 112, 32, 4, 2, 4>},
+    {"128x112_k64_w4x2_s3", launch_tile<128, 112, 64, 4, 2, 3>},
+    {"128x112_k64_w8x2_s3", launch_tile<128, 112, 64, 8, 2, 3>},
+    {"128x128_k32_w2x4_s4", launch_tile<128, 128, 32, 2, 4, 4>},
+    {"128x128_k64_w2x4_s3", launch_tile<128, 128, 64, 2, 4, 3>},
+    {"128x128_k32_w4x4_s4", launch_tile<128, 128, 32, 4, 4, 4>},
+    {"128x128_k64_w4x4_s3", launch_tile<128, 128, 64, 4, 4, 3>},
+    {"128x128_k64_w4x4_s4", launch_tile<128, 128, 64, 4, 4, 4>},
+};
+
+// Tile shape per layer, from the --sweep measurements on an H200.
+void launch_gemm_v7(const GemmArgs<bf16>& g) {
+    if (g.N <= 64)
+        launch_tile<64, 64, 32, 2, 2, 4>(g);
+    else if (g.N % 112 == 0)
+        launch_tile<128, 112, 32, 4, 2, 4>(g);
+    else
+        launch_tile<128, 128, 32, 2, 4, 4>(g);
+}
+
+int main(int argc, char** argv) {
+    print_device_info();
+    if (argc > 1 && strcmp(argv[1], "--sweep") == 0) {
+        bool ok = true;
+        for (const TileConfig& c : kTileConfigs)
+            ok = run_gemm_driver<bf16>((std::string("gemm_v7_") + c.name).c_str(), c.launch) && ok;
+        return ok ? 0 : 1;
+    }
+    return run_gemm_driver<bf16>("gemm_v7", launch_gemm_v7) ? 0 : 1;
+}
