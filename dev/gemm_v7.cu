@@ -36,9 +36,11 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte global -> shared copy that bypasses L1 (.cg) and registers.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+// 16-byte global -> shared copy that bypasses L1 (.cg) and registers. Only
+// `src_bytes` (0 or 16) are read; the rest of the 16 bytes is zero-filled, so
+// out-of-range chunks cost no branch and no memory traffic.
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most `kPending` of this thread's committed groups are unfinished.
@@ -50,16 +52,16 @@ __device__ __forceinline__ void cp_async_wait() {
 // Four 8x8 bf16 matrices from shared memory; lane l gives the address of row
 // l % 8 of matrix l / 8 and receives, per matrix, the two elements that the
 // mma fragment layout assigns to it.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const bf16* p) {
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p))
+                 : "r"(addr)
                  : "memory");
 }
-__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const bf16* p) {
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
                  : "=r"(r[0]), "=r"(r[1])
-                 : "r"(smem_addr(p))
+                 : "r"(addr)
                  : "memory");
 }
 
@@ -74,38 +76,60 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const unsigned (&a
 // ---------------------------------------------------------------------------
 // Kernel
 
-// Starts loading a ROWS x BK tile of a row-major [rows, K] matrix into shared
-// memory in 16-byte chunks. Full, aligned chunks go through cp.async; chunks
-// past the edges (rows, K tail, or all of them when K % 8 != 0, e.g. K = 20)
-// are written synchronously, zero-filled. Both are visible after the
-// wait + __syncthreads that precede the tile's use.
+// One thread's share of copying ROWS x BK tiles of a row-major [rows, K]
+// matrix into shared memory, in 16-byte chunks of 8 bf16. The thread always
+// handles column c of rows r0, r0 + kRowStep, ...: everything except k0 is
+// computed once, so a K step costs a few instructions per chunk.
 template <int ROWS, int BK, int kThreads>
-__device__ __forceinline__ void load_tile_async(bf16* dst, const bf16* src, int row0, int rows, int K, int k0,
-                                                bool vec_ok) {
-    constexpr int kLd = BK + 8;
-    constexpr int kChunksPerRow = BK / 8;
-    constexpr int kChunks = ROWS * kChunksPerRow;
+struct TileCopier {
+    static constexpr int kLd = BK + 8;
+    static constexpr int kChunksPerRow = BK / 8;
+    static_assert(kThreads % kChunksPerRow == 0, "each thread keeps one column of chunks");
+    static constexpr int kRowStep = kThreads / kChunksPerRow;
+    static constexpr int kIters = (ROWS + kRowStep - 1) / kRowStep;
+
+    const bf16* base;  // any valid address, read by nothing (zero-size copies point here)
+    const bf16* src;   // element (row0 + r0, c)
+    size_t step;       // kRowStep rows, in elements
+    int r0, c, rows_left;
+
+    __device__ TileCopier(const bf16* matrix, int row0, int rows, int K)
+        : base(matrix),
+          step(static_cast<size_t>(kRowStep) * K),
+          r0(threadIdx.x / kChunksPerRow),
+          c((threadIdx.x % kChunksPerRow) * 8) {
+        rows_left = rows - row0 - r0;  // chunk j is in range iff j * kRowStep < rows_left
+        src = matrix + static_cast<size_t>(row0 + r0) * K + c;
+    }
+
+    // Needs K % 8 == 0 and 16-byte aligned rows: then every chunk is wholly
+    // inside or wholly outside the matrix, and outside ones are zero-filled.
+    __device__ __forceinline__ void copy_async(unsigned dst_tile, int k0, int K) const {
+        const bool k_in = k0 + c < K;
 #pragma unroll
-    for (int i0 = 0; i0 < kChunks; i0 += kThreads) {
-        const int i = i0 + threadIdx.x;
-        if (kChunks % kThreads != 0 && i >= kChunks) break;
-        const int r = i / kChunksPerRow, c = (i % kChunksPerRow) * 8;
-        const int row = row0 + r, k = k0 + c;
-        bf16* d = dst + r * kLd + c;
-        if (row < rows && vec_ok && k + 8 <= K) {
-            cp_async_16(d, src + static_cast<size_t>(row) * K + k);
-        } else {
+        for (int j = 0; j < kIters; ++j) {
+            const int r = r0 + j * kRowStep;
+            if (ROWS % kRowStep != 0 && r >= ROWS) break;
+            const bool in = k_in && j * kRowStep < rows_left;
+            cp_async_16(dst_tile + (r * kLd + c) * 2, in ? src + j * step + k0 : base, in ? 16 : 0);
+        }
+    }
+
+    // Any K and alignment (K = 20): element by element, synchronous.
+    __device__ __forceinline__ void copy_sync(bf16* dst_tile, int k0, int K) const {
+#pragma unroll
+        for (int j = 0; j < kIters; ++j) {
+            const int r = r0 + j * kRowStep;
+            if (ROWS % kRowStep != 0 && r >= ROWS) break;
             unsigned e[8] = {};
-            if (row < rows) {
-                const bf16* p = src + static_cast<size_t>(row) * K;
-                for (int j = 0; j < 8; ++j)
-                    if (k + j < K) e[j] = __bfloat16_as_ushort(p[k + j]);
-            }
-            *reinterpret_cast<uint4*>(d) =
+            if (j * kRowStep < rows_left)
+                for (int t = 0; t < 8; ++t)
+                    if (k0 + c + t < K) e[t] = __bfloat16_as_ushort(src[j * step + k0 + t]);
+            *reinterpret_cast<uint4*>(dst_tile + r * kLd + c) =
                 make_uint4(e[0] | e[1] << 16, e[2] | e[3] << 16, e[4] | e[5] << 16, e[6] | e[7] << 16);
         }
     }
-}
+};
 
 // Block tile BM x BN, WARPS_M x WARPS_N warps each owning a (BM/WARPS_M) x
 // (BN/WARPS_N) sub-tile of m16n8 MMA tiles, K walked in BK steps through a
@@ -119,23 +143,40 @@ __global__ __launch_bounds__(WARPS_M * WARPS_N * 32) void gemm_mma_pipelined(
     constexpr int MI = WM / 16, NI = WN / 8;  // MMA tiles per warp
     constexpr int kLd = BK + 8;
     constexpr int kStageElems = (BM + BN) * kLd;
+    constexpr int kStageBytes = kStageElems * 2;
     static_assert(WM % 16 == 0 && WN % 8 == 0, "warp tile must be whole m16n8 MMA tiles");
     static_assert(BK % 16 == 0, "K tile must be whole k16 MMA steps");
     static_assert(STAGES >= 2, "a pipeline needs at least two buffers");
 
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* smem = reinterpret_cast<bf16*>(smem_raw);  // STAGES x {A: [BM][kLd], B: [BN][kLd]}
+    const unsigned smem_base = smem_addr(smem_raw);
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int wm0 = (warp / WARPS_N) * WM, wn0 = (warp % WARPS_N) * WN;
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const int num_k_tiles = ceil_div(K, BK);
 
+    const TileCopier<BM, BK, kThreads> copy_x(X, m0, M, K);
+    const TileCopier<BN, BK, kThreads> copy_w(W, n0, N, K);
     auto load_stage = [&](int kt) {
-        bf16* stage = smem + (kt % STAGES) * kStageElems;
-        load_tile_async<BM, BK, kThreads>(stage, X, m0, M, K, kt * BK, vec_ok);
-        load_tile_async<BN, BK, kThreads>(stage + BM * kLd, W, n0, N, K, kt * BK, vec_ok);
+        const int stage = kt % STAGES;
+        if (vec_ok) {
+            copy_x.copy_async(smem_base + stage * kStageBytes, kt * BK, K);
+            copy_w.copy_async(smem_base + stage * kStageBytes + BM * kLd * 2, kt * BK, K);
+        } else {
+            copy_x.copy_sync(smem + stage * kStageElems, kt * BK, K);
+            copy_w.copy_sync(smem + stage * kStageElems + BM * kLd, kt * BK, K);
+        }
     };
+
+    // Each lane's ldmatrix row address in stage 0 at k = 0. For A (16x16 per
+    // x4): rows lane % 16, k half lane / 16. For B (two n8 tiles per x4):
+    // rows lane % 8 (+8 for lanes 16-31), k half (lane / 8) % 2. B is stored
+    // [n][k], so these plain loads already give mma's column-major fragments.
+    const unsigned a_lane = smem_base + ((wm0 + lane % 16) * kLd + (lane / 16) * 8) * 2;
+    const unsigned b_lane =
+        smem_base + (BM * kLd + (wn0 + lane % 8 + (lane / 16) * 8) * kLd + ((lane / 8) % 2) * 8) * 2;
 
     // Prologue: STAGES-1 tiles in flight. One commit group per tile, empty
     // past the end of K, so that "group kt is complete" is always what
@@ -152,29 +193,25 @@ __global__ __launch_bounds__(WARPS_M * WARPS_N * 32) void gemm_mma_pipelined(
         if (kt + STAGES - 1 < num_k_tiles) load_stage(kt + STAGES - 1);  // into tile kt-1's buffer
         cp_async_commit();
 
-        const bf16* As = smem + (kt % STAGES) * kStageElems;
-        const bf16* Bs = As + BM * kLd;
+        const unsigned stage_offset = (kt % STAGES) * kStageBytes;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             if (kt * BK + kk >= K) break;  // the rest of the last tile is zero padding
             unsigned a[MI][4], b[NI][2];
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-                ldmatrix_x4(a[mi], As + (wm0 + mi * 16 + lane % 16) * kLd + kk + (lane / 16) * 8);
+            for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], a_lane + stage_offset + (mi * 16 * kLd + kk) * 2);
 #pragma unroll
             for (int ni = 0; ni < NI; ni += 2) {
-                // B is stored [n][k], so non-transposed 8x8 loads of it are
-                // already the column-major fragments mma wants.
-                const bf16* row = Bs + (wn0 + ni * 8 + lane % 8) * kLd + kk + ((lane / 8) % 2) * 8;
+                const unsigned addr = b_lane + stage_offset + (ni * 8 * kLd + kk) * 2;
                 if (ni + 1 < NI) {
                     unsigned t[4];
-                    ldmatrix_x4(t, row + (lane / 16) * 8 * kLd);
+                    ldmatrix_x4(t, addr);
                     b[ni][0] = t[0];
                     b[ni][1] = t[1];
                     b[ni + 1][0] = t[2];
                     b[ni + 1][1] = t[3];
                 } else {
-                    ldmatrix_x2(b[ni], row);
+                    ldmatrix_x2(b[ni], addr);  // odd NI: lanes 0-15's addresses are the same rows
                 }
             }
 #pragma unroll
@@ -237,30 +274,28 @@ struct TileConfig {
     void (*launch)(const GemmArgs<bf16>&);
 };
 
-// Tile shapes worth trying here (BMxBN, warps, stages). 400 = 5 x 80 = 2 x 200
-// and 784 = 7 x 112, so some shapes divide the real layers exactly.
+// Tile shapes worth trying here: BMxBN, K step, warps, stages. 400 = 5 x 80
+// and 784 = 7 x 112, so some divide the real layers exactly.
 constexpr TileConfig kTileConfigs[] = {
     {"64x64_k32_w2x2_s4", launch_tile<64, 64, 32, 2, 2, 4>},
     {"64x128_k64_w2x4_s3", launch_tile<64, 128, 64, 2, 4, 3>},
     {"128x80_k64_w4x2_s3", launch_tile<128, 80, 64, 4, 2, 3>},
-    {"128x112_k32_w4x2_s4", launch_tile<128, 112, 32, 4, 2, 4>},
     {"128x112_k64_w4x2_s3", launch_tile<128, 112, 64, 4, 2, 3>},
-    {"128x112_k64_w8x2_s3", launch_tile<128, 112, 64, 8, 2, 3>},
     {"128x128_k32_w2x4_s4", launch_tile<128, 128, 32, 2, 4, 4>},
     {"128x128_k64_w2x4_s3", launch_tile<128, 128, 64, 2, 4, 3>},
-    {"128x128_k32_w4x4_s4", launch_tile<128, 128, 32, 4, 4, 4>},
-    {"128x128_k64_w4x4_s3", launch_tile<128, 128, 64, 4, 4, 3>},
     {"128x128_k64_w4x4_s4", launch_tile<128, 128, 64, 4, 4, 4>},
 };
 
-// Tile shape per layer, from the --sweep measurements on an H200.
+// Tile shape per layer, from `--sweep` on an H200: small tiles for the
+// narrow fc21+fc22 (more CTAs), 128x128 elsewhere; the long-K layers prefer
+// a 64-deep K step (half the barriers), the K = 20 layer has one K step only.
 void launch_gemm_v7(const GemmArgs<bf16>& g) {
     if (g.N <= 64)
         launch_tile<64, 64, 32, 2, 2, 4>(g);
-    else if (g.N % 112 == 0)
-        launch_tile<128, 112, 32, 4, 2, 4>(g);
-    else
+    else if (g.K <= 32)
         launch_tile<128, 128, 32, 2, 4, 4>(g);
+    else
+        launch_tile<128, 128, 64, 2, 4, 3>(g);
 }
 
 int main(int argc, char** argv) {

@@ -34,6 +34,7 @@ run() {
 for d in "${DRIVERS[@]}"; do run "$d"; done
 if [ "${1:-}" = "--sweep" ]; then run gemm_v7 --sweep; fi
 
+summary() {
 echo
 echo "== GEMM summary: time us (% of cuBLAS, same precision; >100% is faster) =="
 awk -F'|' '
@@ -54,6 +55,9 @@ awk -F'|' '
             print line
         }
     }' "$LOG"
+}
+summary_text=$(summary)
+echo "$summary_text" | tee -a "$LOG"
 echo "full log: $LOG"
 
 if [ "${#failed[@]}" -ne 0 ]; then
