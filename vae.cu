@@ -269,18 +269,38 @@ __host__ __device__ inline uint4 philox4x32(uint4 c, uint2 k) {
 // Streams keep the noise of different uses apart.
 enum { STREAM_POSTERIOR = 0, STREAM_PRIOR = 1 };
 
-// One N(0,1) draw keyed by (seed, stream, image, sample, latent), by the Box-Muller transform.
+// Two independent N(0,1) draws from two 32-bit random words (Box-Muller: radius times the
+// cosine and the sine of one angle).
+__host__ __device__ inline float2 box_muller(uint32_t word1, uint32_t word2) {
+    const float u1 = ((word1 >> 8) + 1) * (1.0f / 16777216.0f); // (0, 1]: log stays finite
+    const float u2 = (word2 >> 8) * (1.0f / 16777216.0f);       // [0, 1)
+    const float radius = sqrtf(-2.0f * logf(u1));
+    float sine, cosine;
+#ifdef __CUDA_ARCH__
+    sincospif(2.0f * u2, &sine, &cosine); // no large-argument reduction path (and its stack) on the device
+#else
+    sine = sinf(6.283185307f * u2), cosine = cosf(6.283185307f * u2);
+#endif
+    return make_float2(radius * cosine, radius * sine);
+}
+
+// Four N(0,1) draws keyed by (seed, stream, image, sample, group): one Philox call gives four
+// words, two Box-Muller pairs. Group q holds latents 4q .. 4q+3.
+__host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
+                                            uint32_t group) {
+    const uint4 r =
+        philox4x32(make_uint4(group, image, sample, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
+    const float2 a = box_muller(r.x, r.y), b = box_muller(r.z, r.w);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+static_assert(LATENT_DIM % 4 == 0, "latents come in groups of four draws");
+
+// One draw: latent j of (seed, stream, image, sample).
 __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
                                           uint32_t latent) {
-    uint4 r = philox4x32(make_uint4(latent, image, sample, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
-    float u1 = ((r.x >> 8) + 1) * (1.0f / 16777216.0f); // (0, 1]: log stays finite
-    float u2 = (r.y >> 8) * (1.0f / 16777216.0f);       // [0, 1)
-#ifdef __CUDA_ARCH__
-    const float c = cospif(2.0f * u2); // no large-argument reduction path (and its stack) on the device
-#else
-    const float c = cosf(6.283185307f * u2);
-#endif
-    return sqrtf(-2.0f * logf(u1)) * c;
+    const float4 g = gaussian4(seed, stream, image, sample, latent / 4);
+    const uint32_t i = latent % 4;
+    return i == 0 ? g.x : i == 1 ? g.y : i == 2 ? g.z : g.w;
 }
 
 // ----------------------------------------------------------------------------
@@ -295,7 +315,8 @@ __device__ inline float to_float(uint8_t v) { return (float)v / 255.0f; }
 // Y[M,N] = act(X[M,K] W[N,K]^T + b[N]), the PyTorch Linear layout, in fp32.
 // A 256-thread block computes a 64x64 tile of Y. It walks K in slices of 16, staging the 64x16
 // slices of X and W in shared memory stored k-major, so the inner loop reads consecutive
-// addresses as float4. Each thread keeps a 4x4 patch of Y in registers: every value it reads from
+// addresses as float4; the next slice's global loads are issued before this slice's FMAs, so
+// their latency is hidden behind the arithmetic. Each thread keeps a 4x4 patch of Y in registers: every value it reads from
 // shared memory feeds four FMAs. Bias and activation are applied on the way out (no extra pass).
 // Each thread sums its k terms in the same order whatever M is, so an image's result is
 // bitwise independent of the batch it is evaluated in.
@@ -311,14 +332,20 @@ __global__ void __launch_bounds__(LIN_THREADS)
     const int load_row = threadIdx.x / 4, load_k = (threadIdx.x % 4) * 4; // 64 rows x 16 k, 4 each
     float acc[4][4] = {};
 
-    for (int k0 = 0; k0 < K; k0 += LIN_K) {
+    float x_next[4], w_next[4]; // the next slice, loaded while this one is multiplied
+    auto load_slice = [&](int k0) {
         const int xr = row0 + load_row, wr = col0 + load_row;
         for (int i = 0; i < 4; i++) {
             const int k = k0 + load_k + i;
-            Xs[load_k + i][load_row] = (xr < M && k < K) ? to_float(X[(size_t)xr * K + k]) : 0.0f;
-            Ws[load_k + i][load_row] = (wr < N && k < K) ? W[(size_t)wr * K + k] : 0.0f;
+            x_next[i] = (xr < M && k < K) ? to_float(X[(size_t)xr * K + k]) : 0.0f;
+            w_next[i] = (wr < N && k < K) ? W[(size_t)wr * K + k] : 0.0f;
         }
+    };
+    load_slice(0);
+    for (int k0 = 0; k0 < K; k0 += LIN_K) {
+        for (int i = 0; i < 4; i++) Xs[load_k + i][load_row] = x_next[i], Ws[load_k + i][load_row] = w_next[i];
         __syncthreads();
+        if (k0 + LIN_K < K) load_slice(k0 + LIN_K);
         for (int k = 0; k < LIN_K; k++) {
             const float4 xv = *reinterpret_cast<const float4*>(&Xs[k][ty * 4]);
             const float4 wv = *reinterpret_cast<const float4*>(&Ws[k][tx * 4]);
@@ -346,23 +373,31 @@ __device__ inline float warp_sum(float v) {
     return v;
 }
 
-// z_j = mu_j + eps_j * exp(logvar_j / 2) for lane j of a warp that holds one image's [mu | logvar],
-// and that image's KL(q(z|x) || N(0,I)) = -1/2 sum_j (1 + logvar_j - mu_j^2 - exp(logvar_j)),
-// summed over the 20 lanes with a shuffle (every lane gets it). eps comes from `eps_row` when
-// given (tests feed PyTorch's), else from the counter-based generator keyed by the global index.
+// One latent coordinate: z_j = mu_j + eps_j * exp(logvar_j / 2), and its KL(q(z|x) || N(0,I))
+// term 1 + logvar_j - mu_j^2 - exp(logvar_j) (the image's KL is -1/2 the sum over j).
+__device__ inline float latent_z(float mu, float logvar, float eps, float* kl_term) {
+    *kl_term = 1.0f + logvar - mu * mu - expf(logvar);
+    return mu + eps * expf(0.5f * logvar);
+}
+
+// eps_j of an image: from `eps_row` when given (tests feed PyTorch's), else from the
+// counter-based generator keyed by the image's global index; zero for z = mu.
+__device__ inline float posterior_eps(const float* eps_row, int latent, uint32_t image, uint64_t seed, bool z_is_mu) {
+    if (z_is_mu) return 0.0f;
+    return eps_row ? eps_row[latent] : gaussian(seed, STREAM_POSTERIOR, image, 0, latent);
+}
+
+// z_j for lane j of a warp that holds one image's [mu | logvar], and the image's KL summed over
+// the 20 lanes with a shuffle (every lane gets it).
 struct LatentSample {
     float z, kl;
 };
 __device__ inline LatentSample sample_latent(const float* mulv_row, const float* eps_row, int lane, uint32_t image,
                                              uint64_t seed, bool z_is_mu) {
     float z = 0.0f, kl_term = 0.0f;
-    if (lane < LATENT_DIM) {
-        const float mu = mulv_row[lane], logvar = mulv_row[LATENT_DIM + lane];
-        float eps = 0.0f;
-        if (!z_is_mu) eps = eps_row ? eps_row[lane] : gaussian(seed, STREAM_POSTERIOR, image, 0, lane);
-        z = mu + eps * expf(0.5f * logvar);
-        kl_term = 1.0f + logvar - mu * mu - expf(logvar);
-    }
+    if (lane < LATENT_DIM)
+        z = latent_z(mulv_row[lane], mulv_row[LATENT_DIM + lane], posterior_eps(eps_row, lane, image, seed, z_is_mu),
+                     &kl_term);
     return LatentSample{z, -0.5f * warp_sum(kl_term)};
 }
 
@@ -443,30 +478,54 @@ __device__ inline void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
-// Two consecutive k of a staged row as a bf16x2 register: bf16 rows are read as is; pixel rows
-// are widened here (integers 0..255 are exact in bf16; the 1/255 is applied to the fp32 sum).
+// Two consecutive k of a bf16 row in shared memory as one mma operand register.
 __device__ inline uint32_t bf16x2_at(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
-__device__ inline uint32_t bf16x2_at(const uint8_t* p) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn((float)p[0], (float)p[1]);
-    return *reinterpret_cast<const uint32_t*>(&v);
+
+// ldmatrix: the warp loads four (x4) or two (x2) 8x8 bf16 matrices from shared memory, lane i
+// giving the address of one 16-byte row (lanes 0-7 matrix 0, 8-15 matrix 1, ...), and every
+// lane receives exactly the registers mma.sync expects. One instruction replaces 4 (or 2)
+// 32-bit shared loads per lane, and its address math is done once per fragment.
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const bf16* row) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ inline void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const bf16* row) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
+// Byte b (0..3) of a word as an exact float: placed in the mantissa of 2^23 (0x4B000000) and
+// 2^23 subtracted, one byte permute and one add instead of an integer-to-float conversion.
+__device__ inline float byte_as_float(uint32_t word, int b) {
+    return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440 + b)) - 8388608.0f;
 }
 
 // A block tile of X[M,K] W[N,K]^T: BM x BN outputs from WARPS_M x WARPS_N warps, each owning
-// MT x NT mma tiles of 16 x 8. K is walked in slices of 32 through a 3-stage cp.async pipeline,
-// so two slices are in flight while the tensor cores work on a third. Rows of the staged slices
-// are padded (to 80 bytes for bf16, 48 for bytes) so that the 8 rows one fragment load touches
-// fall into 8 different shared-memory banks.
-enum { MMA_BK = 32, MMA_STAGES = 3 };
+// MT x NT mma tiles of 16 x 8. K is walked in slices of 32 through a STAGES-deep cp.async
+// pipeline, so STAGES-1 slices are in flight while the tensor cores work on another. Rows of the
+// staged slices are padded to 80 bytes so that the 8 rows an ldmatrix phase reads fall into 8
+// different groups of shared-memory banks. Pixel rows (uint8) land in their own staging buffer
+// and are widened to bf16 once per slice (integers 0..255 are exact in bf16; the 1/255 is
+// applied to the fp32 sums), instead of once per fragment by every warp that reads them.
+// THREADS may exceed the MMA warps: the extra warps help load and then have other work.
+enum { MMA_BK = 32, MMA_PITCH = MMA_BK + 8 };
 
-template <typename TX, int WARPS_M_, int WARPS_N_, int MT_, int NT_>
+template <typename TX, int WARPS_M_, int WARPS_N_, int MT_, int NT_, int STAGES_ = 3,
+          int THREADS_ = 32 * WARPS_M_ * WARPS_N_>
 struct MmaTile {
     typedef TX InputType;
-    static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, MT = MT_, NT = NT_;
-    static constexpr int BM = WARPS_M * MT * 16, BN = WARPS_N * NT * 8, THREADS = 32 * WARPS_M * WARPS_N;
-    static constexpr int X_PITCH = sizeof(TX) == 1 ? MMA_BK + 16 : MMA_BK + 8, W_PITCH = MMA_BK + 8; // elements
+    static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, MT = MT_, NT = NT_, STAGES = STAGES_;
+    static constexpr int BM = WARPS_M * MT * 16, BN = WARPS_N * NT * 8, MMA_WARPS = WARPS_M * WARPS_N;
+    static constexpr int THREADS = THREADS_;
+    static_assert(THREADS >= 32 * MMA_WARPS && THREADS % 32 == 0, "whole warps, at least the MMA warps");
+    static constexpr bool WIDEN = sizeof(TX) == 1;                  // pixel input
+    static constexpr int X_PITCH = WIDEN ? MMA_BK + 16 : MMA_PITCH; // elements
     struct Smem {
-        TX x[MMA_STAGES][BM][X_PITCH];
-        bf16 w[MMA_STAGES][BN][W_PITCH];
+        TX x[STAGES][BM][X_PITCH];
+        bf16 w[STAGES][BN][MMA_PITCH];
+        bf16 x_wide[WIDEN ? BM : 1][MMA_PITCH]; // the current pixel slice as bf16
     };
 };
 
@@ -477,49 +536,86 @@ __device__ inline void mma_mainloop(float (&acc)[Tile::MT][Tile::NT][4], typenam
                                     const typename Tile::InputType* X, const bf16* W, int M, int N, int K, int row0,
                                     int col0) {
     typedef typename Tile::InputType TX;
-    constexpr int X_CHUNK = 16 / sizeof(TX), X_CHUNKS_PER_ROW = MMA_BK / X_CHUNK, W_CHUNKS_PER_ROW = MMA_BK / 8;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int warp_row = (warp / Tile::WARPS_N) * Tile::MT * 16, warp_col = (warp % Tile::WARPS_N) * Tile::NT * 8;
+    // Each thread copies 16-byte chunks at one fixed k offset of rows r, r + ROWS_PER_PASS, ...:
+    // the addresses are worked out once here, and each slice only adds k0.
+    constexpr int X_CHUNK = 16 / sizeof(TX), X_CPR = MMA_BK / X_CHUNK, W_CPR = MMA_BK / 8; // chunks per row
+    static_assert(Tile::THREADS % X_CPR == 0 && Tile::THREADS % W_CPR == 0, "one k offset per thread");
+    constexpr int X_PASS = Tile::THREADS / X_CPR, W_PASS = Tile::THREADS / W_CPR; // rows per pass
+    constexpr int X_PASSES = (Tile::BM + X_PASS - 1) / X_PASS, W_PASSES = (Tile::BN + W_PASS - 1) / W_PASS;
+    const int x_r = threadIdx.x / X_CPR, x_k = (threadIdx.x % X_CPR) * X_CHUNK;
+    const int w_r = threadIdx.x / W_CPR, w_k = (threadIdx.x % W_CPR) * 8;
 
     auto load_slice = [&](int stage, int k0) {
-        for (int c = threadIdx.x; c < Tile::BM * X_CHUNKS_PER_ROW; c += Tile::THREADS) {
-            const int r = c / X_CHUNKS_PER_ROW, k = (c % X_CHUNKS_PER_ROW) * X_CHUNK;
-            const bool valid = row0 + r < M && k0 + k < K;
-            cp_async16(&sm.x[stage][r][k], valid ? X + (size_t)(row0 + r) * K + k0 + k : X, valid);
+        #pragma unroll
+        for (int i = 0; i < X_PASSES; i++) {
+            const int r = x_r + i * X_PASS;
+            if (X_PASSES * X_PASS > Tile::BM && r >= Tile::BM) break;
+            const bool valid = row0 + r < M && k0 + x_k < K;
+            cp_async16(&sm.x[stage][r][x_k], valid ? X + (size_t)(row0 + r) * K + k0 + x_k : X, valid);
         }
-        for (int c = threadIdx.x; c < Tile::BN * W_CHUNKS_PER_ROW; c += Tile::THREADS) {
-            const int r = c / W_CHUNKS_PER_ROW, k = (c % W_CHUNKS_PER_ROW) * 8;
-            const bool valid = col0 + r < N && k0 + k < K;
-            cp_async16(&sm.w[stage][r][k], valid ? W + (size_t)(col0 + r) * K + k0 + k : W, valid);
+        #pragma unroll
+        for (int i = 0; i < W_PASSES; i++) {
+            const int r = w_r + i * W_PASS;
+            if (W_PASSES * W_PASS > Tile::BN && r >= Tile::BN) break;
+            const bool valid = col0 + r < N && k0 + w_k < K;
+            cp_async16(&sm.w[stage][r][w_k], valid ? W + (size_t)(col0 + r) * K + k0 + w_k : W, valid);
         }
     };
 
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp_row = (warp / Tile::WARPS_N) * Tile::MT * 16, warp_col = (warp % Tile::WARPS_N) * Tile::NT * 8;
+    // the row and column this lane addresses in an ldmatrix: A tiles are 16 rows x (2 x 8 k),
+    // B tile pairs are (2 x 8 n) x (2 x 8 k)
+    const int a_row = lane % 16, a_k = (lane / 16) * 8;
+    const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8;
+
     const int num_slices = (K + MMA_BK - 1) / MMA_BK;
-    for (int s = 0; s < MMA_STAGES - 1; s++) {
+    for (int s = 0; s < Tile::STAGES - 1; s++) {
         if (s < num_slices) load_slice(s, s * MMA_BK);
         cp_async_commit(); // empty groups keep the count uniform
     }
     for (int kt = 0; kt < num_slices; kt++) {
-        cp_async_wait<MMA_STAGES - 2>(); // slice kt has landed (for this thread's copies) ...
-        __syncthreads();                 // ... and for everyone's; slice kt-1's stage is free again
-        const int next = kt + MMA_STAGES - 1;
-        if (next < num_slices) load_slice(next % MMA_STAGES, next * MMA_BK);
+        cp_async_wait<Tile::STAGES - 2>(); // slice kt has landed (for this thread's copies) ...
+        __syncthreads();                   // ... and for everyone's; slice kt-1's stage is free again
+        const int next = kt + Tile::STAGES - 1;
+        if (next < num_slices) load_slice(next % Tile::STAGES, next * MMA_BK);
         cp_async_commit();
-        const int stage = kt % MMA_STAGES;
+        const int stage = kt % Tile::STAGES;
+        const bf16(*xs)[MMA_PITCH];
+        if constexpr (Tile::WIDEN) {
+            for (int c = threadIdx.x; c < Tile::BM * 2; c += Tile::THREADS) { // 16 pixels per step
+                const int r = c / 2, k = (c % 2) * 16;
+                const uint4 bytes = *reinterpret_cast<const uint4*>(&sm.x[stage][r][k]);
+                const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+                __nv_bfloat162 wide[8];
+                #pragma unroll
+                for (int i = 0; i < 8; i++)
+                    wide[i] = __floats2bfloat162_rn(byte_as_float(words[i / 2], 2 * (i % 2)),
+                                                    byte_as_float(words[i / 2], 2 * (i % 2) + 1));
+                *reinterpret_cast<uint4*>(&sm.x_wide[r][k]) = *reinterpret_cast<const uint4*>(&wide[0]);
+                *reinterpret_cast<uint4*>(&sm.x_wide[r][k + 8]) = *reinterpret_cast<const uint4*>(&wide[4]);
+            }
+            __syncthreads();
+            xs = sm.x_wide;
+        } else {
+            xs = sm.x[stage];
+        }
+        if (warp >= Tile::MMA_WARPS) continue; // warp-uniform: loader-only warps
         #pragma unroll
         for (int kk = 0; kk < MMA_BK; kk += 16) {
             uint32_t a[Tile::MT][4], b[Tile::NT][2];
             #pragma unroll
-            for (int mt = 0; mt < Tile::MT; mt++) {
-                const TX* top = &sm.x[stage][warp_row + mt * 16 + g][kk + 2 * t];
-                const TX* bottom = top + 8 * Tile::X_PITCH;
-                a[mt][0] = bf16x2_at(top), a[mt][1] = bf16x2_at(bottom);
-                a[mt][2] = bf16x2_at(top + 8), a[mt][3] = bf16x2_at(bottom + 8);
-            }
+            for (int mt = 0; mt < Tile::MT; mt++) ldmatrix_x4(a[mt], &xs[warp_row + mt * 16 + a_row][kk + a_k]);
             #pragma unroll
-            for (int nt = 0; nt < Tile::NT; nt++) {
-                const bf16* w = &sm.w[stage][warp_col + nt * 8 + g][kk + 2 * t];
-                b[nt][0] = bf16x2_at(w), b[nt][1] = bf16x2_at(w + 8);
+            for (int nt = 0; nt < Tile::NT; nt += 2) {
+                const bf16* row = &sm.w[stage][warp_col + nt * 8 + b_row][kk + b_k];
+                if (nt + 1 < Tile::NT) {
+                    uint32_t r[4];
+                    ldmatrix_x4(r, row);
+                    b[nt][0] = r[0], b[nt][1] = r[1], b[nt + 1][0] = r[2], b[nt + 1][1] = r[3];
+                } else { // odd NT: the last tile alone; lanes 16-31 pass (unused) in-bounds addresses
+                    ldmatrix_x2(b[nt][0], b[nt][1], row - (lane / 16) * 8 * MMA_PITCH);
+                }
             }
             #pragma unroll
             for (int mt = 0; mt < Tile::MT; mt++)
@@ -536,6 +632,7 @@ __device__ inline void mma_mainloop(float (&acc)[Tile::MT][Tile::NT][4], typenam
 template <typename Tile, typename F>
 __device__ inline void for_each_acc_pair(const float (&acc)[Tile::MT][Tile::NT][4], F f) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    if (warp >= Tile::MMA_WARPS) return; // loader-only warps own no outputs
     const int warp_row = (warp / Tile::WARPS_N) * Tile::MT * 16, warp_col = (warp % Tile::WARPS_N) * Tile::NT * 8;
     #pragma unroll
     for (int mt = 0; mt < Tile::MT; mt++)
@@ -550,8 +647,8 @@ __device__ inline void for_each_acc_pair(const float (&acc)[Tile::MT][Tile::NT][
 // Y = act(scale * X W^T + b) with Y in bf16. Used for fc1 on raw pixels with scale = 1/255.
 template <typename Tile, Activation ACT>
 __global__ void __launch_bounds__(Tile::THREADS)
-    linear_bf16_kernel(bf16* Y, const typename Tile::InputType* X, const bf16* W, const float* bias, int M, int N,
-                       int K, float scale) {
+    linear_bf16_kernel(bf16* __restrict__ Y, const typename Tile::InputType* __restrict__ X,
+                       const bf16* __restrict__ W, const float* __restrict__ bias, int M, int N, int K, float scale) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     typename Tile::Smem& sm = *reinterpret_cast<typename Tile::Smem*>(smem_raw);
     const int row0 = blockIdx.y * Tile::BM, col0 = blockIdx.x * Tile::BN;
@@ -566,65 +663,100 @@ __global__ void __launch_bounds__(Tile::THREADS)
     });
 }
 
-// fc21+fc22, sampling and fc3 in one launch. A block takes BM images through
-//   [mu | logvar] = h1 Wenc^T + b     tensor cores, N = 40, kept in shared memory
-//   z, KL                             one warp per image (sample_latent, as in the fp32 path)
-//   h3 = ReLU(z W3^T + b3)            tensor cores, K = 20 zero-padded to 32, N = 400 in 10 chunks
-// mu, logvar and z reach memory only when asked for (tests).
-typedef MmaTile<bf16, 2, 1, 1, 5> LatentTile; // 32 images x 40 outputs, 2 warps of 16 images
-enum { FC3_K_PADDED = 32 };
+// fc21+fc22, sampling and fc3 in one launch. A block of 4 warps takes BM = 32 images through
+//   [mu | logvar] = h1 Wenc^T + b     tensor cores (2 warps; N = 40), kept in shared memory
+//   z, KL                             all threads, one Philox call per 4 latents of an image;
+//                                     each image's KL summed in a fixed order
+//   h3 = ReLU(z W3^T + b3)            tensor cores (4 warps), K = 20 zero-padded to 32, N = 400
+// fc3's weights (25 KB) are copied into shared memory while the first GEMM runs, so the second
+// GEMM never waits on global memory. mu, logvar and z reach memory only when asked for (tests).
+typedef MmaTile<bf16, 2, 1, 1, 5, 3, 128> LatentTile; // 32 images x 40 outputs, 2 MMA warps of 4
+enum { FC3_K_PADDED = 32, FC3_PITCH = FC3_K_PADDED + 8 }; // pitch: 80-byte rows, conflict-free fragments
+struct LatentSmem {
+    LatentTile::Smem mma;
+    bf16 fc3_w[HIDDEN_DIM][FC3_PITCH];
+};
 
 __global__ void __launch_bounds__(LatentTile::THREADS)
-    latent_bf16_kernel(bf16* h3, float* kl, float* mulv_out, float* z_out, const bf16* h1, const bf16* enc_w,
-                       const float* enc_b, const bf16* fc3_w_padded, const float* fc3_b, const float* eps_in, int M,
+    latent_bf16_kernel(bf16* __restrict__ h3, float* __restrict__ kl, float* __restrict__ mulv_out,
+                       float* __restrict__ z_out, const bf16* __restrict__ h1, const bf16* __restrict__ enc_w,
+                       const float* __restrict__ enc_b, const bf16* __restrict__ fc3_w_padded,
+                       const float* __restrict__ fc3_b, const float* __restrict__ eps_in, int M,
                        uint32_t first_image, uint64_t seed, bool z_is_mu) {
-    constexpr int BM = LatentTile::BM, MULV = 2 * LATENT_DIM;
+    constexpr int BM = LatentTile::BM, MULV = 2 * LATENT_DIM, THREADS = LatentTile::THREADS, GROUPS = LATENT_DIM / 4;
     static_assert(LatentTile::BN == MULV && LatentTile::WARPS_N == 1, "one block row covers [mu | logvar]");
+    static_assert(THREADS == 2 * 32 * LatentTile::WARPS_M, "fc3: two warps per 16 image rows");
     extern __shared__ __align__(16) uint8_t smem_raw[];
-    LatentTile::Smem& sm = *reinterpret_cast<LatentTile::Smem*>(smem_raw);
+    LatentSmem& sm = *reinterpret_cast<LatentSmem*>(smem_raw);
     __shared__ float mulv[BM][MULV];
-    __shared__ __align__(16) bf16 z_tile[BM][FC3_K_PADDED + 8];
+    __shared__ float kl_terms[BM][LATENT_DIM];
+    __shared__ __align__(16) bf16 z_tile[BM][FC3_PITCH];
     const int row0 = blockIdx.x * BM, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
+    // fc3's weights as the oldest cp.async group: the GEMM's first wait covers them
+    constexpr int W3_CHUNKS_PER_ROW = FC3_K_PADDED / 8;
+    for (int c = threadIdx.x; c < HIDDEN_DIM * W3_CHUNKS_PER_ROW; c += THREADS) {
+        const int r = c / W3_CHUNKS_PER_ROW, k = (c % W3_CHUNKS_PER_ROW) * 8;
+        cp_async16(&sm.fc3_w[r][k], fc3_w_padded + r * FC3_K_PADDED + k, true);
+    }
+    cp_async_commit();
+
     float acc[1][LatentTile::NT][4] = {};
-    mma_mainloop<LatentTile>(acc, sm, h1, enc_w, M, MULV, HIDDEN_DIM, row0, 0);
+    mma_mainloop<LatentTile>(acc, sm.mma, h1, enc_w, M, MULV, HIDDEN_DIM, row0, 0);
     for_each_acc_pair<LatentTile>(acc, [&](int, int, int r, int c, float v0, float v1) {
         mulv[r][c] = v0 + enc_b[c], mulv[r][c + 1] = v1 + enc_b[c + 1];
     });
     __syncthreads();
 
-    for (int i = 0; i < 16; i++) { // this warp's 16 images, one at a time across its lanes
-        const int r = warp * 16 + i, b = row0 + r;
-        float z = 0.0f; // rows past M and the K padding (lanes 20..31) stay zero
-        if (b < M) {    // warp-uniform: the shuffle inside sample_latent sees all lanes
-            const LatentSample s = sample_latent(mulv[r], eps_in ? eps_in + (size_t)b * LATENT_DIM : NULL, lane,
-                                                 first_image + b, seed, z_is_mu);
-            z = s.z;
-            if (lane == 0) kl[b] = s.kl;
-            if (z_out && lane < LATENT_DIM) z_out[(size_t)b * LATENT_DIM + lane] = s.z;
-            if (mulv_out)
-                for (int c = lane; c < MULV; c += 32) mulv_out[(size_t)b * MULV + c] = mulv[r][c];
+    for (int i = threadIdx.x; i < BM * GROUPS; i += THREADS) {
+        const int r = i / GROUPS, q = i % GROUPS, b = row0 + r;
+        float z[4] = {}, kl_term[4] = {}; // rows past M stay zero
+        if (b < M) {
+            float4 eps = make_float4(0.0f, 0.0f, 0.0f, 0.0f); // z = mu
+            if (!z_is_mu && eps_in) eps = *reinterpret_cast<const float4*>(&eps_in[(size_t)b * LATENT_DIM + 4 * q]);
+            else if (!z_is_mu) eps = gaussian4(seed, STREAM_POSTERIOR, first_image + b, 0, q);
+            const float e[4] = {eps.x, eps.y, eps.z, eps.w};
+            #pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int latent = 4 * q + j;
+                z[j] = latent_z(mulv[r][latent], mulv[r][LATENT_DIM + latent], e[j], &kl_term[j]);
+                if (z_out) z_out[(size_t)b * LATENT_DIM + latent] = z[j];
+                if (mulv_out) {
+                    mulv_out[(size_t)b * MULV + latent] = mulv[r][latent];
+                    mulv_out[(size_t)b * MULV + LATENT_DIM + latent] = mulv[r][LATENT_DIM + latent];
+                }
+            }
         }
-        z_tile[r][lane] = __float2bfloat16(z);
+        #pragma unroll
+        for (int j = 0; j < 4; j++) z_tile[r][4 * q + j] = __float2bfloat16(z[j]), kl_terms[r][4 * q + j] = kl_term[j];
     }
+    constexpr int PAD = FC3_K_PADDED - LATENT_DIM;
+    for (int i = threadIdx.x; i < BM * PAD; i += THREADS) z_tile[i / PAD][LATENT_DIM + i % PAD] = __float2bfloat16(0.0f);
     __syncthreads();
+    if (threadIdx.x < BM && row0 + (int)threadIdx.x < M) {
+        float sum = 0.0f;
+        for (int j = 0; j < LATENT_DIM; j++) sum += kl_terms[threadIdx.x][j];
+        kl[row0 + threadIdx.x] = -0.5f * sum;
+    }
 
-    uint32_t a[2][4]; // this warp's 16 rows of z as two k16 fragments
+    // fc3: warp w takes image rows 16 (w % 2) .. +15 and output chunks 5 (w / 2) .. +4
+    const int rows = (warp % 2) * 16, first_chunk = (warp / 2) * (HIDDEN_DIM / MULV / 2);
+    uint32_t a[2][4]; // the warp's 16 rows of z as two k16 fragments
     #pragma unroll
     for (int kk = 0; kk < 2; kk++) {
-        const bf16* top = &z_tile[warp * 16 + g][kk * 16 + 2 * t];
-        const bf16* bottom = top + 8 * (FC3_K_PADDED + 8);
+        const bf16* top = &z_tile[rows + g][kk * 16 + 2 * t];
+        const bf16* bottom = top + 8 * FC3_PITCH;
         a[kk][0] = bf16x2_at(top), a[kk][1] = bf16x2_at(bottom), a[kk][2] = bf16x2_at(top + 8),
         a[kk][3] = bf16x2_at(bottom + 8);
     }
     #pragma unroll
-    for (int chunk = 0; chunk < HIDDEN_DIM / MULV; chunk++) { // 400 outputs as 10 chunks of 5 mma tiles
+    for (int chunk = first_chunk; chunk < first_chunk + HIDDEN_DIM / MULV / 2; chunk++) { // 40 outputs each
         float acc3[5][4] = {};
         #pragma unroll
         for (int nt = 0; nt < 5; nt++)
             #pragma unroll
             for (int kk = 0; kk < 2; kk++) {
-                const bf16* w = &fc3_w_padded[(chunk * MULV + nt * 8 + g) * FC3_K_PADDED + kk * 16 + 2 * t];
+                const bf16* w = &sm.fc3_w[chunk * MULV + nt * 8 + g][kk * 16 + 2 * t];
                 const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
                 mma_bf16_m16n8k16(acc3[nt], a[kk], b);
             }
@@ -632,7 +764,7 @@ __global__ void __launch_bounds__(LatentTile::THREADS)
         for (int nt = 0; nt < 5; nt++)
             #pragma unroll
             for (int half = 0; half < 2; half++) {
-                const int r = row0 + warp * 16 + g + 8 * half, c = chunk * MULV + nt * 8 + 2 * t;
+                const int r = row0 + rows + g + 8 * half, c = chunk * MULV + nt * 8 + 2 * t;
                 if (r >= M) continue;
                 const float v0 = fmaxf(acc3[nt][2 * half] + fc3_b[c], 0.0f);
                 const float v1 = fmaxf(acc3[nt][2 * half + 1] + fc3_b[c + 1], 0.0f);
@@ -641,32 +773,56 @@ __global__ void __launch_bounds__(LatentTile::THREADS)
     }
 }
 
+// bce_term with the hardware exp2/log2 approximations (__expf, __logf: a few instructions instead
+// of the accurate library calls). Their error (~1e-7 absolute per pixel) is far below bf16's.
+__device__ inline float bce_term_fast(float logit, uint8_t pixel) {
+    return fmaxf(logit, 0.0f) - (float)pixel * (1.0f / 255.0f) * logit + __logf(1.0f + __expf(-fabsf(logit)));
+}
+
 // fc4 with the loss in its epilogue: each thread turns its logits into BCE terms against the
 // pixels, the 4 threads sharing a row add theirs with shuffles, the warps sharing a row through
 // shared memory, and each block writes one partial sum per image for its 112 columns. No atomics:
 // the finalize kernel adds the 7 partials in a fixed order, so results are reproducible bit for bit.
-// Logits and recon are written only when asked for (tests, images).
+// The block's 128 x 112 pixels are copied into shared memory while the GEMM runs, so the epilogue
+// reads them without a round trip to global memory. Logits and recon are written only when asked
+// for (tests, images).
 typedef MmaTile<bf16, 4, 2, 2, 7> Fc4Tile; // 128 images x 112 pixels, 8 warps
 enum { FC4_COL_BLOCKS = INPUT_DIM / Fc4Tile::BN };
 static_assert(INPUT_DIM % Fc4Tile::BN == 0, "column blocks tile the 784 pixels exactly");
+static_assert(INPUT_DIM % 16 == 0 && Fc4Tile::BN % 16 == 0, "pixel tiles are whole 16-byte chunks");
+struct Fc4Smem {
+    Fc4Tile::Smem mma;
+    uint8_t pixels[Fc4Tile::BM][Fc4Tile::BN];
+};
 
 __global__ void __launch_bounds__(Fc4Tile::THREADS)
-    fc4_bce_bf16_kernel(float* bce_partial, float* logits_out, float* recon_out, const bf16* h3, const bf16* W,
-                        const float* bias, const uint8_t* pixels, int M) {
+    fc4_bce_bf16_kernel(float* __restrict__ bce_partial, float* __restrict__ logits_out, float* __restrict__ recon_out,
+                        const bf16* __restrict__ h3, const bf16* __restrict__ W, const float* __restrict__ bias,
+                        const uint8_t* __restrict__ pixels, int M) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
-    Fc4Tile::Smem& sm = *reinterpret_cast<Fc4Tile::Smem*>(smem_raw);
+    Fc4Smem& sm = *reinterpret_cast<Fc4Smem*>(smem_raw);
     __shared__ float row_sums[Fc4Tile::WARPS_N][Fc4Tile::BM];
     const int row0 = blockIdx.y * Fc4Tile::BM, col0 = blockIdx.x * Fc4Tile::BN;
+
+    constexpr int PX_CHUNKS_PER_ROW = Fc4Tile::BN / 16; // the oldest cp.async group: lands first
+    for (int c = threadIdx.x; c < Fc4Tile::BM * PX_CHUNKS_PER_ROW; c += Fc4Tile::THREADS) {
+        const int r = c / PX_CHUNKS_PER_ROW, k = (c % PX_CHUNKS_PER_ROW) * 16;
+        const bool valid = row0 + r < M;
+        cp_async16(&sm.pixels[r][k], valid ? pixels + (size_t)(row0 + r) * INPUT_DIM + col0 + k : pixels, valid);
+    }
+    cp_async_commit();
+
     float acc[Fc4Tile::MT][Fc4Tile::NT][4] = {};
-    mma_mainloop<Fc4Tile>(acc, sm, h3, W, M, INPUT_DIM, HIDDEN_DIM, row0, col0);
+    mma_mainloop<Fc4Tile>(acc, sm.mma, h3, W, M, INPUT_DIM, HIDDEN_DIM, row0, col0);
 
     float sums[Fc4Tile::MT][2] = {}; // [mt][half]: this thread's part of its rows' BCE
     for_each_acc_pair<Fc4Tile>(acc, [&](int mt, int half, int r, int c, float v0, float v1) {
+        const uint8_t x0 = sm.pixels[r][c], x1 = sm.pixels[r][c + 1];
         r += row0, c += col0;
         if (r >= M) return;
         const size_t at = (size_t)r * INPUT_DIM + c;
         const float l0 = v0 + bias[c], l1 = v1 + bias[c + 1];
-        sums[mt][half] += bce_term(l0, pixels[at]) + bce_term(l1, pixels[at + 1]);
+        sums[mt][half] += bce_term_fast(l0, x0) + bce_term_fast(l1, x1);
         if (logits_out) logits_out[at] = l0, logits_out[at + 1] = l1;
         if (recon_out) recon_out[at] = 1.0f / (1.0f + expf(-l0)), recon_out[at + 1] = 1.0f / (1.0f + expf(-l1));
     });
@@ -692,7 +848,7 @@ __global__ void __launch_bounds__(Fc4Tile::THREADS)
     }
 }
 
-__global__ void bce_finalize_kernel(float* bce, const float* bce_partial, int M) {
+__global__ void bce_finalize_kernel(float* __restrict__ bce, const float* __restrict__ bce_partial, int M) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= M) return;
     float total = 0.0f;
@@ -741,7 +897,7 @@ static void sigmoid(float* out, const float* in, int n, cudaStream_t stream) {
     cudaCheck(cudaGetLastError());
 }
 
-typedef MmaTile<uint8_t, 4, 2, 2, 5> Fc1Tile; // 128 images x 80 hidden units (400 = 5 x 80), 8 warps
+typedef MmaTile<uint8_t, 4, 2, 2, 5, 4> Fc1Tile; // 128 images x 80 hidden units (400 = 5 x 80), 8 warps, 4 stages
 
 static void fc1_bf16(bf16* h1, const uint8_t* pixels, const bf16* W, const float* bias, int B, cudaStream_t stream) {
     const dim3 grid(ceil_div(HIDDEN_DIM, Fc1Tile::BN), ceil_div(B, Fc1Tile::BM));
@@ -753,7 +909,7 @@ static void fc1_bf16(bf16* h1, const uint8_t* pixels, const bf16* W, const float
 static void latent_bf16(bf16* h3, float* kl, float* mulv_out, float* z_out, const bf16* h1, const bf16* enc_w,
                         const float* enc_b, const bf16* fc3_w_padded, const float* fc3_b, const float* eps_in, int B,
                         uint32_t first_image, uint64_t seed, bool z_is_mu, cudaStream_t stream) {
-    latent_bf16_kernel<<<ceil_div(B, LatentTile::BM), LatentTile::THREADS, sizeof(LatentTile::Smem), stream>>>(
+    latent_bf16_kernel<<<ceil_div(B, LatentTile::BM), LatentTile::THREADS, sizeof(LatentSmem), stream>>>(
         h3, kl, mulv_out, z_out, h1, enc_w, enc_b, fc3_w_padded, fc3_b, eps_in, B, first_image, seed, z_is_mu);
     cudaCheck(cudaGetLastError());
 }
@@ -761,7 +917,7 @@ static void latent_bf16(bf16* h3, float* kl, float* mulv_out, float* z_out, cons
 static void fc4_bce_bf16(float* bce, float* bce_partial, float* logits_out, float* recon_out, const bf16* h3,
                          const bf16* W, const float* bias, const uint8_t* pixels, int B, cudaStream_t stream) {
     const dim3 grid(FC4_COL_BLOCKS, ceil_div(B, Fc4Tile::BM));
-    fc4_bce_bf16_kernel<<<grid, Fc4Tile::THREADS, sizeof(Fc4Tile::Smem), stream>>>(bce_partial, logits_out, recon_out,
+    fc4_bce_bf16_kernel<<<grid, Fc4Tile::THREADS, sizeof(Fc4Smem), stream>>>(bce_partial, logits_out, recon_out,
                                                                                   h3, W, bias, pixels, B);
     cudaCheck(cudaGetLastError());
     bce_finalize_kernel<<<ceil_div(B, 256), 256, 0, stream>>>(bce, bce_partial, B);
@@ -773,9 +929,9 @@ static void bf16_kernels_init() {
     cudaCheck(cudaFuncSetAttribute(linear_bf16_kernel<Fc1Tile, ACT_RELU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(Fc1Tile::Smem)));
     cudaCheck(cudaFuncSetAttribute(latent_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)sizeof(LatentTile::Smem)));
+                                   (int)sizeof(LatentSmem)));
     cudaCheck(cudaFuncSetAttribute(fc4_bce_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)sizeof(Fc4Tile::Smem)));
+                                   (int)sizeof(Fc4Smem)));
 }
 
 static void to_bf16(bf16* dst, const float* src, int rows, int cols, int dst_cols, cudaStream_t stream) {

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the tests, the program, and the dev drivers.
 # Logs and images go to $OUT (default /tmp/vae_out). Usage: bash dev/gpu_check.sh [sections...]
-# sections: test vae break bench dev (default: all of them)
+# sections: test vae break bench pytorch profile dev (default: all of them)
 set -uo pipefail
 OUT=${OUT:-/tmp/vae_out}
 mkdir -p "$OUT"
-sections=${*:-test vae break bench dev}
+sections=${*:-test vae break bench pytorch profile dev}
 status=0
 has() { [[ " $sections " == *" $1 "* ]]; }
 run() { echo "== $*"; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
@@ -39,7 +39,10 @@ if has bench; then
     run bash -c "./vae --bench 2>&1 | tee $OUT/bench.log"
     TIMEFORMAT='whole ./vae run (load, 10k images, three images written): %R s wall'
     for p in fp32 bf16; do echo "== ./vae --precision $p"; time ./vae --precision $p -o out_$p > "$OUT/vae_$p.log" 2>&1; tail -6 "$OUT/vae_$p.log"; done
+fi
+if has pytorch; then
     run bash -c "PYTHONUNBUFFERED=1 python3 dev/bench_pytorch.py --vae-bench $OUT/bench.log 2>&1 | tee $OUT/bench_pytorch.log"
 fi
-if has dev && [ -f dev/run_gemm.sh ]; then run bash dev/run_gemm.sh; fi
+if has profile; then run bash dev/profile.sh 1024 4096; fi
+if has dev; then run bash dev/run_gemm.sh; fi
 exit $status
