@@ -6,6 +6,7 @@ Prepares everything vae.cu reads, with PyTorch as the reference implementation.
   data/t10k-images-idx3-ubyte    MNIST test images (standard idx3, uncompressed)
   data/t10k-labels-idx1-ubyte    MNIST test labels (standard idx1, uncompressed)
   data/vae_debug_state.bin       reference activations for test_vae.cu
+  data/vae_iwae_state.bin        reference importance-weighted log-likelihoods for test_vae.cu
 
 Inputs come from --src DIR (a folder holding vae_epoch_25.pth and the two t10k .gz files)
 or, without --src, are downloaded; either way their MD5s are checked.
@@ -28,10 +29,18 @@ Debug state file: a header of 256 int32 then, for each case, tensors as float64 
   widths 784 20 400 20 20 20 400 784 784 1 1): t in float64, then t in float32.
   The float64 values come from a float64 forward pass, the float32 values from PyTorch's own
   float32 forward pass; both use the same eps (drawn in float32, so it is exact in both).
+
+IWAE state file: a header of 256 int32 then eps, then log p(x) in float64 and in float32:
+  header[0] magic 0x49454156 ("VAEI")  header[1] version 1  header[2..4] dims 784/400/20
+  header[5] image count N  header[6] samples per image K  header[7] index of the first image
+  eps float32 [N][K][20]; log p(x) float64 [N]; log p(x) float32 [N], where
+  log p(x) = logsumexp_k [log p(x|z_k) + log N(z_k; 0, I) - log N(z_k; mu, sigma^2)] - log K,
+  z_k = mu + sigma eps_k, log p(x|z) = -BCE, each Gaussian with its -1/2 log(2 pi).
 """
 import argparse
 import gzip
 import hashlib
+import math
 import os
 import shutil
 import sys
@@ -43,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 INPUT_DIM, HIDDEN_DIM, LATENT_DIM = 784, 400, 20
-WEIGHTS_MAGIC, DEBUG_MAGIC, VERSION = 0x31454156, 0x44454156, 1
+WEIGHTS_MAGIC, DEBUG_MAGIC, IWAE_MAGIC, VERSION = 0x31454156, 0x44454156, 0x49454156, 1
 DTYPE_FLOAT32 = 1
 HEADER_INTS = 256
 TENSOR_ORDER = ["fc1.weight", "fc1.bias", "fc21.weight", "fc21.bias", "fc22.weight",
@@ -51,6 +60,7 @@ TENSOR_ORDER = ["fc1.weight", "fc1.bias", "fc21.weight", "fc21.bias", "fc22.weig
 # (batch size, first test image): a batch that is no tile multiple, and a single image
 DEBUG_CASES = [(37, 0), (1, 9999)]
 DEBUG_SEED = 1234
+IWAE_CASE = (4, 37, 0)  # images, samples per image (not a multiple of a warp), first image
 
 # name -> (download URL, MD5 of the file as published)
 SOURCES = {
@@ -238,6 +248,40 @@ def write_debug_state(model, images, path):
     print(f"wrote {path}")
 
 
+def iwae_log_px(model, x, eps):
+    """log p(x) of each row of x from K samples each (eps [N, K, 20]), all terms in full."""
+    n, k, _ = eps.shape
+    mu, logvar = model.encode(x)
+    std = torch.exp(0.5 * logvar)
+    z = mu[:, None, :] + eps * std[:, None, :]
+    logits = model.fc4(F.relu(model.fc3(z)))  # decode() without its sigmoid: BCE from the logits
+    xk = x[:, None, :]
+    bce = (logits.clamp(min=0) - xk * logits + torch.log1p(torch.exp(-logits.abs()))).sum(2)
+    normal = torch.distributions.Normal
+    log_pz = normal(torch.zeros_like(z), torch.ones_like(z)).log_prob(z).sum(2)
+    log_qz = normal(mu[:, None, :].expand_as(z), std[:, None, :].expand_as(z)).log_prob(z).sum(2)
+    return torch.logsumexp(-bce + log_pz - log_qz, dim=1) - math.log(k)
+
+
+def write_iwae_state(model, images, path):
+    n, k, first = IWAE_CASE
+    gen = torch.Generator().manual_seed(DEBUG_SEED + 1)
+    eps32 = torch.randn(n, k, LATENT_DIM, generator=gen, dtype=torch.float32)
+    model64 = VAE().double()
+    model64.load_state_dict(model.state_dict())
+    pixels = torch.from_numpy(images[first:first + n].reshape(n, -1).astype(np.float64))
+    with torch.no_grad():
+        ref64 = iwae_log_px(model64, pixels / 255.0, eps32.double())
+        ref32 = iwae_log_px(model, pixels.float() / 255.0, eps32)
+    with open(path, "wb") as f:
+        f.write(header(IWAE_MAGIC, {5: n, 6: k, 7: first}).tobytes())
+        f.write(eps32.numpy().astype("<f4").tobytes())
+        f.write(ref64.numpy().astype("<f8").tobytes())
+        f.write(ref32.numpy().astype("<f4").tobytes())
+    print(f"wrote {path}: log p(x) of images {first}..{first + n - 1}, K = {k}: "
+          + " ".join(f"{v:.4f}" for v in ref64.tolist()))
+
+
 def reference_loss(model, images):
     """Full-test-set float64 losses with z = mu, and with eps drawn by PyTorch."""
     model64 = VAE().double()
@@ -283,6 +327,7 @@ def main():
           f"{images.shape[0]} images")
 
     write_debug_state(model, images, os.path.join(args.out, "vae_debug_state.bin"))
+    write_iwae_state(model, images, os.path.join(args.out, "vae_iwae_state.bin"))
     if args.reference_loss:
         reference_loss(model, images)
 

@@ -419,14 +419,17 @@ __device__ inline float bce_term(float logit, uint8_t pixel) {
     return fmaxf(logit, 0.0f) - to_float(pixel) * logit + log1pf(expf(-fabsf(logit)));
 }
 
-// Per-image BCE summed over the 784 pixels. One warp per image, lanes striding over the pixels
-// (coalesced reads), then a shuffle sum. Optionally writes recon = sigmoid(logits).
+// Per-row BCE summed over the 784 pixels. One warp per row, lanes striding over the pixels
+// (coalesced reads), then a shuffle sum. Row b is compared with image b / rows_per_image (1 for
+// the ELBO; K when the rows are K importance samples of each image). Optionally writes
+// recon = sigmoid(logits).
 enum { LOSS_WARPS = 4 };
-__global__ void bce_loss_kernel(float* bce, float* recon, const float* logits, const uint8_t* pixels, int B) {
+__global__ void bce_loss_kernel(float* bce, float* recon, const float* logits, const uint8_t* pixels, int B,
+                                int rows_per_image) {
     const int b = blockIdx.x * LOSS_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (b >= B) return;
     const float* l = logits + (size_t)b * INPUT_DIM;
-    const uint8_t* x = pixels + (size_t)b * INPUT_DIM;
+    const uint8_t* x = pixels + (size_t)(b / rows_per_image) * INPUT_DIM;
     float sum = 0.0f;
     for (int i = lane; i < INPUT_DIM; i += 32) {
         sum += bce_term(l[i], x[i]);
@@ -677,6 +680,57 @@ struct LatentSmem {
     bf16 fc3_w[HIDDEN_DIM][FC3_PITCH];
 };
 
+// h3 = ReLU(z W3^T + b3) for the 32 rows of z_tile (bf16, K zero-padded to 32), by 4 warps:
+// warp w takes rows 16 (w % 2) .. +15 and outputs 200 (w / 2) .. +199, in chunks of 40.
+__device__ inline void fc3_relu_tile(bf16* __restrict__ h3, const bf16 (*z_tile)[FC3_PITCH],
+                                     const bf16 (*fc3_w)[FC3_PITCH], const float* __restrict__ fc3_b, int row0,
+                                     int M) {
+    constexpr int CHUNK = 2 * LATENT_DIM, CHUNKS_PER_WARP = HIDDEN_DIM / CHUNK / 2;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int rows = (warp % 2) * 16, first_chunk = (warp / 2) * CHUNKS_PER_WARP;
+    uint32_t a[2][4]; // the warp's 16 rows of z as two k16 fragments
+    #pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        const bf16* top = &z_tile[rows + g][kk * 16 + 2 * t];
+        const bf16* bottom = top + 8 * FC3_PITCH;
+        a[kk][0] = bf16x2_at(top), a[kk][1] = bf16x2_at(bottom), a[kk][2] = bf16x2_at(top + 8),
+        a[kk][3] = bf16x2_at(bottom + 8);
+    }
+    #pragma unroll
+    for (int chunk = first_chunk; chunk < first_chunk + CHUNKS_PER_WARP; chunk++) {
+        float acc3[5][4] = {};
+        #pragma unroll
+        for (int nt = 0; nt < 5; nt++)
+            #pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                const bf16* w = &fc3_w[chunk * CHUNK + nt * 8 + g][kk * 16 + 2 * t];
+                const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
+                mma_bf16_m16n8k16(acc3[nt], a[kk], b);
+            }
+        #pragma unroll
+        for (int nt = 0; nt < 5; nt++)
+            #pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int r = row0 + rows + g + 8 * half, c = chunk * CHUNK + nt * 8 + 2 * t;
+                if (r >= M) continue;
+                const float v0 = fmaxf(acc3[nt][2 * half] + fc3_b[c], 0.0f);
+                const float v1 = fmaxf(acc3[nt][2 * half + 1] + fc3_b[c + 1], 0.0f);
+                *reinterpret_cast<__nv_bfloat162*>(&h3[(size_t)r * HIDDEN_DIM + c]) = __floats2bfloat162_rn(v0, v1);
+            }
+    }
+}
+
+// Copies fc3's zero-padded bf16 weights into shared memory as one cp.async group.
+__device__ inline void stage_fc3_weights(bf16 (*dst)[FC3_PITCH], const bf16* __restrict__ fc3_w_padded) {
+    constexpr int CHUNKS_PER_ROW = FC3_K_PADDED / 8;
+    for (int c = threadIdx.x; c < HIDDEN_DIM * CHUNKS_PER_ROW; c += blockDim.x) {
+        const int r = c / CHUNKS_PER_ROW, k = (c % CHUNKS_PER_ROW) * 8;
+        cp_async16(&dst[r][k], fc3_w_padded + r * FC3_K_PADDED + k, true);
+    }
+    cp_async_commit();
+}
+
+
 __global__ void __launch_bounds__(LatentTile::THREADS)
     latent_bf16_kernel(bf16* __restrict__ h3, float* __restrict__ kl, float* __restrict__ mulv_out,
                        float* __restrict__ z_out, const bf16* __restrict__ h1, const bf16* __restrict__ enc_w,
@@ -685,21 +739,15 @@ __global__ void __launch_bounds__(LatentTile::THREADS)
                        uint32_t first_image, uint64_t seed, bool z_is_mu) {
     constexpr int BM = LatentTile::BM, MULV = 2 * LATENT_DIM, THREADS = LatentTile::THREADS, GROUPS = LATENT_DIM / 4;
     static_assert(LatentTile::BN == MULV && LatentTile::WARPS_N == 1, "one block row covers [mu | logvar]");
-    static_assert(THREADS == 2 * 32 * LatentTile::WARPS_M, "fc3: two warps per 16 image rows");
+    static_assert(BM == 32 && THREADS == 128, "fc3_relu_tile: 4 warps on 32 rows");
     extern __shared__ __align__(16) uint8_t smem_raw[];
     LatentSmem& sm = *reinterpret_cast<LatentSmem*>(smem_raw);
     __shared__ float mulv[BM][MULV];
     __shared__ float kl_terms[BM][LATENT_DIM];
     __shared__ __align__(16) bf16 z_tile[BM][FC3_PITCH];
-    const int row0 = blockIdx.x * BM, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int row0 = blockIdx.x * BM;
 
-    // fc3's weights as the oldest cp.async group: the GEMM's first wait covers them
-    constexpr int W3_CHUNKS_PER_ROW = FC3_K_PADDED / 8;
-    for (int c = threadIdx.x; c < HIDDEN_DIM * W3_CHUNKS_PER_ROW; c += THREADS) {
-        const int r = c / W3_CHUNKS_PER_ROW, k = (c % W3_CHUNKS_PER_ROW) * 8;
-        cp_async16(&sm.fc3_w[r][k], fc3_w_padded + r * FC3_K_PADDED + k, true);
-    }
-    cp_async_commit();
+    stage_fc3_weights(sm.fc3_w, fc3_w_padded); // the oldest cp.async group: the GEMM's first wait covers it
 
     float acc[1][LatentTile::NT][4] = {};
     mma_mainloop<LatentTile>(acc, sm.mma, h1, enc_w, M, MULV, HIDDEN_DIM, row0, 0);
@@ -739,38 +787,7 @@ __global__ void __launch_bounds__(LatentTile::THREADS)
         kl[row0 + threadIdx.x] = -0.5f * sum;
     }
 
-    // fc3: warp w takes image rows 16 (w % 2) .. +15 and output chunks 5 (w / 2) .. +4
-    const int rows = (warp % 2) * 16, first_chunk = (warp / 2) * (HIDDEN_DIM / MULV / 2);
-    uint32_t a[2][4]; // the warp's 16 rows of z as two k16 fragments
-    #pragma unroll
-    for (int kk = 0; kk < 2; kk++) {
-        const bf16* top = &z_tile[rows + g][kk * 16 + 2 * t];
-        const bf16* bottom = top + 8 * FC3_PITCH;
-        a[kk][0] = bf16x2_at(top), a[kk][1] = bf16x2_at(bottom), a[kk][2] = bf16x2_at(top + 8),
-        a[kk][3] = bf16x2_at(bottom + 8);
-    }
-    #pragma unroll
-    for (int chunk = first_chunk; chunk < first_chunk + HIDDEN_DIM / MULV / 2; chunk++) { // 40 outputs each
-        float acc3[5][4] = {};
-        #pragma unroll
-        for (int nt = 0; nt < 5; nt++)
-            #pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                const bf16* w = &sm.fc3_w[chunk * MULV + nt * 8 + g][kk * 16 + 2 * t];
-                const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
-                mma_bf16_m16n8k16(acc3[nt], a[kk], b);
-            }
-        #pragma unroll
-        for (int nt = 0; nt < 5; nt++)
-            #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const int r = row0 + rows + g + 8 * half, c = chunk * MULV + nt * 8 + 2 * t;
-                if (r >= M) continue;
-                const float v0 = fmaxf(acc3[nt][2 * half] + fc3_b[c], 0.0f);
-                const float v1 = fmaxf(acc3[nt][2 * half + 1] + fc3_b[c + 1], 0.0f);
-                *reinterpret_cast<__nv_bfloat162*>(&h3[(size_t)r * HIDDEN_DIM + c]) = __floats2bfloat162_rn(v0, v1);
-            }
-    }
+    fc3_relu_tile(h3, z_tile, sm.fc3_w, fc3_b, row0, M);
 }
 
 // bce_term with the hardware exp2/log2 approximations (__expf, __logf: a few instructions instead
@@ -781,10 +798,11 @@ __device__ inline float bce_term_fast(float logit, uint8_t pixel) {
 
 // fc4 with the loss in its epilogue: each thread turns its logits into BCE terms against the
 // pixels, the 4 threads sharing a row add theirs with shuffles, the warps sharing a row through
-// shared memory, and each block writes one partial sum per image for its 112 columns. No atomics:
+// shared memory, and each block writes one partial sum per row for its 112 columns. No atomics:
 // the finalize kernel adds the 7 partials in a fixed order, so results are reproducible bit for bit.
 // The block's 128 x 112 pixels are copied into shared memory while the GEMM runs, so the epilogue
-// reads them without a round trip to global memory. Logits and recon are written only when asked
+// reads them without a round trip to global memory. Row r is compared with image
+// r / rows_per_image (1 for the ELBO; K when the rows are K importance samples of each image). Logits and recon are written only when asked
 // for (tests, images).
 typedef MmaTile<bf16, 4, 2, 2, 7> Fc4Tile; // 128 images x 112 pixels, 8 warps
 enum { FC4_COL_BLOCKS = INPUT_DIM / Fc4Tile::BN };
@@ -798,7 +816,7 @@ struct Fc4Smem {
 __global__ void __launch_bounds__(Fc4Tile::THREADS)
     fc4_bce_bf16_kernel(float* __restrict__ bce_partial, float* __restrict__ logits_out, float* __restrict__ recon_out,
                         const bf16* __restrict__ h3, const bf16* __restrict__ W, const float* __restrict__ bias,
-                        const uint8_t* __restrict__ pixels, int M) {
+                        const uint8_t* __restrict__ pixels, int M, int rows_per_image) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     Fc4Smem& sm = *reinterpret_cast<Fc4Smem*>(smem_raw);
     __shared__ float row_sums[Fc4Tile::WARPS_N][Fc4Tile::BM];
@@ -808,7 +826,8 @@ __global__ void __launch_bounds__(Fc4Tile::THREADS)
     for (int c = threadIdx.x; c < Fc4Tile::BM * PX_CHUNKS_PER_ROW; c += Fc4Tile::THREADS) {
         const int r = c / PX_CHUNKS_PER_ROW, k = (c % PX_CHUNKS_PER_ROW) * 16;
         const bool valid = row0 + r < M;
-        cp_async16(&sm.pixels[r][k], valid ? pixels + (size_t)(row0 + r) * INPUT_DIM + col0 + k : pixels, valid);
+        const uint8_t* src = pixels + (size_t)((row0 + r) / rows_per_image) * INPUT_DIM + col0 + k;
+        cp_async16(&sm.pixels[r][k], valid ? src : pixels, valid);
     }
     cp_async_commit();
 
@@ -867,6 +886,113 @@ __global__ void to_bf16_kernel(bf16* dst, const float* src, int rows, int cols, 
 }
 
 // ----------------------------------------------------------------------------
+// kernels: importance-weighted log-likelihood (--iwae K)
+//
+// log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
+// (Burda et al., "Importance Weighted Autoencoders"). The K samples of an image are K rows of a
+// batch: row r is sample r % K of image r / K, its eps keyed by (seed, image, sample = k, latent),
+// so sample 0 is the ELBO path's draw. log p(x|z) = -BCE. With z = mu + sigma eps, the Gaussian
+// terms log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel.
+
+// One row's z and its log p(z) - log q(z|x), from the image's [mu | logvar]; the 4 latents of
+// group q share one Philox call.
+__device__ inline float iwae_sample_group(float (&z)[4], const float* mulv_row, const float* eps_row, int q,
+                                          uint32_t image, uint32_t sample, uint64_t seed) {
+    const float4 eps4 = eps_row ? *reinterpret_cast<const float4*>(&eps_row[4 * q])
+                                : gaussian4(seed, STREAM_POSTERIOR, image, sample, q);
+    const float eps[4] = {eps4.x, eps4.y, eps4.z, eps4.w};
+    float sum = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float logvar = mulv_row[LATENT_DIM + 4 * q + j];
+        float unused_kl_term;
+        z[j] = latent_z(mulv_row[4 * q + j], logvar, eps[j], &unused_kl_term);
+        sum += eps[j] * eps[j] + logvar - z[j] * z[j];
+    }
+    return 0.5f * sum;
+}
+
+// fp32: one thread per row writes z (for the fp32 decoder) and the row's log-density ratio.
+__global__ void iwae_sample_kernel(float* __restrict__ z, float* __restrict__ log_ratio,
+                                   const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
+                                   uint32_t first_image, uint64_t seed) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const int image = r / K, sample = r % K;
+    float ratio = 0.0f;
+    for (int q = 0; q < LATENT_DIM / 4; q++) {
+        float zq[4];
+        ratio += iwae_sample_group(zq, mulv + (size_t)image * 2 * LATENT_DIM,
+                                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image, sample,
+                                   seed);
+        *reinterpret_cast<float4*>(&z[(size_t)r * LATENT_DIM + 4 * q]) = make_float4(zq[0], zq[1], zq[2], zq[3]);
+    }
+    log_ratio[r] = ratio;
+}
+
+// bf16: a block of 4 warps samples 32 rows into a bf16 z tile and runs fc3 on the tensor cores
+// (as latent_bf16_kernel does after its encoder GEMM), so z never reaches memory.
+__global__ void __launch_bounds__(128)
+    iwae_latent_bf16_kernel(bf16* __restrict__ h3, float* __restrict__ log_ratio, const float* __restrict__ mulv,
+                            const float* __restrict__ eps_in, const bf16* __restrict__ fc3_w_padded,
+                            const float* __restrict__ fc3_b, int rows, int K, uint32_t first_image, uint64_t seed) {
+    constexpr int BM = 32, GROUPS = LATENT_DIM / 4;
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    bf16(*fc3_w)[FC3_PITCH] = reinterpret_cast<bf16(*)[FC3_PITCH]>(smem_raw);
+    __shared__ __align__(16) bf16 z_tile[BM][FC3_PITCH];
+    __shared__ float ratio_terms[BM][GROUPS];
+    const int row0 = blockIdx.x * BM;
+    stage_fc3_weights(fc3_w, fc3_w_padded);
+
+    for (int i = threadIdx.x; i < BM * FC3_K_PADDED / 4; i += blockDim.x) { // z, and zeros in the K padding
+        const int r = i / (FC3_K_PADDED / 4), q = i % (FC3_K_PADDED / 4), row = row0 + r;
+        float z[4] = {};
+        if (q < GROUPS && row < rows) {
+            const int image = row / K;
+            ratio_terms[r][q] = iwae_sample_group(z, mulv + (size_t)image * 2 * LATENT_DIM,
+                                                  eps_in ? eps_in + (size_t)row * LATENT_DIM : NULL, q,
+                                                  first_image + image, row % K, seed);
+        }
+        #pragma unroll
+        for (int j = 0; j < 4; j++) z_tile[r][4 * q + j] = __float2bfloat16(z[j]);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (threadIdx.x < BM && row0 + (int)threadIdx.x < rows) {
+        float ratio = 0.0f;
+        for (int q = 0; q < GROUPS; q++) ratio += ratio_terms[threadIdx.x][q];
+        log_ratio[row0 + threadIdx.x] = ratio;
+    }
+    fc3_relu_tile(h3, z_tile, fc3_w, fc3_b, row0, rows);
+}
+
+// log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k, combined by a running
+// (max, sum of exp) so no exp overflows. One warp per image; lanes take k = lane, lane + 32, ...
+// and are merged by a shuffle tree, in the same order on every run.
+__device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
+    const float top = fmaxf(m, m2);
+    if (top == -INFINITY) return; // both empty
+    s = s * expf(m - top) + s2 * expf(m2 - top);
+    m = top;
+}
+enum { LSE_WARPS = 4 };
+__global__ void iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce,
+                                      const float* __restrict__ log_ratio, int images, int K) {
+    const int image = blockIdx.x * LSE_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (image >= images) return; // whole warps leave together
+    float m = -INFINITY, s = 0.0f;
+    for (int k = lane; k < K; k += 32) {
+        const size_t r = (size_t)image * K + k;
+        logsumexp_merge(m, s, log_ratio[r] - bce[r], 1.0f);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+        logsumexp_merge(m, s, m2, s2);
+    }
+    if (lane == 0) log_px[image] = m + logf(s) - logf((float)K);
+}
+
+// ----------------------------------------------------------------------------
 // launchers (every launch goes to the model's stream, so a forward pass can be graph-captured)
 
 template <typename TX>
@@ -887,8 +1013,10 @@ static void reparameterize(float* z, float* kl, const float* mulv, const float* 
     cudaCheck(cudaGetLastError());
 }
 
-static void bce_loss(float* bce, float* recon, const float* logits, const uint8_t* pixels, int B, cudaStream_t stream) {
-    bce_loss_kernel<<<ceil_div(B, LOSS_WARPS), LOSS_WARPS * 32, 0, stream>>>(bce, recon, logits, pixels, B);
+static void bce_loss(float* bce, float* recon, const float* logits, const uint8_t* pixels, int B, int rows_per_image,
+                     cudaStream_t stream) {
+    bce_loss_kernel<<<ceil_div(B, LOSS_WARPS), LOSS_WARPS * 32, 0, stream>>>(bce, recon, logits, pixels, B,
+                                                                             rows_per_image);
     cudaCheck(cudaGetLastError());
 }
 
@@ -915,12 +1043,36 @@ static void latent_bf16(bf16* h3, float* kl, float* mulv_out, float* z_out, cons
 }
 
 static void fc4_bce_bf16(float* bce, float* bce_partial, float* logits_out, float* recon_out, const bf16* h3,
-                         const bf16* W, const float* bias, const uint8_t* pixels, int B, cudaStream_t stream) {
+                         const bf16* W, const float* bias, const uint8_t* pixels, int B, int rows_per_image,
+                         cudaStream_t stream) {
     const dim3 grid(FC4_COL_BLOCKS, ceil_div(B, Fc4Tile::BM));
     fc4_bce_bf16_kernel<<<grid, Fc4Tile::THREADS, sizeof(Fc4Smem), stream>>>(bce_partial, logits_out, recon_out,
-                                                                                  h3, W, bias, pixels, B);
+                                                                                  h3, W, bias, pixels, B,
+                                                                                  rows_per_image);
     cudaCheck(cudaGetLastError());
     bce_finalize_kernel<<<ceil_div(B, 256), 256, 0, stream>>>(bce, bce_partial, B);
+    cudaCheck(cudaGetLastError());
+}
+
+static void iwae_sample(float* z, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
+                        uint32_t first_image, uint64_t seed, cudaStream_t stream) {
+    iwae_sample_kernel<<<ceil_div(rows, 128), 128, 0, stream>>>(z, log_ratio, mulv, eps_in, rows, K, first_image, seed);
+    cudaCheck(cudaGetLastError());
+}
+
+static void iwae_latent_bf16(bf16* h3, float* log_ratio, const float* mulv, const float* eps_in, const bf16* fc3_w_padded,
+                             const float* fc3_b, int rows, int K, uint32_t first_image, uint64_t seed,
+                             cudaStream_t stream) {
+    const size_t smem = sizeof(bf16) * HIDDEN_DIM * FC3_PITCH;
+    iwae_latent_bf16_kernel<<<ceil_div(rows, 32), 128, smem, stream>>>(h3, log_ratio, mulv, eps_in, fc3_w_padded, fc3_b,
+                                                                       rows, K, first_image, seed);
+    cudaCheck(cudaGetLastError());
+}
+
+static void iwae_logsumexp(float* log_px, const float* bce, const float* log_ratio, int images, int K,
+                           cudaStream_t stream) {
+    iwae_logsumexp_kernel<<<ceil_div(images, LSE_WARPS), LSE_WARPS * 32, 0, stream>>>(log_px, bce, log_ratio, images,
+                                                                                        K);
     cudaCheck(cudaGetLastError());
 }
 
@@ -961,6 +1113,8 @@ typedef struct {
     const bf16 *fc1_w16, *enc_w16, *fc3_w16, *fc4_w16; // fc3_w16 is [400][32], K zero-padded
     bf16 *h1_16, *h3_16;
     float* bce_partial; // [max_batch][FC4_COL_BLOCKS]
+    // --iwae: per-row BCE and log p(z) - log q(z|x) of the importance samples
+    float *row_bce, *row_log_ratio;
 } VAE;
 
 // How one forward pass draws z and what it keeps.
@@ -1009,6 +1163,8 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3", max_batch);
     m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits", max_batch);
     m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
+    m->row_bce = (float*)device_alloc(B * sizeof(float), "per-row BCE", max_batch);
+    m->row_log_ratio = (float*)device_alloc(B * sizeof(float), "per-row log-density ratios", max_batch);
 
     if (precision == PRECISION_BF16) {
         bf16_kernels_init();
@@ -1028,8 +1184,9 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
 }
 
 static void vae_free(VAE* m) {
-    void* buffers[] = {m->params, m->h1,          m->mulv,  m->z,     m->h3,         m->logits,
-                       m->recon,  m->params_bf16, m->h1_16, m->h3_16, m->bce_partial};
+    void* buffers[] = {m->params,      m->h1,    m->mulv,  m->z,           m->h3,      m->logits,
+                       m->recon,       m->params_bf16, m->h1_16, m->h3_16, m->bce_partial, m->row_bce,
+                       m->row_log_ratio};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
@@ -1063,14 +1220,43 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
         vae_encode(m, pixels, B);
         reparameterize(m->z, kl, m->mulv, opt->eps, B, first_image, opt->seed, opt->z_is_mu, m->stream);
         vae_decode_logits(m, m->z, B);
-        bce_loss(bce, opt->want_recon ? m->recon : NULL, m->logits, pixels, B, m->stream);
+        bce_loss(bce, opt->want_recon ? m->recon : NULL, m->logits, pixels, B, 1, m->stream);
     } else {
         const bool keep = opt->keep_activations;
         fc1_bf16(m->h1_16, pixels, m->fc1_w16, m->fc1_b, B, m->stream);
         latent_bf16(m->h3_16, kl, keep ? m->mulv : NULL, keep ? m->z : NULL, m->h1_16, m->enc_w16, m->enc_b,
                     m->fc3_w16, m->fc3_b, opt->eps, B, first_image, opt->seed, opt->z_is_mu, m->stream);
         fc4_bce_bf16(bce, m->bce_partial, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL, m->h3_16,
-                     m->fc4_w16, m->fc4_b, pixels, B, m->stream);
+                     m->fc4_w16, m->fc4_b, pixels, B, 1, m->stream);
+    }
+}
+
+// Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels),
+// K samples each, into the device array log_px[n]. The encoder runs once per image in fp32; the
+// n x K decoder passes run in the model's precision, as many images at a time as max_batch rows
+// hold. eps: device [n][K][20] noise to use instead of the generator (tests), or NULL.
+// Asynchronous on m->stream.
+static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
+                     const float* eps, float* log_px) {
+    if (K < 1 || K > m->max_batch) fail("internal: %d samples per image outside 1..%d", K, m->max_batch);
+    const int images_per_pass = m->max_batch / K;
+    for (int first = 0; first < n; first += images_per_pass) {
+        const int images = n - first < images_per_pass ? n - first : images_per_pass, rows = images * K;
+        const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
+        const float* eps_rows = eps ? eps + (size_t)first * K * LATENT_DIM : NULL;
+        const uint32_t image0 = first_image + (uint32_t)first;
+        vae_encode(m, x, images);
+        if (m->precision == PRECISION_FP32) {
+            iwae_sample(m->z, m->row_log_ratio, m->mulv, eps_rows, rows, K, image0, seed, m->stream);
+            vae_decode_logits(m, m->z, rows);
+            bce_loss(m->row_bce, NULL, m->logits, x, rows, K, m->stream);
+        } else {
+            iwae_latent_bf16(m->h3_16, m->row_log_ratio, m->mulv, eps_rows, m->fc3_w16, m->fc3_b, rows, K, image0,
+                             seed, m->stream);
+            fc4_bce_bf16(m->row_bce, m->bce_partial, NULL, NULL, m->h3_16, m->fc4_w16, m->fc4_b, x, rows, K,
+                         m->stream);
+        }
+        iwae_logsumexp(log_px + first, m->row_bce, m->row_log_ratio, images, K, m->stream);
     }
 }
 
@@ -1116,6 +1302,7 @@ typedef struct {
     bool z_is_mu;
     Precision precision;
     bool bench;
+    int iwae_k; // > 0: importance-weighted log-likelihood with this many samples per image
     bool help;
 } Config;
 
@@ -1134,6 +1321,8 @@ static const char* USAGE =
     "  --precision fp32|bf16\n"
     "              fp32: exact against PyTorch (default); bf16: tensor cores, fp32 accumulation\n"
     "  --bench     time one forward+loss at batch 1024, 2048, 4096, 10000 in both precisions\n"
+    "  --iwae K    instead: importance-weighted log-likelihood, K samples per image (mean NLL,\n"
+    "              its standard error, time; --csv gets per-image log p(x))\n"
     "  -h, --help  this help\n";
 
 static bool parse_int(const char* flag, const char* text, long long min, long long max, long long* out, Error* err) {
@@ -1150,9 +1339,10 @@ static bool parse_int(const char* flag, const char* text, long long min, long lo
 }
 
 enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper bound
+enum { IWAE_ROWS = 1 << 16 };  // decoder rows per --iwae pass (~0.6 GB of activations); K at most this
 
 static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
-    *cfg = (Config){"data/vae_weights.bin", "data", "out", NULL, 4096, 0, 0, false, PRECISION_FP32, false, false};
+    *cfg = (Config){"data/vae_weights.bin", "data", "out", NULL, 4096, 0, 0, false, PRECISION_FP32, false, 0, false};
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
         const char* value = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1163,6 +1353,9 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
             cfg->z_is_mu = true;
         } else if (!strcmp(a, "--bench")) {
             cfg->bench = true;
+        } else if (!strcmp(a, "--iwae")) {
+            if (!parse_int(a, value, 1, IWAE_ROWS, &v, err)) return false;
+            cfg->iwae_k = (int)v, i++;
         } else if (!strcmp(a, "--precision")) {
             if (value != NULL && !strcmp(value, "fp32")) cfg->precision = PRECISION_FP32;
             else if (value != NULL && !strcmp(value, "bf16")) cfg->precision = PRECISION_BF16;
@@ -1189,6 +1382,10 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
             return set_error(err, "unknown option '%s'. HINT: vae -h lists the options", a);
         }
     }
+    if (cfg->bench && cfg->iwae_k > 0)
+        return set_error(err, "--bench and --iwae are separate runs. HINT: pass one of them");
+    if (cfg->z_is_mu && cfg->iwae_k > 0)
+        return set_error(err, "--iwae samples z by definition; --zmu does not apply. HINT: drop --zmu");
     return true;
 }
 
@@ -1318,6 +1515,71 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
 // Times one whole forward+loss (sampled z) per batch size and precision: the forward pass is
 // captured once as a CUDA graph, replayed 20 times to warm up, then 200 replays are each timed
 // with CUDA events; the table shows the median.
+// Progress of a long run on stderr: a bar redrawn in place on a terminal, a line every 10%
+// otherwise (logs stay readable).
+static void report_progress(const char* what, int done, int total) {
+    static int last_decile = -1;
+    if (isatty(STDERR_FILENO)) {
+        const int width = 40, filled = (int)((long long)width * done / total);
+        fprintf(stderr, "\r%s [%.*s%*s] %3d%% (%d/%d)", what, filled, "########################################",
+                width - filled, "", (int)(100LL * done / total), done, total);
+        if (done == total) fputc('\n', stderr);
+    } else if ((int)(10LL * done / total) != last_decile) {
+        last_decile = (int)(10LL * done / total);
+        fprintf(stderr, "%s: %d/%d\n", what, done, total);
+    }
+}
+
+// --iwae K: log p(x) of every evaluated image, K importance samples each.
+static void run_iwae(const HostWeights* w, const Labels* labels, const uint8_t* d_pixels, int count, const Config* cfg,
+                     FILE* csv) {
+    const int K = cfg->iwae_k;
+    VAE m;
+    vae_init(&m, w, IWAE_ROWS, cfg->precision);
+    float* d_log_px = (float*)device_alloc((size_t)count * sizeof(float), "log p(x)", count);
+    vae_iwae(&m, d_pixels, 1, 0, K, cfg->seed, NULL, d_log_px); // untimed: module loading stays out
+
+    // slices of ~2% of the images between progress reports, each a whole number of passes
+    const int per_pass = IWAE_ROWS / K, passes = ceil_div(count, per_pass);
+    const int slice = per_pass * ceil_div(passes, 50);
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    cudaCheck(cudaEventRecord(start, m.stream));
+    for (int first = 0; first < count; first += slice) {
+        const int n = count - first < slice ? count - first : slice;
+        vae_iwae(&m, d_pixels + (size_t)first * INPUT_DIM, n, first, K, cfg->seed, NULL, d_log_px + first);
+        cudaCheck(cudaStreamSynchronize(m.stream));
+        report_progress("iwae", first + n, count);
+    }
+    cudaCheck(cudaEventRecord(stop, m.stream));
+    cudaCheck(cudaEventSynchronize(stop));
+    float ms;
+    cudaCheck(cudaEventElapsedTime(&ms, start, stop));
+
+    float* log_px = (float*)malloc((size_t)count * sizeof(float));
+    if (log_px == NULL) fail("out of host memory for %d results", count);
+    cudaCheck(cudaMemcpy(log_px, d_log_px, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
+    double sum = 0.0, sum_sq = 0.0;
+    for (int i = 0; i < count; i++) sum += log_px[i], sum_sq += (double)log_px[i] * log_px[i];
+    const double mean = sum / count, var = count > 1 ? (sum_sq - count * mean * mean) / (count - 1) : 0.0;
+    printf("IWAE, K = %d samples per image, %d images (%s)\n", K, count, PRECISION_NAMES[cfg->precision]);
+    printf("mean NLL   %10.4f   (-log p(x), nats; standard error %.4f)\n", -mean, sqrt(fmax(var, 0.0) / count));
+    printf("time       %10.2f ms (%.3g decoder passes/s, progress reports included)\n", ms,
+           (double)count * K / (ms * 1e-3));
+    if (csv != NULL) {
+        bool ok = fprintf(csv, "index,label,log_px\n") > 0;
+        for (int i = 0; i < count && ok; i++) ok = fprintf(csv, "%d,%d,%.6f\n", i, labels->labels[i], log_px[i]) > 0;
+        if (fclose(csv) != 0 || !ok) fail("--csv %s: write failed (%s)", cfg->csv_path, strerror(errno));
+        printf("wrote %s\n", cfg->csv_path);
+    }
+    free(log_px);
+    cudaCheck(cudaFree(d_log_px));
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    vae_free(&m);
+}
+
 static void run_bench(const HostWeights* w, const uint8_t* d_pixels, int count, uint64_t seed) {
     enum { WARMUP = 20, REPS = 200 };
     const int batches[] = {1024, 2048, 4096, 10000};
@@ -1416,11 +1678,16 @@ int main(int argc, char** argv) {
     print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
     print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
     print_row("seed", "%llu", (unsigned long long)cfg.seed);
+    if (cfg.iwae_k > 0) print_row("iwae", "K = %d importance samples per image", cfg.iwae_k);
     print_separator();
 
     // the test images stay on the device as uint8 for the whole run: no copies in the batch loop
     uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the test images", batch);
     cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)count * INPUT_DIM, cudaMemcpyHostToDevice));
+    if (cfg.iwae_k > 0) {
+        run_iwae(&weights, &labels, d_pixels, count, &cfg, csv);
+        return 0;
+    }
     if (cfg.bench) {
         run_bench(&weights, d_pixels, count, cfg.seed);
         return 0;

@@ -6,6 +6,7 @@ around each call, 20 warm-up calls, median of 200.
 
   python3 dev/bench_pytorch.py                       PyTorch table
   python3 dev/bench_pytorch.py --vae-bench LOG       also the ratio to ./vae --bench's table in LOG
+  python3 dev/bench_pytorch.py --iwae 5000           IWAE log-likelihood of the test set instead
 
 Modes: eager fp32, eager bf16 (autocast), CUDA graph fp32, CUDA graph bf16 (model in bf16),
 and eager fp32 on the host CPU with all cores (timed with a wall clock, median of 10).
@@ -68,6 +69,51 @@ def forward_loss(model, pixels, dtype):
     return bce, kl
 
 
+def iwae_log_px(model, pixels, k, chunk, dtype):
+    """log p(x) of each image from k importance samples, chunk images at a time; Gaussian terms
+    with their -1/2 log(2 pi), log p(x|z) = -BCE from the logits."""
+    out = []
+    half_log_2pi = 0.5 * np.log(2 * np.pi)
+    for first in range(0, len(pixels), chunk):
+        x = pixels[first:first + chunk].to(dtype) / 255.0
+        h1 = F.relu(model.fc1(x))
+        mu, logvar = model.fc21(h1).float(), model.fc22(h1).float()
+        eps = torch.randn(x.shape[0], k, mu.shape[1], device=x.device)
+        z = mu[:, None, :] + eps * torch.exp(0.5 * logvar)[:, None, :]
+        logits = model.fc4(F.relu(model.fc3(z.to(dtype)))).float()
+        bce = F.binary_cross_entropy_with_logits(logits, x.float()[:, None, :].expand_as(logits),
+                                                 reduction="none").sum(2)
+        log_pz = (-0.5 * z.pow(2) - half_log_2pi).sum(2)
+        log_qz = (-0.5 * eps.pow(2) - 0.5 * logvar[:, None, :] - half_log_2pi).sum(2)
+        out.append(torch.logsumexp(-bce + log_pz - log_qz, dim=1) - np.log(k))
+    return torch.cat(out)
+
+
+def run_iwae(model, images, k, n, chunk=16):
+    """Times one whole IWAE evaluation per mode (CUDA events, after one warm-up chunk)."""
+    m32 = model.cuda()
+    pixels = images[:n].cuda()
+    print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name()}: IWAE, K = {k}, {n} images, "
+          f"chunks of {chunk} images")
+    print("| PyTorch mode | images | K | time ms | mean NLL | decoder passes/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for mode, dtype in (("eager fp32", None), ("eager bf16 autocast", torch.bfloat16)):
+        def evaluate(px):
+            if dtype is None:
+                return iwae_log_px(m32, px, k, chunk, torch.float32)
+            with torch.autocast("cuda", dtype=dtype):
+                return iwae_log_px(m32, px, k, chunk, torch.float32)
+        with torch.no_grad():
+            evaluate(pixels[:chunk])
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            log_px = evaluate(pixels)
+            stop.record()
+            torch.cuda.synchronize()
+        ms = start.elapsed_time(stop)
+        print(f"| {mode} | {n} | {k} | {ms:.1f} | {-log_px.double().mean():.4f} | {n * k / (ms * 1e-3):.3g} |")
+
+
 def time_cuda(fn, warmup=20, reps=200):
     for _ in range(warmup):
         fn()
@@ -122,11 +168,18 @@ def main():
     p.add_argument("--data", default="data", help="folder with vae_weights.bin and the test images")
     p.add_argument("--vae-bench", help="output of ./vae --bench, to print the ratio per batch")
     p.add_argument("--no-cpu", action="store_true", help="skip the host CPU timing")
+    p.add_argument("--iwae", type=int, metavar="K", help="time the IWAE log-likelihood with K samples instead")
+    p.add_argument("-n", type=int, default=10000, help="images for --iwae (default 10000)")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model = load_weights(os.path.join(args.data, "vae_weights.bin")).eval()
     images = load_images(os.path.join(args.data, "t10k-images-idx3-ubyte"))
+    if args.iwae:
+        if not torch.cuda.is_available():
+            sys.exit("--iwae needs a CUDA device")
+        run_iwae(model, images, args.iwae, args.n)
+        return
 
     results = {}  # (mode, batch) -> us
     gpu = torch.cuda.is_available()

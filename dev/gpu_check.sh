@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the tests, the program, and the dev drivers.
 # Logs and images go to $OUT (default /tmp/vae_out). Usage: bash dev/gpu_check.sh [sections...]
-# sections: test vae break bench pytorch profile dev (default: all of them)
+# sections: test vae break bench pytorch iwae profile dev (default: all of them)
 set -uo pipefail
 OUT=${OUT:-/tmp/vae_out}
 mkdir -p "$OUT"
-sections=${*:-test vae break bench pytorch profile dev}
+sections=${*:-test vae break bench pytorch iwae profile dev}
 status=0
 has() { [[ " $sections " == *" $1 "* ]]; }
 run() { echo "== $*"; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
@@ -42,6 +42,13 @@ if has bench; then
 fi
 if has pytorch; then
     run bash -c "PYTHONUNBUFFERED=1 python3 dev/bench_pytorch.py --vae-bench $OUT/bench.log 2>&1 | tee $OUT/bench_pytorch.log"
+fi
+if has iwae; then
+    for p in fp32 bf16; do
+        run bash -c "./vae --iwae 5000 -n 1000 --precision $p | tail -3 | tee -a $OUT/iwae.log"
+        run bash -c "./vae --iwae 5000 --precision $p --csv $OUT/iwae_$p.csv | tail -4 | tee -a $OUT/iwae.log"
+    done
+    run bash -c "PYTHONUNBUFFERED=1 python3 dev/bench_pytorch.py --iwae 5000 2>&1 | tee $OUT/iwae_pytorch.log"
 fi
 if has profile; then run bash dev/profile.sh 1024 4096; fi
 if has dev; then run bash dev/run_gemm.sh; fi
