@@ -506,29 +506,29 @@ __device__ inline float byte_as_float(uint32_t word, int b) {
 }
 
 // A block tile of X[M,K] W[N,K]^T: BM x BN outputs from WARPS_M x WARPS_N warps, each owning
-// MT x NT mma tiles of 16 x 8. K is walked in slices of 32 through a STAGES-deep cp.async
+// MT x NT mma tiles of 16 x 8. K is walked in slices of BK through a STAGES-deep cp.async
 // pipeline, so STAGES-1 slices are in flight while the tensor cores work on another. Rows of the
-// staged slices are padded to 80 bytes so that the 8 rows an ldmatrix phase reads fall into 8
-// different groups of shared-memory banks. Pixel rows (uint8) land in their own staging buffer
+// staged slices are padded by 16 bytes (to an odd number of 16-byte chunks) so that the 8 rows an
+// ldmatrix phase reads fall into 8 different groups of shared-memory banks. Pixel rows (uint8) land in their own staging buffer
 // and are widened to bf16 once per slice (integers 0..255 are exact in bf16; the 1/255 is
 // applied to the fp32 sums), instead of once per fragment by every warp that reads them.
 // THREADS may exceed the MMA warps: the extra warps help load and then have other work.
-enum { MMA_BK = 32, MMA_PITCH = MMA_BK + 8 };
-
-template <typename TX, int WARPS_M_, int WARPS_N_, int MT_, int NT_, int STAGES_ = 3,
+template <typename TX, int WARPS_M_, int WARPS_N_, int MT_, int NT_, int STAGES_ = 3, int BK_ = 32,
           int THREADS_ = 32 * WARPS_M_ * WARPS_N_>
 struct MmaTile {
     typedef TX InputType;
-    static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, MT = MT_, NT = NT_, STAGES = STAGES_;
+    static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, MT = MT_, NT = NT_, STAGES = STAGES_, BK = BK_;
+    static constexpr int PITCH = BK + 8; // bf16 elements per staged row
+    static_assert(BK % 32 == 0, "slices of whole k32 steps (two mma k16)");
     static constexpr int BM = WARPS_M * MT * 16, BN = WARPS_N * NT * 8, MMA_WARPS = WARPS_M * WARPS_N;
     static constexpr int THREADS = THREADS_;
     static_assert(THREADS >= 32 * MMA_WARPS && THREADS % 32 == 0, "whole warps, at least the MMA warps");
     static constexpr bool WIDEN = sizeof(TX) == 1;                  // pixel input
-    static constexpr int X_PITCH = WIDEN ? MMA_BK + 16 : MMA_PITCH; // elements
+    static constexpr int X_PITCH = WIDEN ? BK + 16 : PITCH; // elements
     struct Smem {
         TX x[STAGES][BM][X_PITCH];
-        bf16 w[STAGES][BN][MMA_PITCH];
-        bf16 x_wide[WIDEN ? BM : 1][MMA_PITCH]; // the current pixel slice as bf16
+        bf16 w[STAGES][BN][PITCH];
+        bf16 x_wide[WIDEN ? BM : 1][PITCH]; // the current pixel slice as bf16
     };
 };
 
@@ -541,7 +541,8 @@ __device__ inline void mma_mainloop(float (&acc)[Tile::MT][Tile::NT][4], typenam
     typedef typename Tile::InputType TX;
     // Each thread copies 16-byte chunks at one fixed k offset of rows r, r + ROWS_PER_PASS, ...:
     // the addresses are worked out once here, and each slice only adds k0.
-    constexpr int X_CHUNK = 16 / sizeof(TX), X_CPR = MMA_BK / X_CHUNK, W_CPR = MMA_BK / 8; // chunks per row
+    constexpr int BK = Tile::BK, PITCH = Tile::PITCH;
+    constexpr int X_CHUNK = 16 / sizeof(TX), X_CPR = BK / X_CHUNK, W_CPR = BK / 8; // chunks per row
     static_assert(Tile::THREADS % X_CPR == 0 && Tile::THREADS % W_CPR == 0, "one k offset per thread");
     constexpr int X_PASS = Tile::THREADS / X_CPR, W_PASS = Tile::THREADS / W_CPR; // rows per pass
     constexpr int X_PASSES = (Tile::BM + X_PASS - 1) / X_PASS, W_PASSES = (Tile::BN + W_PASS - 1) / W_PASS;
@@ -572,22 +573,22 @@ __device__ inline void mma_mainloop(float (&acc)[Tile::MT][Tile::NT][4], typenam
     const int a_row = lane % 16, a_k = (lane / 16) * 8;
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8;
 
-    const int num_slices = (K + MMA_BK - 1) / MMA_BK;
+    const int num_slices = (K + BK - 1) / BK;
     for (int s = 0; s < Tile::STAGES - 1; s++) {
-        if (s < num_slices) load_slice(s, s * MMA_BK);
+        if (s < num_slices) load_slice(s, s * BK);
         cp_async_commit(); // empty groups keep the count uniform
     }
     for (int kt = 0; kt < num_slices; kt++) {
         cp_async_wait<Tile::STAGES - 2>(); // slice kt has landed (for this thread's copies) ...
         __syncthreads();                   // ... and for everyone's; slice kt-1's stage is free again
         const int next = kt + Tile::STAGES - 1;
-        if (next < num_slices) load_slice(next % Tile::STAGES, next * MMA_BK);
+        if (next < num_slices) load_slice(next % Tile::STAGES, next * BK);
         cp_async_commit();
         const int stage = kt % Tile::STAGES;
-        const bf16(*xs)[MMA_PITCH];
+        const bf16(*xs)[PITCH];
         if constexpr (Tile::WIDEN) {
-            for (int c = threadIdx.x; c < Tile::BM * 2; c += Tile::THREADS) { // 16 pixels per step
-                const int r = c / 2, k = (c % 2) * 16;
+            for (int c = threadIdx.x; c < Tile::BM * (BK / 16); c += Tile::THREADS) { // 16 pixels per step
+                const int r = c / (BK / 16), k = (c % (BK / 16)) * 16;
                 const uint4 bytes = *reinterpret_cast<const uint4*>(&sm.x[stage][r][k]);
                 const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
                 __nv_bfloat162 wide[8];
@@ -605,7 +606,7 @@ __device__ inline void mma_mainloop(float (&acc)[Tile::MT][Tile::NT][4], typenam
         }
         if (warp >= Tile::MMA_WARPS) continue; // warp-uniform: loader-only warps
         #pragma unroll
-        for (int kk = 0; kk < MMA_BK; kk += 16) {
+        for (int kk = 0; kk < BK; kk += 16) {
             uint32_t a[Tile::MT][4], b[Tile::NT][2];
             #pragma unroll
             for (int mt = 0; mt < Tile::MT; mt++) ldmatrix_x4(a[mt], &xs[warp_row + mt * 16 + a_row][kk + a_k]);
@@ -617,7 +618,7 @@ __device__ inline void mma_mainloop(float (&acc)[Tile::MT][Tile::NT][4], typenam
                     ldmatrix_x4(r, row);
                     b[nt][0] = r[0], b[nt][1] = r[1], b[nt + 1][0] = r[2], b[nt + 1][1] = r[3];
                 } else { // odd NT: the last tile alone; lanes 16-31 pass (unused) in-bounds addresses
-                    ldmatrix_x2(b[nt][0], b[nt][1], row - (lane / 16) * 8 * MMA_PITCH);
+                    ldmatrix_x2(b[nt][0], b[nt][1], row - (lane / 16) * 8 * PITCH);
                 }
             }
             #pragma unroll
@@ -673,7 +674,7 @@ __global__ void __launch_bounds__(Tile::THREADS)
 //   h3 = ReLU(z W3^T + b3)            tensor cores (4 warps), K = 20 zero-padded to 32, N = 400
 // fc3's weights (25 KB) are copied into shared memory while the first GEMM runs, so the second
 // GEMM never waits on global memory. mu, logvar and z reach memory only when asked for (tests).
-typedef MmaTile<bf16, 2, 1, 1, 5, 3, 128> LatentTile; // 32 images x 40 outputs, 2 MMA warps of 4
+typedef MmaTile<bf16, 2, 1, 1, 5, 3, 32, 128> LatentTile; // 32 images x 40 outputs, 2 MMA warps of 4
 enum { FC3_K_PADDED = 32, FC3_PITCH = FC3_K_PADDED + 8 }; // pitch: 80-byte rows, conflict-free fragments
 struct LatentSmem {
     LatentTile::Smem mma;
@@ -804,7 +805,7 @@ __device__ inline float bce_term_fast(float logit, uint8_t pixel) {
 // reads them without a round trip to global memory. Row r is compared with image
 // r / rows_per_image (1 for the ELBO; K when the rows are K importance samples of each image). Logits and recon are written only when asked
 // for (tests, images).
-typedef MmaTile<bf16, 4, 2, 2, 7> Fc4Tile; // 128 images x 112 pixels, 8 warps
+typedef MmaTile<bf16, 4, 2, 2, 7, 2, 64> Fc4Tile; // 128 images x 112 pixels, 8 warps, K in slices of 64
 enum { FC4_COL_BLOCKS = INPUT_DIM / Fc4Tile::BN };
 static_assert(INPUT_DIM % Fc4Tile::BN == 0, "column blocks tile the 784 pixels exactly");
 static_assert(INPUT_DIM % 16 == 0 && Fc4Tile::BN % 16 == 0, "pixel tiles are whole 16-byte chunks");
@@ -1025,7 +1026,7 @@ static void sigmoid(float* out, const float* in, int n, cudaStream_t stream) {
     cudaCheck(cudaGetLastError());
 }
 
-typedef MmaTile<uint8_t, 4, 2, 2, 5, 4> Fc1Tile; // 128 images x 80 hidden units (400 = 5 x 80), 8 warps, 4 stages
+typedef MmaTile<uint8_t, 4, 2, 2, 5, 3, 64> Fc1Tile; // 128 images x 80 hidden units (400 = 5 x 80), 8 warps
 
 static void fc1_bf16(bf16* h1, const uint8_t* pixels, const bf16* W, const float* bias, int B, cudaStream_t stream) {
     const dim3 grid(ceil_div(HIDDEN_DIM, Fc1Tile::BN), ceil_div(B, Fc1Tile::BM));
