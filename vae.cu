@@ -1340,6 +1340,9 @@ static bool parse_int(const char* flag, const char* text, long long min, long lo
 }
 
 enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper bound
+// The program joins paths into 4096-byte buffers (-d + "/t10k-images-idx3-ubyte", -o +
+// "/samples.ppm"); a longer argument would be cut silently and name another file.
+enum { MAX_PATH_ARG = 4000 };
 enum { IWAE_ROWS = 1 << 16 };  // decoder rows per --iwae pass (~0.6 GB of activations); K at most this
 
 static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
@@ -1364,6 +1367,9 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
             i++;
         } else if (!strcmp(a, "-w") || !strcmp(a, "-d") || !strcmp(a, "-o") || !strcmp(a, "--csv")) {
             if (value == NULL || value[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", a);
+            if (strlen(value) > MAX_PATH_ARG)
+                return set_error(err, "%s: a path of %zu characters, longer than %d. HINT: use a shorter path", a,
+                                 strlen(value), (int)MAX_PATH_ARG);
             const char** dst = !strcmp(a, "-w") ? &cfg->weights_path
                              : !strcmp(a, "-d") ? &cfg->data_dir
                              : !strcmp(a, "-o") ? &cfg->out_dir
