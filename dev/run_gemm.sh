@@ -4,7 +4,7 @@
 # % of cuBLAS (same precision) per variant and layer shape.
 #
 #   bash dev/run_gemm.sh           # all variants
-#   bash dev/run_gemm.sh --sweep   # also every v7 tile shape
+#   bash dev/run_gemm.sh --sweep   # also every v7 tile shape and v8 configuration
 #
 # Exits non-zero if a build fails or any driver fails validation.
 set -uo pipefail
@@ -32,7 +32,7 @@ run() {
     fi
 }
 for d in "${DRIVERS[@]}"; do run "$d"; done
-if [ "${1:-}" = "--sweep" ]; then run gemm_v7 --sweep; fi
+if [ "${1:-}" = "--sweep" ]; then run gemm_v7 --sweep; run gemm_v8 --sweep; fi
 
 summary() {
 echo
