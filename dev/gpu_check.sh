@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the tests, the program, and the dev drivers.
 # Logs and images go to $OUT (default /tmp/vae_out). Usage: bash dev/gpu_check.sh [sections...]
-# sections: test vae break bench pytorch iwae profile dev (default: all of them)
+# sections: test vae break bench pytorch iwae sanitize profile dev (default: all of them)
 set -uo pipefail
 OUT=${OUT:-/tmp/vae_out}
 mkdir -p "$OUT"
-sections=${*:-test vae break bench pytorch iwae profile dev}
+sections=${*:-test vae break bench pytorch iwae sanitize profile dev}
 status=0
 has() { [[ " $sections " == *" $1 "* ]]; }
 run() { echo "== $*"; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
@@ -50,6 +50,10 @@ if has iwae; then
     done
     run bash -c "PYTHONUNBUFFERED=1 python3 dev/bench_pytorch.py --iwae 5000 2>&1 | tee $OUT/iwae_pytorch.log"
 fi
+if has sanitize; then run bash -c "SANITIZE_JOBS=16 bash dev/sanitize.sh 2>&1 | grep -E '^(sanitize|cli)' | tee $OUT/sanitize.log"; fi
 if has profile; then run bash dev/profile.sh 1024 4096; fi
-if has dev; then run bash dev/run_gemm.sh; fi
+if has dev; then
+    run bash dev/run_gemm.sh
+    run bash dev/run_kernels.sh
+fi
 exit $status

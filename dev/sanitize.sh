@@ -4,9 +4,10 @@
 #   bash dev/sanitize.sh [sections] sections: sanitize cli (default both)
 # sanitize: each tool (memcheck: out-of-bounds and misaligned accesses, device leaks; racecheck:
 #   shared-memory races; initcheck: reads of uninitialized device memory; synccheck: barrier
-#   misuse) on `./vae -n 512` and on `./test_vae --quick --gpu-only` (the GPU checks on a
-#   130-image subset, batch 1 only in the B = 1 reference case: see test_vae.cu), each in fp32 and bf16: 16 runs, SANITIZE_JOBS (8) at a
-#   time, each stopped after SANITIZE_TIMEOUT (600) seconds.
+#   misuse) on `./vae -n 512`, `./vae --iwae 8 -n 64` and `./test_vae --quick --gpu-only` (the
+#   GPU checks on a 130-image subset, batch 1 only in the B = 1 reference case: see test_vae.cu),
+#   each in fp32 and bf16: 24 runs, SANITIZE_JOBS (8) at a time, each stopped after
+#   SANITIZE_TIMEOUT (600) seconds.
 #   One line per tool x program x precision with compute-sanitizer's error count.
 # cli: -b larger than -n, -b 1, a huge -b, -n larger than the data, bad flags; then the whole
 #   test_vae, whose GPU part includes the out-of-memory message at a batch that cannot fit.
@@ -30,7 +31,7 @@ if has sanitize; then
     jobs=${SANITIZE_JOBS:-8}
     runs=()
     for tool in memcheck racecheck initcheck synccheck; do
-        for program in vae test_vae; do
+        for program in vae vae_iwae test_vae; do
             for precision in fp32 bf16; do runs+=("$tool $program $precision"); done
         done
     done
@@ -39,6 +40,7 @@ if has sanitize; then
         local extra=()
         [ "$tool" = memcheck ] && extra=(--leak-check full)
         local cmd=(./vae -n 512 --precision "$precision" -o "$logs/out_$precision")
+        [ "$program" = vae_iwae ] && cmd=(./vae --iwae 8 -n 64 --precision "$precision")
         [ "$program" = test_vae ] && cmd=(./test_vae --quick --gpu-only --precision "$precision")
         local start=$SECONDS
         timeout "${SANITIZE_TIMEOUT:-600}" "$sanitizer" --tool "$tool" "${extra[@]}" --target-processes application-only "${cmd[@]}" > "$log" 2>&1
