@@ -1668,7 +1668,7 @@ int main(int argc, char** argv) {
              images.count);
     const int count = cfg.count > 0 ? cfg.count : images.count;
     const int batch = cfg.batch < count ? cfg.batch : count;
-    ensure_writable_dir(cfg.out_dir);
+    if (cfg.iwae_k == 0 && !cfg.bench) ensure_writable_dir(cfg.out_dir); // the only runs that write images
     FILE* csv = NULL;
     if (cfg.csv_path != NULL && (csv = fopen(cfg.csv_path, "w")) == NULL)
         fail("--csv %s: cannot write (%s). HINT: pass a writable path", cfg.csv_path, strerror(errno));
@@ -1691,12 +1691,13 @@ int main(int argc, char** argv) {
     // the test images stay on the device as uint8 for the whole run: no copies in the batch loop
     uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the test images", batch);
     cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)count * INPUT_DIM, cudaMemcpyHostToDevice));
-    if (cfg.iwae_k > 0) {
-        run_iwae(&weights, &labels, d_pixels, count, &cfg, csv);
-        return 0;
-    }
-    if (cfg.bench) {
-        run_bench(&weights, d_pixels, count, cfg.seed);
+    if (cfg.iwae_k > 0 || cfg.bench) {
+        if (cfg.iwae_k > 0) run_iwae(&weights, &labels, d_pixels, count, &cfg, csv);
+        else run_bench(&weights, d_pixels, count, cfg.seed);
+        cudaCheck(cudaFree(d_pixels));
+        free(weights.data);
+        free(images.pixels);
+        free(labels.labels);
         return 0;
     }
     float* d_bce = (float*)device_alloc((size_t)count * sizeof(float), "the losses", batch);
