@@ -5,8 +5,17 @@ GPU_ARCH ?= $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/
 ifeq ($(GPU_ARCH),)
 GPU_ARCH := 90
 endif
+# Hopper builds for sm_90a, the architecture-specific target that has wgmma (fc4's kernel there);
+# -gencode because the -arch=sm_90a shorthand also runs a plain sm_90 pass. Other GPUs run the
+# mma.sync kernels.
+ifeq ($(GPU_ARCH),90)
+ARCH_FLAGS := -gencode arch=compute_90a,code=sm_90a
+$(info vae.cu: building for sm_90a)
+else
+ARCH_FLAGS := -arch=sm_$(GPU_ARCH)
 $(info vae.cu: building for sm_$(GPU_ARCH))
-NVCCFLAGS ?= -O3 -std=c++17 -lineinfo -arch=sm_$(GPU_ARCH) -Xcompiler -Wall,-Wextra -Werror all-warnings
+endif
+NVCCFLAGS ?= -O3 -std=c++17 -lineinfo $(ARCH_FLAGS) -Xcompiler -Wall,-Wextra -Werror all-warnings
 LDLIBS = -lcublas -lcublasLt
 
 # A Python that can import torch, for prepare_weights.py (Debian's python3-torch lives in /usr/bin).

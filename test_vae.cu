@@ -996,6 +996,29 @@ static void test_gpu_generator_keying(VAE* m, const uint8_t* d_pixels) {
     cudaCheck(cudaFree(d_kl));
 }
 
+// On Hopper the bf16 path runs fc4 + BCE on the wgmma kernel; the mma.sync kernel that other GPUs
+// run gets the same checks here (forced through m->fc4_wgmma), and the two must agree: up to
+// fp32 summation order in the logits and the row sums, far below bf16's error.
+static void test_gpu_fc4_fallback(VAE* m, const uint8_t* d_pixels, const DebugState* ds, int count, int small) {
+    printf("GPU bf16 with fc4 on mma.sync (the kernel of GPUs without wgmma)\n");
+    float *bce[2], *kl[2];
+    for (int wgmma = 0; wgmma < 2; wgmma++) {
+        m->fc4_wgmma = wgmma;
+        bce[wgmma] = (float*)malloc((size_t)count * 4), kl[wgmma] = (float*)malloc((size_t)count * 4);
+        gpu_losses(m, d_pixels, count, count, 7, false, bce[wgmma], kl[wgmma]);
+    }
+    double worst = 0.0;
+    for (int i = 0; i < count; i++) worst = fmax(worst, fabs((double)bce[0][i] - bce[1][i]) / fabs((double)bce[1][i]));
+    check(worst < 1e-4 && !memcmp(kl[0], kl[1], (size_t)count * 4),
+          "mma.sync and wgmma: per-image BCE of %d images within %.1e relative (max %.2e), KL bitwise equal", count,
+          1e-4, worst);
+    for (int k = 0; k < 2; k++) free(bce[k]), free(kl[k]);
+    m->fc4_wgmma = false;
+    test_gpu_activations(m, d_pixels, ds);
+    test_gpu_invariance(m, d_pixels, count, small);
+    m->fc4_wgmma = true;
+}
+
 static double fp32_mean_bce_zmu = NAN; // set by the fp32 run, compared against by bf16
 
 static void test_gpu_test_set(VAE* m, const uint8_t* d_pixels, int count) {
@@ -1286,18 +1309,20 @@ int main(int argc, char** argv) {
     const cudaError_t status = cudaGetDeviceCount(&devices);
     for (Precision precision : {PRECISION_FP32, PRECISION_BF16}) {
         const char* name = PRECISION_NAMES[precision];
-        char what[5][96];
+        char what[6][96];
         snprintf(what[0], sizeof(what[0]), "GPU %s activations vs PyTorch", name);
         snprintf(what[1], sizeof(what[1]), "GPU %s batch invariance and determinism", name);
         snprintf(what[2], sizeof(what[2]), "GPU %s generator keying", name);
         snprintf(what[3], sizeof(what[3]), "GPU %s full test set losses", name);
         snprintf(what[4], sizeof(what[4]), "GPU %s IWAE", name);
+        snprintf(what[5], sizeof(what[5]), "GPU %s fc4 on mma.sync against wgmma", name);
+        const int num_what = precision == PRECISION_BF16 ? 6 : 5; // the fc4 kernels are bf16 only
         const char* why = !loaded                                  ? "inputs did not load"
                         : status != cudaSuccess || devices == 0    ? "no CUDA device"
                         : !run_precision[precision]                ? "--precision"
                                                                    : NULL;
         if (why != NULL) {
-            for (auto& w : what) skip(w, why);
+            for (int i = 0; i < num_what; i++) skip(what[i], why);
             continue;
         }
         cudaDeviceProp prop;
@@ -1317,6 +1342,10 @@ int main(int argc, char** argv) {
         if (quick) skip(what[3], "--quick");
         else test_gpu_test_set(&m, d_pixels, images.count);
         test_gpu_iwae(&m, &weights, d_pixels, &iwae, quick ? 0 : images.count);
+        if (precision == PRECISION_BF16 && m.fc4_wgmma)
+            test_gpu_fc4_fallback(&m, d_pixels, &ds, invariance_images, quick ? QUICK_SMALL_BATCH : 1);
+        else if (precision == PRECISION_BF16)
+            skip(what[5], "this GPU and build have no wgmma: mma.sync was the kernel tested above");
         vae_free(&m);
         cudaCheck(cudaFree(d_pixels));
     }
