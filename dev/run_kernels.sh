@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds and runs every non-GEMM driver in dev/ (reparam_*, loss_*, convert_*,
-# fused_*), logs everything to ${OUT:-/tmp}/dev_kernels.log and prints the
+# fused_*, iwae_*), logs everything to ${OUT:-/tmp}/dev_kernels.log and prints the
 # result rows of each family last.
 #
 #   bash dev/run_kernels.sh              # all families
 #   bash dev/run_kernels.sh loss fused   # only these families
+#   bash dev/run_kernels.sh iwae         # the IWAE log-likelihood kernels only
 #
 # Exits non-zero if a build fails or any driver fails validation.
 set -uo pipefail
@@ -14,7 +15,7 @@ LOG="${OUT:-/tmp}/dev_kernels.log"
 mkdir -p "$(dirname "$LOG")"
 : >"$LOG"
 
-if [ "$#" -gt 0 ]; then FAMILIES=("$@"); else FAMILIES=(reparam loss convert fused); fi
+if [ "$#" -gt 0 ]; then FAMILIES=("$@"); else FAMILIES=(reparam loss convert fused iwae); fi
 DRIVERS=()
 for f in "${FAMILIES[@]}"; do
     for src in "$f"_v*.cu; do [ -e "$src" ] && DRIVERS+=("${src%.cu}"); done

@@ -7,7 +7,7 @@
 #   misuse) on `./vae -n 512`, `./vae --iwae 8 -n 64` and `./test_vae --quick --gpu-only` (the
 #   GPU checks on a 130-image subset, batch 1 only in the B = 1 reference case: see test_vae.cu),
 #   each in fp32 and bf16: 24 runs, SANITIZE_JOBS (8) at a time, each stopped after
-#   SANITIZE_TIMEOUT (600) seconds.
+#   SANITIZE_TIMEOUT (600) seconds. SANITIZE_PROGRAMS picks some of the three (default all).
 #   One line per tool x program x precision with compute-sanitizer's error count.
 # cli: -b larger than -n, -b 1, a huge -b, -n larger than the data, bad flags; then the whole
 #   test_vae, whose GPU part includes the out-of-memory message at a batch that cannot fit.
@@ -31,7 +31,7 @@ if has sanitize; then
     jobs=${SANITIZE_JOBS:-8}
     runs=()
     for tool in memcheck racecheck initcheck synccheck; do
-        for program in vae vae_iwae test_vae; do
+        for program in ${SANITIZE_PROGRAMS:-vae vae_iwae test_vae}; do
             for precision in fp32 bf16; do runs+=("$tool $program $precision"); done
         done
     done

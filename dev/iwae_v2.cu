@@ -1,0 +1,189 @@
+// IWAE v2: vae.cu's design, three kernels per pass, no logits in memory.
+//
+//   1. sampling + fc3 in one block: 64 rows' z go straight into a bf16 tile in
+//      shared memory (with each row's log p(z) - log q(z|x)), and the block's
+//      4 warps multiply it by fc3 (staged in shared memory once per block) on
+//      the tensor cores; only h3 (bf16) is written. z never reaches memory.
+//   2. fc4 with the BCE in its epilogue (common.h's fc4_bce_bf16_kernel with
+//      the pixel row of image r / K): the logits stay in registers; each of
+//      the 7 column blocks writes one partial per row.
+//   3. one warp per image adds each row's 7 partials in a fixed order (the
+//      finalize that vae.cu runs as its own kernel) and folds the K
+//      log-weights into a running logsumexp.
+// Against v1: the 205 MB of fp32 logits per pass are never written nor read,
+// and z's round trip and two launches are gone.
+//
+// Build and run:  make -C dev iwae_v2 && ./dev/iwae_v2
+#include "common.h"
+
+using namespace vae;
+
+constexpr int kLatentRows = 64, kLatentWarps = kLatentRows / 16, kLseWarps = 4;
+constexpr int kZPitch = kFc3KPad + 8;  // 80-byte rows: a fragment's 8 rows hit 8 different banks
+
+// h3[r] = ReLU(z_r W3^T + b3) in bf16 and log_ratio[r] for 64 rows per block;
+// mulv starts at the pass's first image.
+__global__ void __launch_bounds__(kLatentWarps * 32)
+    iwae_latent_kernel(bf16* __restrict__ h3, float* __restrict__ log_ratio, const float* __restrict__ mulv,
+                       const bf16* __restrict__ fc3_w_padded, const float* __restrict__ fc3_b, int rows, int K,
+                       uint32_t first_image, uint64_t seed) {
+    constexpr int GROUPS = kLatent / 4, PAD_GROUPS = kFc3KPad / 4;
+    __shared__ __align__(16) bf16 w3[kHidden][kZPitch];
+    __shared__ __align__(16) bf16 z_tile[kLatentRows][kZPitch];
+    __shared__ float ratio_terms[kLatentRows][GROUPS];
+    const int row0 = blockIdx.x * kLatentRows, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4,
+              t = lane % 4;
+
+    for (int c = threadIdx.x; c < kHidden * kFc3KPad / 8; c += blockDim.x) {  // 16-byte chunks, async
+        const int n = c / (kFc3KPad / 8), k = (c % (kFc3KPad / 8)) * 8;
+        ptx::cp_async_16(ptx::smem_addr(&w3[n][k]), fc3_w_padded + size_t(n) * kFc3KPad + k, 16);
+    }
+    ptx::cp_async_commit();
+    // z while the weights arrive: one Philox call per (row, group of 4 latents);
+    // rows past `rows` and the K padding are zeros
+    for (int i = threadIdx.x; i < kLatentRows * PAD_GROUPS; i += blockDim.x) {
+        const int r = i / PAD_GROUPS, q = i % PAD_GROUPS, row = row0 + r;
+        float z[4] = {};
+        if (q < GROUPS && row < rows) {
+            const int image = row / K;
+            ratio_terms[r][q] = iwae_sample_group(z, mulv + size_t(image) * kMulv, q, first_image + image, row % K, seed);
+        }
+        *reinterpret_cast<__nv_bfloat162*>(&z_tile[r][4 * q]) = __floats2bfloat162_rn(z[0], z[1]);
+        *reinterpret_cast<__nv_bfloat162*>(&z_tile[r][4 * q + 2]) = __floats2bfloat162_rn(z[2], z[3]);
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+    if (threadIdx.x < kLatentRows && row0 + int(threadIdx.x) < rows) {
+        float ratio = 0.0f;
+#pragma unroll
+        for (int q = 0; q < GROUPS; q++) ratio += ratio_terms[threadIdx.x][q];
+        log_ratio[row0 + threadIdx.x] = ratio;
+    }
+
+    // fc3: warp w owns rows 16w .. 16w + 15, all 400 outputs as 50 mma tiles
+    unsigned a[2][4];
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        const bf16* top = &z_tile[warp * 16 + g][kk * 16 + 2 * t];
+        const bf16* bottom = top + 8 * kZPitch;
+        a[kk][0] = bf16x2_at(top), a[kk][1] = bf16x2_at(bottom), a[kk][2] = bf16x2_at(top + 8),
+        a[kk][3] = bf16x2_at(bottom + 8);
+    }
+    const int r_top = row0 + warp * 16 + g;
+#pragma unroll 5
+    for (int nt = 0; nt < kHidden / 8; nt++) {
+        float acc[4] = {};
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            const bf16* wp = &w3[nt * 8 + g][kk * 16 + 2 * t];
+            const unsigned b[2] = {bf16x2_at(wp), bf16x2_at(wp + 8)};
+            ptx::mma_bf16_16816(acc, a[kk], b);
+        }
+        const int c = nt * 8 + 2 * t;
+        const float b0 = fc3_b[c], b1 = fc3_b[c + 1];
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = r_top + 8 * half;
+            if (r >= rows) continue;
+            *reinterpret_cast<__nv_bfloat162*>(&h3[size_t(r) * kHidden + c]) =
+                __floats2bfloat162_rn(fmaxf(acc[2 * half] + b0, 0.0f), fmaxf(acc[2 * half + 1] + b1, 0.0f));
+        }
+    }
+}
+
+// fc4 + BCE epilogue (common.h's fc4_bce_bf16_kernel), row r against the
+// pixels of image r / K: partial[r][blockIdx.x] = BCE of the block's 112 pixels.
+__global__ void __launch_bounds__(Fc4Tile::THREADS)
+    iwae_fc4_bce_kernel(float* __restrict__ bce_partial, const bf16* __restrict__ h3, const bf16* __restrict__ W,
+                        const float* __restrict__ bias, const uint8_t* __restrict__ pixels, int M, int K) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    Fc4Tile::Smem& sm = *reinterpret_cast<Fc4Tile::Smem*>(smem_raw);
+    __shared__ float row_sums[Fc4Tile::WARPS_N][Fc4Tile::BM];
+    const int row0 = blockIdx.y * Fc4Tile::BM, col0 = blockIdx.x * Fc4Tile::BN;
+    float acc[Fc4Tile::MT][Fc4Tile::NT][4] = {};
+    mma_mainloop<Fc4Tile>(acc, sm, h3, W, M, kIn, kHidden, row0, col0);
+
+    float sums[Fc4Tile::MT][2] = {};
+    for_each_acc_pair<Fc4Tile>(acc, [&](int mt, int half, int r, int c, float v0, float v1) {
+        r += row0, c += col0;
+        if (r >= M) return;
+        const uint8_t* x = pixels + size_t(r / K) * kIn + c;
+        sums[mt][half] += bce_term(v0 + bias[c], x[0] / 255.0f) + bce_term(v1 + bias[c + 1], x[1] / 255.0f);
+    });
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int mt = 0; mt < Fc4Tile::MT; mt++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            float v = sums[mt][half];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);  // the 4 lanes of a quad share rows
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if (lane % 4 == 0)
+                row_sums[warp % Fc4Tile::WARPS_N][(warp / Fc4Tile::WARPS_N) * Fc4Tile::MT * 16 + mt * 16 + lane / 4 + 8 * half] = v;
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < Fc4Tile::BM; i += Fc4Tile::THREADS) {
+        if (row0 + i >= M) break;
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < Fc4Tile::WARPS_N; w++) total += row_sums[w][i];
+        bce_partial[size_t(row0 + i) * kFc4ColBlocks + blockIdx.x] = total;
+    }
+}
+
+// log_px[i]: row BCE = its 7 partials in a fixed order, log w = log_ratio - BCE,
+// a running logsumexp per lane, then a shuffle tree.
+__global__ void __launch_bounds__(kLseWarps * 32)
+    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce_partial,
+                          const float* __restrict__ log_ratio, int images, int K) {
+    const int image = blockIdx.x * kLseWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (image >= images) return;
+    float m = -INFINITY, s = 0.0f;
+    for (int k = lane; k < K; k += 32) {
+        const size_t r = size_t(image) * K + k;
+        float bce = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kFc4ColBlocks; j++) bce += bce_partial[r * kFc4ColBlocks + j];
+        logsumexp_merge(m, s, log_ratio[r] - bce, 1.0f);
+    }
+    for (int offset = 16; offset > 0; offset /= 2)
+        logsumexp_merge(m, s, __shfl_xor_sync(0xffffffffu, m, offset), __shfl_xor_sync(0xffffffffu, s, offset));
+    if (lane == 0) log_px[image] = m + logf(s) - logf(float(K));
+}
+
+struct Scratch {
+    bf16* h3 = nullptr;
+    float *partial = nullptr, *log_ratio = nullptr;
+};
+
+void iwae_v2(const Scratch& s, const DeviceModel& w, const IwaeArgs& a) {
+    static const bool once = (allow_smem(iwae_fc4_bce_kernel, sizeof(Fc4Tile::Smem)), true);
+    (void)once;
+    for_each_iwae_pass(a, [&](int first, int images) {
+        const int rows = images * a.K;
+        iwae_latent_kernel<<<ceil_div(rows, kLatentRows), kLatentWarps * 32>>>(
+            s.h3, s.log_ratio, a.mulv + size_t(first) * kMulv, w.fc3_w, w.fc3_b, rows, a.K, a.first_image + first,
+            a.seed);
+        cudaCheck(cudaGetLastError());
+        iwae_fc4_bce_kernel<<<dim3(kFc4ColBlocks, ceil_div(rows, Fc4Tile::BM)), Fc4Tile::THREADS, sizeof(Fc4Tile::Smem)>>>(
+            s.partial, s.h3, w.fc4_w, w.fc4_b, a.pixels + size_t(first) * kIn, rows, a.K);
+        cudaCheck(cudaGetLastError());
+        iwae_logsumexp_kernel<<<ceil_div(images, kLseWarps), kLseWarps * 32>>>(a.log_px + first, s.partial, s.log_ratio,
+                                                                               images, a.K);
+        cudaCheck(cudaGetLastError());
+    });
+}
+
+int main() {
+    print_device_info();
+    const HostModel model = load_model();
+    const DeviceModel w(model);
+    Scratch s;
+    const size_t rows = kIwaeMaxRows;
+    cudaCheck(cudaMalloc(&s.h3, rows * kHidden * sizeof(bf16)));
+    cudaCheck(cudaMalloc(&s.partial, rows * kFc4ColBlocks * sizeof(float)));
+    cudaCheck(cudaMalloc(&s.log_ratio, rows * sizeof(float)));
+    const bool ok = run_iwae_driver(model, w, {{"iwae_v2_fused_3_kernels", [&](const IwaeArgs& a) { iwae_v2(s, w, a); }}});
+    for (void* p : std::initializer_list<void*>{s.h3, s.partial, s.log_ratio}) cudaCheck(cudaFree(p));
+    return ok ? 0 : 1;
+}
