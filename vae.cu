@@ -1228,21 +1228,22 @@ __global__ void __launch_bounds__(128)
 }
 
 // log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k, combined by a running
-// (max, sum of exp) so no exp overflows. One warp per image; lanes take k = lane, lane + 32, ...
-// and are merged by a shuffle tree, in the same order on every run.
+// (max, sum of exp) so no exp overflows. One block per image: thread t takes k = t, t + 256, ...,
+// then the warps merge by a shuffle tree and the 8 warp results in order, the same on every run.
 __device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
     const float top = fmaxf(m, m2);
     if (top == -INFINITY) return; // both empty
     s = s * expf(m - top) + s2 * expf(m2 - top);
     m = top;
 }
-enum { LSE_WARPS = 4 };
-__global__ void iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce,
-                                      const float* __restrict__ log_ratio, int images, int K) {
-    const int image = blockIdx.x * LSE_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (image >= images) return; // whole warps leave together
+enum { LSE_THREADS = 256 };
+__global__ void __launch_bounds__(LSE_THREADS)
+    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce,
+                          const float* __restrict__ log_ratio, int K) {
+    __shared__ float warp_m[LSE_THREADS / 32], warp_s[LSE_THREADS / 32];
+    const int image = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float m = -INFINITY, s = 0.0f;
-    for (int k = lane; k < K; k += 32) {
+    for (int k = threadIdx.x; k < K; k += LSE_THREADS) {
         const size_t r = (size_t)image * K + k;
         logsumexp_merge(m, s, log_ratio[r] - bce[r], 1.0f);
     }
@@ -1250,7 +1251,12 @@ __global__ void iwae_logsumexp_kernel(float* __restrict__ log_px, const float* _
         const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
         logsumexp_merge(m, s, m2, s2);
     }
-    if (lane == 0) log_px[image] = m + logf(s) - logf((float)K);
+    if (lane == 0) warp_m[warp] = m, warp_s[warp] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < LSE_THREADS / 32; w++) logsumexp_merge(m, s, warp_m[w], warp_s[w]);
+        log_px[image] = m + logf(s) - logf((float)K);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -1372,8 +1378,7 @@ static void iwae_latent_bf16(bf16* h3, float* log_ratio, const float* mulv, cons
 
 static void iwae_logsumexp(float* log_px, const float* bce, const float* log_ratio, int images, int K,
                            cudaStream_t stream) {
-    iwae_logsumexp_kernel<<<ceil_div(images, LSE_WARPS), LSE_WARPS * 32, 0, stream>>>(log_px, bce, log_ratio, images,
-                                                                                        K);
+    iwae_logsumexp_kernel<<<images, LSE_THREADS, 0, stream>>>(log_px, bce, log_ratio, K);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1569,23 +1574,30 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->max_batch) fail("internal: %d samples per image outside 1..%d", K, m->max_batch);
     const int images_per_pass = m->max_batch / K;
-    for (int first = 0; first < n; first += images_per_pass) {
-        const int images = n - first < images_per_pass ? n - first : images_per_pass, rows = images * K;
-        const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
-        const float* eps_rows = eps ? eps + (size_t)first * K * LATENT_DIM : NULL;
-        const uint32_t image0 = first_image + (uint32_t)first;
-        vae_encode(m, x, images);
-        if (m->precision == PRECISION_FP32) {
-            iwae_sample(m->z, m->row_log_ratio, m->mulv, eps_rows, rows, K, image0, seed, m->stream);
-            vae_decode_logits(m, m->z, rows);
-            bce_loss(m->row_bce, NULL, m->logits, x, rows, K, m->stream);
-        } else {
-            iwae_latent_bf16(m->h3_16, m->row_log_ratio, m->mulv, eps_rows, m->fc3_w16, m->fc3_b, rows, K, image0,
-                             seed, m->stream);
-            fc4_bce_bf16(m->row_bce, m->bce_partial, NULL, NULL, m->h3_16, m->fc4_w16, m->fc4_b, x, rows, K,
-                         m->fc4_wgmma ? m->fc4_wgmma_blocks : 0, m->stream);
+    // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
+    // holds few images (13 at K = 5000), far too few to fill the GPU.
+    for (int group = 0; group < n; group += m->max_batch) {
+        const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
+        vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
+        for (int first = group; first < group + group_size; first += images_per_pass) {
+            const int left = group + group_size - first, images = left < images_per_pass ? left : images_per_pass;
+            const int rows = images * K;
+            const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
+            const float* mulv = m->mulv + (size_t)(first - group) * 2 * LATENT_DIM;
+            const float* eps_rows = eps ? eps + (size_t)first * K * LATENT_DIM : NULL;
+            const uint32_t image0 = first_image + (uint32_t)first;
+            if (m->precision == PRECISION_FP32) {
+                iwae_sample(m->z, m->row_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
+                vae_decode_logits(m, m->z, rows);
+                bce_loss(m->row_bce, NULL, m->logits, x, rows, K, m->stream);
+            } else {
+                iwae_latent_bf16(m->h3_16, m->row_log_ratio, mulv, eps_rows, m->fc3_w16, m->fc3_b, rows, K, image0,
+                                 seed, m->stream);
+                fc4_bce_bf16(m->row_bce, m->bce_partial, NULL, NULL, m->h3_16, m->fc4_w16, m->fc4_b, x, rows, K,
+                             m->fc4_wgmma ? m->fc4_wgmma_blocks : 0, m->stream);
+            }
+            iwae_logsumexp(log_px + first, m->row_bce, m->row_log_ratio, images, K, m->stream);
         }
-        iwae_logsumexp(log_px + first, m->row_bce, m->row_log_ratio, images, K, m->stream);
     }
 }
 
