@@ -18,78 +18,8 @@
 
 using namespace vae;
 
-constexpr int kLatentRows = 64, kLatentWarps = kLatentRows / 16, kLseWarps = 4;
-constexpr int kZPitch = kFc3KPad + 8;  // 80-byte rows: a fragment's 8 rows hit 8 different banks
-
-// h3[r] = ReLU(z_r W3^T + b3) in bf16 and log_ratio[r] for 64 rows per block;
-// mulv starts at the pass's first image.
-__global__ void __launch_bounds__(kLatentWarps * 32)
-    iwae_latent_kernel(bf16* __restrict__ h3, float* __restrict__ log_ratio, const float* __restrict__ mulv,
-                       const bf16* __restrict__ fc3_w_padded, const float* __restrict__ fc3_b, int rows, int K,
-                       uint32_t first_image, uint64_t seed) {
-    constexpr int GROUPS = kLatent / 4, PAD_GROUPS = kFc3KPad / 4;
-    __shared__ __align__(16) bf16 w3[kHidden][kZPitch];
-    __shared__ __align__(16) bf16 z_tile[kLatentRows][kZPitch];
-    __shared__ float ratio_terms[kLatentRows][GROUPS];
-    const int row0 = blockIdx.x * kLatentRows, warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4,
-              t = lane % 4;
-
-    for (int c = threadIdx.x; c < kHidden * kFc3KPad / 8; c += blockDim.x) {  // 16-byte chunks, async
-        const int n = c / (kFc3KPad / 8), k = (c % (kFc3KPad / 8)) * 8;
-        ptx::cp_async_16(ptx::smem_addr(&w3[n][k]), fc3_w_padded + size_t(n) * kFc3KPad + k, 16);
-    }
-    ptx::cp_async_commit();
-    // z while the weights arrive: one Philox call per (row, group of 4 latents);
-    // rows past `rows` and the K padding are zeros
-    for (int i = threadIdx.x; i < kLatentRows * PAD_GROUPS; i += blockDim.x) {
-        const int r = i / PAD_GROUPS, q = i % PAD_GROUPS, row = row0 + r;
-        float z[4] = {};
-        if (q < GROUPS && row < rows) {
-            const int image = row / K;
-            ratio_terms[r][q] = iwae_sample_group(z, mulv + size_t(image) * kMulv, q, first_image + image, row % K, seed);
-        }
-        *reinterpret_cast<__nv_bfloat162*>(&z_tile[r][4 * q]) = __floats2bfloat162_rn(z[0], z[1]);
-        *reinterpret_cast<__nv_bfloat162*>(&z_tile[r][4 * q + 2]) = __floats2bfloat162_rn(z[2], z[3]);
-    }
-    ptx::cp_async_wait<0>();
-    __syncthreads();
-    if (threadIdx.x < kLatentRows && row0 + int(threadIdx.x) < rows) {
-        float ratio = 0.0f;
-#pragma unroll
-        for (int q = 0; q < GROUPS; q++) ratio += ratio_terms[threadIdx.x][q];
-        log_ratio[row0 + threadIdx.x] = ratio;
-    }
-
-    // fc3: warp w owns rows 16w .. 16w + 15, all 400 outputs as 50 mma tiles
-    unsigned a[2][4];
-#pragma unroll
-    for (int kk = 0; kk < 2; kk++) {
-        const bf16* top = &z_tile[warp * 16 + g][kk * 16 + 2 * t];
-        const bf16* bottom = top + 8 * kZPitch;
-        a[kk][0] = bf16x2_at(top), a[kk][1] = bf16x2_at(bottom), a[kk][2] = bf16x2_at(top + 8),
-        a[kk][3] = bf16x2_at(bottom + 8);
-    }
-    const int r_top = row0 + warp * 16 + g;
-#pragma unroll 5
-    for (int nt = 0; nt < kHidden / 8; nt++) {
-        float acc[4] = {};
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++) {
-            const bf16* wp = &w3[nt * 8 + g][kk * 16 + 2 * t];
-            const unsigned b[2] = {bf16x2_at(wp), bf16x2_at(wp + 8)};
-            ptx::mma_bf16_16816(acc, a[kk], b);
-        }
-        const int c = nt * 8 + 2 * t;
-        const float b0 = fc3_b[c], b1 = fc3_b[c + 1];
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            const int r = r_top + 8 * half;
-            if (r >= rows) continue;
-            *reinterpret_cast<__nv_bfloat162*>(&h3[size_t(r) * kHidden + c]) =
-                __floats2bfloat162_rn(fmaxf(acc[2 * half] + b0, 0.0f), fmaxf(acc[2 * half + 1] + b1, 0.0f));
-        }
-    }
-}
+constexpr int kLseWarps = 4;
+// Sampling + fc3: common.h's iwae_latent_kernel.
 
 // fc4 + BCE epilogue (common.h's fc4_bce_bf16_kernel), row r against the
 // pixels of image r / K: partial[r][blockIdx.x] = BCE of the block's 112 pixels.
