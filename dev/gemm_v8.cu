@@ -25,7 +25,10 @@
 //     64 x BN bf16 tile (bias and activation applied) to shared memory and
 //     one thread stores it with TMA, in whole lines; direct bf16x2 stores
 //     from registers write 16-byte pieces and measured 1.9 us slower on
-//     fc1 and 3.6 us slower on fc4.
+//     fc1 and 3.6 us slower on fc4. The bias comes into shared memory with
+//     the first stage (one bulk copy): read in the epilogue it cost a cold
+//     DRAM round trip after the last MMA (0.4-1.3 us). The staging tile
+//     reuses the ring, whose stages are all consumed by then.
 //  5. Optional clusters of CN x CM CTAs with TMA multicast: CTAs side by
 //     side along N need the same X rows, CTAs along M the same W rows; each
 //     fetches one slice and multicasts it to the CTAs that share it, so the
@@ -37,8 +40,9 @@
 //
 // Tile shapes: BM = 64 x CONSUMERS rows, BN columns (any multiple of 8 up to
 // 256), BK = 64 (one 128-byte swizzle row of bf16). 400 = 4 x 100 and 784 =
-// 4 x 196, so BN = 104 (fc1) and BN = 200 (fc4) give 4 column tiles, 4 x 32
-// = 128 CTAs on 132 SMs: one wave with 2-4% of the columns wasted. The last
+// 4 x 196, so BN = 200 gives fc1 2 column tiles of 64 rows (2 x 64) and fc4
+// 4 of 128 rows (4 x 32): 128 CTAs on 132 SMs, one wave with 2-4% of the
+// columns wasted. The last
 // K tile of K = 400 or 784 holds 16 real columns; only its first k16 step runs.
 //
 // TMA needs 16-byte aligned rows (K % 8 == 0, and N % 8 == 0 for the output):
@@ -130,6 +134,14 @@ __device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const CUtens
         " [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
         "l"(map), "r"(bar), "r"(c0), "r"(c1), "h"(mask)
         : "memory");
+}
+
+// Global -> shared copy of `bytes` contiguous bytes (16-byte aligned, multiple of 16).
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
 }
 
 // Shared -> global copy of one box; parts outside the tensor are not written.
@@ -285,8 +297,9 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], const bf16*
 // BN / 2 banks, so the 8 rows of one store land in distinct banks for BN =
 // 40, 104, 200), then one thread stores it with TMA: whole 128-byte lines to
 // L2 instead of v7's 16-byte pieces, clipped at M and N by the tensor map.
+// `bias` holds the tile's columns n0.. (shared memory, loaded with the first stage).
 template <int BN>
-__device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], const bf16* __restrict__ bias,
+__device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], const bf16* bias,
                                                const CUtensorMap* tmap_y, unsigned char* stage, int N,
                                                int m_base, int n0, Act act) {
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
@@ -294,8 +307,8 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], const b
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const int c = j * 8 + q * 2, n = n0 + c;
-        const float b0 = n < N ? __bfloat162float(bias[n]) : 0.0f;
-        const float b1 = n + 1 < N ? __bfloat162float(bias[n + 1]) : 0.0f;
+        const float b0 = n < N ? __bfloat162float(bias[c]) : 0.0f;
+        const float b1 = n + 1 < N ? __bfloat162float(bias[c + 1]) : 0.0f;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = warp * 16 + g + half * 8;
@@ -395,8 +408,23 @@ struct WSlices {  // W rows per cluster row; slices stay whole 8-row swizzle gro
     static constexpr int kSecond = BN - kFirst;
 };
 
+// Shared memory of one CTA. The TMA-store staging tile reuses the ring: by
+// the epilogue every load has landed and every wgmma that read it finished.
+template <int BN, int CONSUMERS, int STAGES, bool TMA_STORE>
+struct TmaSmem {
+    static constexpr int kRing = STAGES * (64 * CONSUMERS + BN) * kRowBytes;
+    static constexpr int kOut = TMA_STORE ? CONSUMERS * 64 * BN * 2 : 0;
+    static constexpr int kBarriers = kRing > kOut ? kRing : kOut;  // offset of the barriers
+    static constexpr int kBias = kBarriers + 16 * STAGES;  // TMA_STORE: the tile's BN bias values
+    static constexpr int kBytes = 1024 + kBias + (TMA_STORE ? BN * 2 : 0);
+    // Two CTAs per SM when they fit (228 KB per SM, 1 KB reserved per CTA):
+    // one CTA's ring fill and epilogue then overlap the other's MMAs.
+    static constexpr int kMinBlocks = 2 * (kBytes + 1024) <= 228 * 1024 ? 2 : 1;
+};
+
 template <int BN, int CONSUMERS, int CN, int CM, int STAGES, bool TMA_STORE>
-__global__ void __launch_bounds__((CONSUMERS + 1) * kWarpgroup, 1)
+__global__ void __launch_bounds__((CONSUMERS + 1) * kWarpgroup,
+                                  (TmaSmem<BN, CONSUMERS, STAGES, TMA_STORE>::kMinBlocks))
     gemm_wgmma_tma(const __grid_constant__ CUtensorMap tmap_x, const __grid_constant__ CUtensorMap tmap_w0,
                    const __grid_constant__ CUtensorMap tmap_w1, const __grid_constant__ CUtensorMap tmap_y,
                    const bf16* __restrict__ bias, bf16* __restrict__ Y, int M, int N, int K, Act act) {
@@ -412,10 +440,12 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * kWarpgroup, 1)
 
     extern __shared__ unsigned char smem_raw[];
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;  // same offset in every CTA
-    // Layout: STAGES x {X tile, W tile}, then (TMA_STORE) one 64 x BN bf16
-    // output tile per consumer warpgroup, then the barriers.
-    const unsigned out0 = smem + STAGES * kStageBytes;
-    const unsigned full0 = out0 + (TMA_STORE ? CONSUMERS * 64 * BN * 2 : 0), empty0 = full0 + 8 * STAGES;
+    // Layout: STAGES x {X tile, W tile} (after the main loop: one 64 x BN
+    // bf16 output tile per consumer warpgroup), then the barriers.
+    const unsigned out0 = smem;
+    using Smem = TmaSmem<BN, CONSUMERS, STAGES, TMA_STORE>;
+    const unsigned full0 = smem + Smem::kBarriers, empty0 = full0 + 8 * STAGES;
+    const unsigned bias_smem = smem + Smem::kBias;
     const int wg = threadIdx.x / kWarpgroup;
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const int num_k_tiles = ceil_div(K, kBK);
@@ -451,7 +481,12 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * kWarpgroup, 1)
                 const int s = kt % STAGES;
                 if (kt >= STAGES) mbar_wait(empty0 + 8 * s, (kt / STAGES - 1) & 1);
                 const unsigned full = full0 + 8 * s, a_tile = smem + s * kStageBytes, b_tile = a_tile + kABytes;
-                mbar_arrive_expect_tx(full, kStageBytes);  // whole boxes count, zero-filled parts included
+                // The bias arrives with the first stage: fetched in the
+                // epilogue it cost a cold DRAM round trip after the last MMA.
+                // N % 8 == 0 (TMA store), so the clipped length is whole 16 bytes.
+                const unsigned bias_bytes = TMA_STORE && kt == 0 && n0 < N ? 2 * min(BN, N - n0) : 0;
+                mbar_arrive_expect_tx(full, kStageBytes + bias_bytes);  // whole boxes count, zero-filled parts included
+                if (bias_bytes > 0) bulk_load(bias_smem, bias + n0, bias_bytes, full);
                 if (CN > 1)
                     tma_load_2d_multicast(a_tile + cx * kSliceRows * kRowBytes, &tmap_x, full, kt * kBK,
                                           m0 + cx * kSliceRows, row_mask);
@@ -490,8 +525,11 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * kWarpgroup, 1)
         }
         wgmma_wait<0>();
         fence_accumulators(d);
+        // The staging tiles overlap stages another consumer warpgroup may still read.
+        if (TMA_STORE && CONSUMERS > 1)
+            asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS * kWarpgroup) : "memory");
         if (TMA_STORE)
-            store_tile_tma<BN>(d, bias, &tmap_y, smem_raw + (out0 - smem_addr(smem_raw)) + (wg - 1) * 64 * BN * 2, N,
+            store_tile_tma<BN>(d, reinterpret_cast<const bf16*>(smem_raw + (bias_smem - smem_addr(smem_raw))), &tmap_y, smem_raw + (out0 - smem_addr(smem_raw)) + (wg - 1) * 64 * BN * 2, N,
                                m0 + (wg - 1) * 64, n0, act);
         else
             store_tile<BN>(d, bias, Y, M, N, m0 + (wg - 1) * 64, n0, act);
@@ -577,8 +615,7 @@ void launch_simple(const GemmArgs<bf16>& g) {
 template <int BN, int CONSUMERS, int CN, int CM, int STAGES, bool TMA_STORE>
 struct TmaGemm {
     static constexpr int BM = 64 * CONSUMERS;
-    static constexpr int kSmemBytes =
-        1024 + STAGES * (BM + BN) * kRowBytes + (TMA_STORE ? BM * BN * 2 : 0) + 16 * STAGES;
+    static constexpr int kSmemBytes = TmaSmem<BN, CONSUMERS, STAGES, TMA_STORE>::kBytes;
     static_assert(kSmemBytes <= 227 * 1024, "shared memory per block on sm_90");
     static constexpr auto kernel = gemm_wgmma_tma<BN, CONSUMERS, CN, CM, STAGES, TMA_STORE>;
 
@@ -605,7 +642,8 @@ struct TmaGemm {
 
     static void launch(const GemmArgs<bf16>& g) {
         // The TMA store needs Y's rows 16-byte aligned as well.
-        if (!tma_ok(g) || (TMA_STORE && (g.N % 8 != 0 || !is_aligned(g.Y, 16)))) return launch_gemm_v7(g);
+        if (!tma_ok(g) || (TMA_STORE && (g.N % 8 != 0 || !is_aligned(g.Y, 16) || !is_aligned(g.bias, 16))))
+            return launch_gemm_v7(g);
         using Slices = WSlices<BN, CM>;
         const CUtensorMap map_x = tensor_map(g.X, g.M, g.K, kBK, BM / CN, true);
         const CUtensorMap map_w0 = tensor_map(g.W, g.N, g.K, kBK, Slices::kFirst, true);
@@ -654,20 +692,37 @@ constexpr V8Config kV8Configs[] = {
     tma_config<200, 2, 2, 1, 4, true>("128x200_c2x1_s4_tma"),
     tma_config<200, 2, 1, 2, 4, false>("128x200_c1x2_s4_st"),
     tma_config<200, 2, 1, 2, 4, true>("128x200_c1x2_s4_tma"),
+    // 64-row tiles, one consumer warpgroup: 2 column tiles x 64 = 128 CTAs on
+    // fc1 (cuBLAS's fc1 shape), 4 x 64 = 256 on fc4; s3 and 64x104 fit 2 per SM.
+    tma_config<200, 1, 1, 1, 6, true>("64x200_c1x1_s6_tma"),
+    tma_config<200, 1, 1, 2, 6, true>("64x200_c1x2_s6_tma"),
+    tma_config<200, 1, 1, 1, 4, true>("64x200_c1x1_s4_tma"),
+    tma_config<200, 1, 1, 1, 3, true>("64x200_c1x1_s3_tma"),
+    tma_config<200, 1, 1, 2, 3, true>("64x200_c1x2_s3_tma"),
+    tma_config<104, 1, 1, 1, 4, true>("64x104_c1x1_s4_tma"),
+    tma_config<104, 1, 1, 1, 5, true>("64x104_c1x1_s5_tma"),
+    tma_config<104, 1, 1, 2, 5, true>("64x104_c1x2_s5_tma"),
+    tma_config<104, 2, 1, 1, 3, true>("128x104_c1x1_s3_tma"),
+    tma_config<104, 2, 1, 1, 7, true>("128x104_c1x1_s7_tma"),
+    tma_config<104, 2, 1, 1, 5, true>("128x104_c1x1_s5_tma"),
+    tma_config<104, 2, 1, 1, 4, true>("128x104_c1x1_s4_tma"),
+    tma_config<200, 1, 1, 1, 5, true>("64x200_c1x1_s5_tma"),
+    tma_config<200, 2, 1, 1, 5, true>("128x200_c1x1_s5_tma"),
     tma_config<40, 1, 1, 1, 7, false>("64x40_c1x1_s7_st"),
     tma_config<40, 1, 1, 1, 7, true>("64x40_c1x1_s7_tma"),
     tma_config<40, 1, 1, 2, 7, true>("64x40_c1x2_s7_tma"),
 };
 
 // Tile per layer, from `--sweep` on an H200: 64 x 40 for the narrow
-// fc21+fc22, 128 x 104 up to N = 416 (fc1: 4 column tiles), 128 x 200 above
-// (fc4: 4 column tiles); no clusters (they cut L2 traffic but measured no
-// faster here), TMA-store epilogue everywhere.
+// fc21+fc22, 64 x 200 with 6 stages up to N = 416 (fc1: 2 column tiles x 64,
+// cuBLAS's shape, X read twice instead of 4 times; 11.9 us against 12.7 for
+// 128 x 104), 128 x 200 above (fc4: 4 column tiles); no clusters (they cut L2
+// traffic but measured no faster here), TMA-store epilogue everywhere.
 void launch_gemm_v8(const GemmArgs<bf16>& g) {
     if (g.N <= 40)
         TmaGemm<40, 1, 1, 1, 7, true>::launch(g);
     else if (g.N <= 416)
-        TmaGemm<104, 2, 1, 1, 6, true>::launch(g);
+        TmaGemm<200, 1, 1, 1, 6, true>::launch(g);
     else
         TmaGemm<200, 2, 1, 1, 4, true>::launch(g);
 }
