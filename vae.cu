@@ -1191,40 +1191,46 @@ __global__ void iwae_sample_kernel(float* __restrict__ z, float* __restrict__ lo
     log_ratio[r] = ratio;
 }
 
-// bf16: a block of 4 warps samples 32 rows into a bf16 z tile and runs fc3 on the tensor cores
-// (as latent_bf16_kernel does after its encoder GEMM), so z never reaches memory.
+// bf16: a block of 4 warps samples 32 rows at a time into a bf16 z tile and runs fc3 on the
+// tensor cores (as latent_bf16_kernel does after its encoder GEMM), so z never reaches memory.
+// Each block takes IWAE_TILES such tiles, so fc3's 25 KB of weights are staged once per 128 rows.
+enum { IWAE_TILE = 32, IWAE_TILES = 4 };
 __global__ void __launch_bounds__(128)
     iwae_latent_bf16_kernel(bf16* __restrict__ h3, float* __restrict__ log_ratio, const float* __restrict__ mulv,
                             const float* __restrict__ eps_in, const bf16* __restrict__ fc3_w_padded,
                             const float* __restrict__ fc3_b, int rows, int K, uint32_t first_image, uint64_t seed) {
-    constexpr int BM = 32, GROUPS = LATENT_DIM / 4;
+    constexpr int BM = IWAE_TILE, GROUPS = LATENT_DIM / 4;
     extern __shared__ __align__(16) uint8_t smem_raw[];
     bf16(*fc3_w)[FC3_PITCH] = reinterpret_cast<bf16(*)[FC3_PITCH]>(smem_raw);
     __shared__ __align__(16) bf16 z_tile[BM][FC3_PITCH];
     __shared__ float ratio_terms[BM][GROUPS];
-    const int row0 = blockIdx.x * BM;
     stage_fc3_weights(fc3_w, fc3_w_padded);
 
-    for (int i = threadIdx.x; i < BM * FC3_K_PADDED / 4; i += blockDim.x) { // z, and zeros in the K padding
-        const int r = i / (FC3_K_PADDED / 4), q = i % (FC3_K_PADDED / 4), row = row0 + r;
-        float z[4] = {};
-        if (q < GROUPS && row < rows) {
-            const int image = row / K;
-            ratio_terms[r][q] = iwae_sample_group(z, mulv + (size_t)image * 2 * LATENT_DIM,
-                                                  eps_in ? eps_in + (size_t)row * LATENT_DIM : NULL, q,
-                                                  first_image + image, row % K, seed);
+    for (int tile = 0; tile < IWAE_TILES; tile++) {
+        const int row0 = (blockIdx.x * IWAE_TILES + tile) * BM;
+        if (row0 >= rows) break; // the same for the whole block
+        for (int i = threadIdx.x; i < BM * FC3_K_PADDED / 4; i += blockDim.x) { // z, and zeros in the K padding
+            const int r = i / (FC3_K_PADDED / 4), q = i % (FC3_K_PADDED / 4), row = row0 + r;
+            float z[4] = {};
+            if (q < GROUPS && row < rows) {
+                const int image = row / K;
+                ratio_terms[r][q] = iwae_sample_group(z, mulv + (size_t)image * 2 * LATENT_DIM,
+                                                      eps_in ? eps_in + (size_t)row * LATENT_DIM : NULL, q,
+                                                      first_image + image, row % K, seed);
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; j++) z_tile[r][4 * q + j] = __float2bfloat16(z[j]);
         }
-        #pragma unroll
-        for (int j = 0; j < 4; j++) z_tile[r][4 * q + j] = __float2bfloat16(z[j]);
+        cp_async_wait<0>(); // fc3's weights (only the first tile waits)
+        __syncthreads();
+        if (threadIdx.x < BM && row0 + (int)threadIdx.x < rows) {
+            float ratio = 0.0f;
+            for (int q = 0; q < GROUPS; q++) ratio += ratio_terms[threadIdx.x][q];
+            log_ratio[row0 + threadIdx.x] = ratio;
+        }
+        fc3_relu_tile(h3, z_tile, fc3_w, fc3_b, row0, rows);
+        __syncthreads(); // z_tile and ratio_terms are refilled by the next tile
     }
-    cp_async_wait<0>();
-    __syncthreads();
-    if (threadIdx.x < BM && row0 + (int)threadIdx.x < rows) {
-        float ratio = 0.0f;
-        for (int q = 0; q < GROUPS; q++) ratio += ratio_terms[threadIdx.x][q];
-        log_ratio[row0 + threadIdx.x] = ratio;
-    }
-    fc3_relu_tile(h3, z_tile, fc3_w, fc3_b, row0, rows);
 }
 
 // log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k, combined by a running
@@ -1371,7 +1377,7 @@ static void iwae_latent_bf16(bf16* h3, float* log_ratio, const float* mulv, cons
                              const float* fc3_b, int rows, int K, uint32_t first_image, uint64_t seed,
                              cudaStream_t stream) {
     const size_t smem = sizeof(bf16) * HIDDEN_DIM * FC3_PITCH;
-    iwae_latent_bf16_kernel<<<ceil_div(rows, 32), 128, smem, stream>>>(h3, log_ratio, mulv, eps_in, fc3_w_padded, fc3_b,
+    iwae_latent_bf16_kernel<<<ceil_div(rows, IWAE_TILE * IWAE_TILES), 128, smem, stream>>>(h3, log_ratio, mulv, eps_in, fc3_w_padded, fc3_b,
                                                                        rows, K, first_image, seed);
     cudaCheck(cudaGetLastError());
 }
