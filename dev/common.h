@@ -1067,7 +1067,7 @@ static_assert(kIn % Fc4Tile::BN == 0, "column blocks tile the 784 pixels exactly
 
 __global__ void __launch_bounds__(Fc4Tile::THREADS)
     fc4_bce_bf16_kernel(float* bce_partial, const bf16* h3, const bf16* W, const float* bias, const uint8_t* pixels,
-                        int M) {
+                        int M, int rows_per_image = 1) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     Fc4Tile::Smem& sm = *reinterpret_cast<Fc4Tile::Smem*>(smem_raw);
     __shared__ float row_sums[Fc4Tile::WARPS_N][Fc4Tile::BM];
@@ -1079,8 +1079,9 @@ __global__ void __launch_bounds__(Fc4Tile::THREADS)
     for_each_acc_pair<Fc4Tile>(acc, [&](int mt, int half, int r, int c, float v0, float v1) {
         r += row0, c += col0;
         if (r >= M) return;
-        const size_t at = size_t(r) * kIn + c;
-        sums[mt][half] += bce_term(v0 + bias[c], pixels[at] / 255.0f) + bce_term(v1 + bias[c + 1], pixels[at + 1] / 255.0f);
+        const int image = rows_per_image == 1 ? r : r / rows_per_image; // IWAE: K rows per image; no division otherwise
+        const uint8_t* x = pixels + size_t(image) * kIn + c;
+        sums[mt][half] += bce_term(v0 + bias[c], x[0] / 255.0f) + bce_term(v1 + bias[c + 1], x[1] / 255.0f);
     });
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll

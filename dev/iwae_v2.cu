@@ -19,47 +19,8 @@
 using namespace vae;
 
 constexpr int kLseWarps = 4;
-// Sampling + fc3: common.h's iwae_latent_kernel.
-
-// fc4 + BCE epilogue (common.h's fc4_bce_bf16_kernel), row r against the
-// pixels of image r / K: partial[r][blockIdx.x] = BCE of the block's 112 pixels.
-__global__ void __launch_bounds__(Fc4Tile::THREADS)
-    iwae_fc4_bce_kernel(float* __restrict__ bce_partial, const bf16* __restrict__ h3, const bf16* __restrict__ W,
-                        const float* __restrict__ bias, const uint8_t* __restrict__ pixels, int M, int K) {
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    Fc4Tile::Smem& sm = *reinterpret_cast<Fc4Tile::Smem*>(smem_raw);
-    __shared__ float row_sums[Fc4Tile::WARPS_N][Fc4Tile::BM];
-    const int row0 = blockIdx.y * Fc4Tile::BM, col0 = blockIdx.x * Fc4Tile::BN;
-    float acc[Fc4Tile::MT][Fc4Tile::NT][4] = {};
-    mma_mainloop<Fc4Tile>(acc, sm, h3, W, M, kIn, kHidden, row0, col0);
-
-    float sums[Fc4Tile::MT][2] = {};
-    for_each_acc_pair<Fc4Tile>(acc, [&](int mt, int half, int r, int c, float v0, float v1) {
-        r += row0, c += col0;
-        if (r >= M) return;
-        const uint8_t* x = pixels + size_t(r / K) * kIn + c;
-        sums[mt][half] += bce_term(v0 + bias[c], x[0] / 255.0f) + bce_term(v1 + bias[c + 1], x[1] / 255.0f);
-    });
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-    for (int mt = 0; mt < Fc4Tile::MT; mt++)
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            float v = sums[mt][half];
-            v += __shfl_xor_sync(0xffffffffu, v, 1);  // the 4 lanes of a quad share rows
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            if (lane % 4 == 0)
-                row_sums[warp % Fc4Tile::WARPS_N][(warp / Fc4Tile::WARPS_N) * Fc4Tile::MT * 16 + mt * 16 + lane / 4 + 8 * half] = v;
-        }
-    __syncthreads();
-    for (int i = threadIdx.x; i < Fc4Tile::BM; i += Fc4Tile::THREADS) {
-        if (row0 + i >= M) break;
-        float total = 0.0f;
-#pragma unroll
-        for (int w = 0; w < Fc4Tile::WARPS_N; w++) total += row_sums[w][i];
-        bce_partial[size_t(row0 + i) * kFc4ColBlocks + blockIdx.x] = total;
-    }
-}
+// Sampling + fc3: common.h's iwae_latent_kernel; fc4 + BCE: common.h's fc4_bce_bf16_kernel, row r
+// against the pixels of image r / K.
 
 // log_px[i]: row BCE = its 7 partials in a fixed order, log w = log_ratio - BCE,
 // a running logsumexp per lane, then a shuffle tree.
@@ -87,7 +48,7 @@ struct Scratch {
 };
 
 void iwae_v2(const Scratch& s, const DeviceModel& w, const IwaeArgs& a) {
-    static const bool once = (allow_smem(iwae_fc4_bce_kernel, sizeof(Fc4Tile::Smem)), true);
+    static const bool once = (allow_smem(fc4_bce_bf16_kernel, sizeof(Fc4Tile::Smem)), true);
     (void)once;
     for_each_iwae_pass(a, [&](int first, int images) {
         const int rows = images * a.K;
@@ -95,7 +56,7 @@ void iwae_v2(const Scratch& s, const DeviceModel& w, const IwaeArgs& a) {
             s.h3, s.log_ratio, a.mulv + size_t(first) * kMulv, w.fc3_w, w.fc3_b, rows, a.K, a.first_image + first,
             a.seed);
         cudaCheck(cudaGetLastError());
-        iwae_fc4_bce_kernel<<<dim3(kFc4ColBlocks, ceil_div(rows, Fc4Tile::BM)), Fc4Tile::THREADS, sizeof(Fc4Tile::Smem)>>>(
+        fc4_bce_bf16_kernel<<<dim3(kFc4ColBlocks, ceil_div(rows, Fc4Tile::BM)), Fc4Tile::THREADS, sizeof(Fc4Tile::Smem)>>>(
             s.partial, s.h3, w.fc4_w, w.fc4_b, a.pixels + size_t(first) * kIn, rows, a.K);
         cudaCheck(cudaGetLastError());
         iwae_logsumexp_kernel<<<ceil_div(images, kLseWarps), kLseWarps * 32>>>(a.log_px + first, s.partial, s.log_ratio,
