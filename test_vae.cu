@@ -839,6 +839,7 @@ static void poison_activations(VAE* m) {
     if (m->precision == PRECISION_BF16) { // 0xffff is a bf16 NaN too
         poison(m->h1_16, B * HIDDEN_DIM * 2), poison(m->h3_16, B * HIDDEN_DIM * 2);
         poison(m->bce_partial, B * FC4_COL_BLOCKS * 4);
+        if (m->iwae_z_frag) poison(m->iwae_z_frag, B * 4 * sizeof(uint4));
     }
 }
 
@@ -997,11 +998,14 @@ static void test_gpu_generator_keying(VAE* m, const uint8_t* d_pixels) {
     cudaCheck(cudaFree(d_kl));
 }
 
+static void gpu_iwae(VAE* m, const uint8_t* d_pixels, int first, int n, int K, uint64_t seed, const float* d_eps,
+                     float* log_px);
+
 // On Hopper the bf16 path runs fc4 + BCE on the wgmma kernel; the mma.sync kernel that other GPUs
 // run gets the same checks here (forced through m->fc4_wgmma), and the two must agree: up to
 // fp32 summation order in the logits and the row sums, far below bf16's error.
 static void test_gpu_fc4_fallback(VAE* m, const uint8_t* d_pixels, const DebugState* ds, int count, int small) {
-    printf("GPU bf16 with fc4 on mma.sync (the kernel of GPUs without wgmma)\n");
+    printf("GPU bf16 with fc4 on mma.sync (the kernels of GPUs without wgmma)\n");
     float *bce[2], *kl[2];
     for (int wgmma = 0; wgmma < 2; wgmma++) {
         m->fc4_wgmma = wgmma;
@@ -1014,6 +1018,21 @@ static void test_gpu_fc4_fallback(VAE* m, const uint8_t* d_pixels, const DebugSt
           "mma.sync and wgmma: per-image BCE of %d images within %.1e relative (max %.2e), KL bitwise equal", count,
           1e-4, worst);
     for (int k = 0; k < 2; k++) free(bce[k]), free(kl[k]);
+
+    // --iwae: the fused Hopper decoder against the two-kernel path (sampling + fc3, then fc4 +
+    // BCE on mma.sync) on the same draws. They differ in fp32 summation order and, where that
+    // moves an h3 value across a bf16 rounding boundary, in that value's last bit: far below bf16's error.
+    const int B = 37, K = 37, first = 1000;
+    float log_px[2][B];
+    for (int wgmma = 0; wgmma < 2; wgmma++) {
+        m->fc4_wgmma = wgmma;
+        poison(m->row_bce, (size_t)m->max_batch * 4), poison(m->bce_partial, (size_t)m->max_batch * FC4_COL_BLOCKS * 4);
+        gpu_iwae(m, d_pixels, first, B, K, 5, NULL, log_px[wgmma]);
+    }
+    worst = 0.0;
+    for (int i = 0; i < B; i++) worst = fmax(worst, fabs((double)log_px[0][i] - log_px[1][i]) / fabs((double)log_px[1][i]));
+    check(worst < 1e-4, "IWAE K=%d: fused wgmma decoder and the two-kernel mma.sync path, log p(x) of %d images within "
+          "%.1e relative (max %.2e)", K, B, 1e-4, worst);
     m->fc4_wgmma = false;
     test_gpu_activations(m, d_pixels, ds);
     test_gpu_invariance(m, d_pixels, count, small);

@@ -1233,7 +1233,8 @@ __global__ void __launch_bounds__(128)
     }
 }
 
-// log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k, combined by a running
+// log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k (BCE_k given as `parts`
+// partial sums, added in order), combined by a running
 // (max, sum of exp) so no exp overflows. One block per image: thread t takes k = t, t + 256, ...,
 // then the warps merge by a shuffle tree and the 8 warp results in order, the same on every run.
 __device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
@@ -1244,14 +1245,16 @@ __device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
 }
 enum { LSE_THREADS = 256 };
 __global__ void __launch_bounds__(LSE_THREADS)
-    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce,
+    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce_parts, int parts,
                           const float* __restrict__ log_ratio, int K) {
     __shared__ float warp_m[LSE_THREADS / 32], warp_s[LSE_THREADS / 32];
     const int image = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float m = -INFINITY, s = 0.0f;
     for (int k = threadIdx.x; k < K; k += LSE_THREADS) {
         const size_t r = (size_t)image * K + k;
-        logsumexp_merge(m, s, log_ratio[r] - bce[r], 1.0f);
+        float bce = 0.0f; // a row's BCE: its parts (column blocks) in order
+        for (int p = 0; p < parts; p++) bce += bce_parts[r * parts + p];
+        logsumexp_merge(m, s, log_ratio[r] - bce, 1.0f);
     }
     for (int offset = 16; offset > 0; offset /= 2) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
@@ -1263,6 +1266,284 @@ __global__ void __launch_bounds__(LSE_THREADS)
         for (int w = 1; w < LSE_THREADS / 32; w++) logsumexp_merge(m, s, warp_m[w], warp_s[w]);
         log_px[image] = m + logf(s) - logf((float)K);
     }
+}
+
+// ----------------------------------------------------------------------------
+// kernels: IWAE's decoder on Hopper, one fused kernel (wgmma, TMA; sm_90a)
+//
+// --iwae spends nearly all its time in the decoder: 50 million rows of fc3 + fc4 + BCE at
+// K = 5000. Run as two kernels (h3 written by the sampling block, then fc4 + BCE) every pass
+// writes 52 MB of h3 and reads it back seven times, once per column block, and fc4's tiles
+// re-read the weights from L2. This kernel keeps everything but the z rows on chip:
+//   weights   a block owns one of 4 column blocks of fc4 (200 logits; the last block starts at
+//             584 and leaves its first 16 to block 2) and keeps that slice of fc4's weights
+//             (160 KB) and all of fc3's (25 KB) in shared memory for the whole pass, loaded once
+//             by TMA in the swizzled layouts wgmma reads
+//   h3        never leaves the registers: a warpgroup multiplies 64 z rows by fc3 in chunks of
+//             80 hidden units; each chunk's accumulators (+ bias, ReLU, rounded to bf16) are
+//             already in the layout of wgmma's A operand from registers, so they feed fc4's
+//             next 5 k16 steps directly. fc3 for chunk c + 1 runs while fc4 takes chunk c.
+//   z         the sampling kernel stores each row's 20 latents (zero-padded to K = 32) as bf16
+//             pairs in the order a thread's A fragments need them: two 16-byte loads a row
+//   loss      fc4's 64 x 200 accumulators become BCE terms in registers (max(l, 0) - x l +
+//             log(1 + e^-|l|) on the hardware exp2 / log2), one partial per row and column
+//             block; the logsumexp kernel adds the 4 in a fixed order, so results are bitwise
+//             reproducible and batch invariant (each row's sums run in the same order wherever
+//             it sits)
+// Two warpgroups per block (one block per SM: 206 KB of shared memory) walk 64-row tiles on
+// their own, so one's BCE epilogue (exp2 / log2 on the special-function units) overlaps the
+// other's tensor-core work.
+
+enum {
+    IWAE_COL_BLOCKS = 4,
+    IWAE_BN = 200,                                 // logits per column block: one m64n200 wgmma
+    IWAE_OVERLAP = IWAE_COL_BLOCKS * IWAE_BN - INPUT_DIM, // 16 columns the last block skips
+    IWAE_CHUNK = 80,                               // fc3 units per chunk = 5 k16 steps of fc4
+    IWAE_CHUNKS = HIDDEN_DIM / IWAE_CHUNK,
+    IWAE_STEPS = IWAE_CHUNK / 16,
+    IWAE_SLICES = (HIDDEN_DIM + 63) / 64,          // fc4's K in 64-wide 128-byte swizzle rows
+    IWAE_DEC_THREADS = 256,                        // two warpgroups
+};
+static_assert(HIDDEN_DIM % IWAE_CHUNK == 0 && IWAE_CHUNK % 16 == 0, "chunks are whole k16 steps");
+static_assert(IWAE_OVERLAP >= 0 && IWAE_OVERLAP % 8 == 0 && INPUT_DIM % 2 == 0, "the overlap is whole n8 blocks");
+static_assert(FC3_K_PADDED == 32, "z rows are two k16 steps");
+struct IwaeDecoderSmem {
+    bf16 w4[IWAE_SLICES][IWAE_BN][64];  // fc4's weights for this block's 200 logits, K-major
+    bf16 w3[HIDDEN_DIM][FC3_K_PADDED];  // fc3's, K-major, 64-byte rows (64-byte swizzle)
+    float b4[IWAE_BN], b3[HIDDEN_DIM];
+    uint64_t loaded;
+};
+static_assert(sizeof(bf16) * IWAE_BN * 64 % 1024 == 0 && sizeof(bf16) * IWAE_SLICES * IWAE_BN * 64 % 1024 == 0,
+              "every weight tile starts 1024-byte aligned");
+enum { IWAE_DEC_SMEM = sizeof(IwaeDecoderSmem) + 1024 };
+
+// wgmma descriptor of a K-major tile of 64-byte rows in the 64-byte swizzle layout: stride 512
+// bytes between 8-row groups, layout type 2; the tile starts 512-byte aligned.
+__device__ inline uint64_t smem_desc_64b(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(512 >> 4) << 32 | (uint64_t)2 << 62;
+}
+
+// D[64 x N] (+)= A[64 x 16] B[16 x N] with A from registers: each warp's a[4] hold its 16 rows
+// in mma.sync's m16n8k16 A layout (a[0] = row g, k 2t..2t+1; a[1] = row g+8; a[2], a[3] = the
+// same at k + 8), which is also the layout of an m16n8 accumulator pair: fp32 results of one
+// wgmma become the A operand of the next without leaving the registers. accumulate = false
+// ignores D's old contents.
+__device__ inline void wgmma_m64n200k16_rs(float (&d)[100], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %105, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n200k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
+        "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99"
+        "}, {%100, %101, %102, %103}, %104, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
+        : "memory");
+}
+
+__device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39"
+        "}, {%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
+        : "memory");
+}
+
+__device__ inline uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ inline float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ inline float fast_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// byte 0 of v as a float, exactly: 2^23 + b has b in its low mantissa bits (no int->float unit)
+__device__ inline float byte_to_float(uint32_t v) {
+    return __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440)) - 8388608.0f;
+}
+
+// One thread per row: its z, as bf16 pairs with thread t of a quad's 4 words together
+// (z_frag[r][t] = the pairs at latents 2t, 8+2t, 16+2t, 24+2t; 20..31 are zeros), and
+// log p(z) - log q(z|x).
+__global__ void iwae_z_bf16_kernel(uint4* __restrict__ z_frag, float* __restrict__ log_ratio,
+                                   const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
+                                   uint32_t first_image, uint64_t seed) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const int image = r / K, sample = r % K;
+    float z[FC3_K_PADDED] = {};
+    float ratio = 0.0f;
+    for (int q = 0; q < LATENT_DIM / 4; q++) {
+        float zq[4];
+        ratio += iwae_sample_group(zq, mulv + (size_t)image * 2 * LATENT_DIM,
+                                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image, sample,
+                                   seed);
+        for (int j = 0; j < 4; j++) z[4 * q + j] = zq[j];
+    }
+    #pragma unroll
+    for (int t = 0; t < 4; t++)
+        z_frag[(size_t)r * 4 + t] = make_uint4(pack_bf16(z[2 * t], z[2 * t + 1]), pack_bf16(z[8 + 2 * t], z[9 + 2 * t]),
+                                               pack_bf16(z[16 + 2 * t], z[17 + 2 * t]),
+                                               pack_bf16(z[24 + 2 * t], z[25 + 2 * t]));
+    log_ratio[r] = ratio;
+}
+
+template <int R>
+__device__ inline void fence_registers(uint32_t (&a)[R]) {
+    #pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// fc3 accumulators of one 80-unit chunk, preset to the bias (the same for rows g and g + 8).
+__device__ inline void fc3_bias(float (&h)[2 * IWAE_CHUNK / 4], const float* b3, int t) {
+    #pragma unroll
+    for (int j = 0; j < IWAE_CHUNK / 8; j++) {
+        const float2 b = *reinterpret_cast<const float2*>(&b3[8 * j + 2 * t]);
+        h[4 * j] = h[4 * j + 2] = b.x, h[4 * j + 1] = h[4 * j + 3] = b.y;
+    }
+}
+
+// ReLU and bf16 of a chunk's accumulators, as the A fragments of its 5 k16 steps.
+__device__ inline void fc3_to_a(uint32_t (&a)[IWAE_STEPS][4], const float (&h)[2 * IWAE_CHUNK / 4]) {
+    #pragma unroll
+    for (int s = 0; s < IWAE_STEPS; s++)
+        #pragma unroll
+        for (int i = 0; i < 4; i++) // n8 blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..); rows g, g + 8
+            a[s][i] = pack_bf16(fmaxf(h[8 * s + 2 * i], 0.0f), fmaxf(h[8 * s + 2 * i + 1], 0.0f));
+}
+
+__global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
+    iwae_decoder_wgmma_kernel(const __grid_constant__ CUtensorMap w4_map, const __grid_constant__ CUtensorMap w3_map,
+                              float* __restrict__ bce_parts, const uint4* __restrict__ z_frag,
+                              const float* __restrict__ fc3_b, const float* __restrict__ fc4_b,
+                              const uint8_t* __restrict__ pixels, int rows, int K) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
+    IwaeDecoderSmem& sm = *reinterpret_cast<IwaeDecoderSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
+    auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
+    const int cb = blockIdx.x % IWAE_COL_BLOCKS;
+    const int col0 = cb < IWAE_COL_BLOCKS - 1 ? cb * IWAE_BN : INPUT_DIM - IWAE_BN;
+    const int skip = cb < IWAE_COL_BLOCKS - 1 ? 0 : IWAE_OVERLAP / 8; // n8 blocks left to block 2
+
+    if (threadIdx.x == 0) {
+        const uint32_t bar = addr(&sm.loaded);
+        mbar_init(bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_arrive_expect_tx(bar, sizeof(sm.w4) + sizeof(sm.w3));
+        for (int s = 0; s < IWAE_SLICES; s++) tma_load_2d(addr(&sm.w4[s][0][0]), &w4_map, bar, 64 * s, col0);
+        tma_load_2d(addr(&sm.w3[0][0]), &w3_map, bar, 0, 0);
+        tma_load_2d(addr(&sm.w3[HIDDEN_DIM / 2][0]), &w3_map, bar, 0, HIDDEN_DIM / 2);
+    }
+    for (int i = threadIdx.x; i < IWAE_BN; i += blockDim.x) sm.b4[i] = fc4_b[col0 + i];
+    for (int i = threadIdx.x; i < HIDDEN_DIM; i += blockDim.x) sm.b3[i] = fc3_b[i];
+    __syncthreads();
+    mbar_wait(addr(&sm.loaded), 0);
+
+    // The blocks of one column block share the row tiles: warpgroup w of the block's p-th copy
+    // takes 64-row tiles 2p + w, 2p + w + 2 copies, ...
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
+              t = lane % 4;
+    const int tiles = (rows + 63) / 64, workers = 2 * (gridDim.x / IWAE_COL_BLOCKS);
+    const uint32_t w3_tile = addr(&sm.w3[0][0]), w4_tile = addr(&sm.w4[0][0][0]);
+    for (int tile = 2 * (blockIdx.x / IWAE_COL_BLOCKS) + wg; tile < tiles; tile += workers) {
+        const int row_top = tile * 64 + warp * 16 + g, row_bottom = row_top + 8;
+        const uint4 zt = row_top < rows ? z_frag[(size_t)row_top * 4 + t] : make_uint4(0, 0, 0, 0);
+        const uint4 zb = row_bottom < rows ? z_frag[(size_t)row_bottom * 4 + t] : make_uint4(0, 0, 0, 0);
+        const uint32_t z_a[2][4] = {{zt.x, zb.x, zt.y, zb.y}, {zt.z, zb.z, zt.w, zb.w}};
+
+        float logit[IWAE_BN / 2], h[2 * IWAE_CHUNK / 4];
+        uint32_t a[2][IWAE_STEPS][4];
+        fc3_bias(h, sm.b3, t);
+        wgmma_fence();
+        #pragma unroll
+        for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], smem_desc_64b(w3_tile) + 2 * s, true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(h);
+        fc3_to_a(a[0], h);
+        #pragma unroll
+        for (int c = 0; c < IWAE_CHUNKS; c++) {
+            if (c + 1 < IWAE_CHUNKS) { // fc3 of the next chunk: rows 80 (c + 1) .. of fc3's weights
+                fc3_bias(h, sm.b3 + (c + 1) * IWAE_CHUNK, t);
+                wgmma_fence();
+                const uint64_t desc = smem_desc_64b(w3_tile + (c + 1) * IWAE_CHUNK * FC3_K_PADDED * sizeof(bf16));
+                #pragma unroll
+                for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], desc + 2 * s, true);
+                wgmma_commit();
+            }
+            wgmma_fence();
+            #pragma unroll
+            for (int s = 0; s < IWAE_STEPS; s++) { // fc4's k16 step c * 5 + s: slice ks / 4, +32 bytes per step
+                const int ks = c * IWAE_STEPS + s;
+                const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * IWAE_BN * 128) + 2 * (ks % 4);
+                wgmma_m64n200k16_rs(logit, a[c % 2][s], desc, ks > 0);
+            }
+            wgmma_commit();
+            if (c + 1 < IWAE_CHUNKS) { // the next chunk's fc3 is done; this chunk's fc4 may still run
+                wgmma_wait<1>();
+                fence_accumulators(h);
+                fc3_to_a(a[(c + 1) % 2], h);
+            }
+        }
+        wgmma_wait<0>();
+        fence_accumulators(logit);
+
+        // Epilogue: BCE terms of this thread's 2 rows x 50 logits; the 4 lanes of a quad share rows.
+        #pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int row = half ? row_bottom : row_top;
+            const bool live = row < rows;
+            const uint8_t* x = pixels + (size_t)((live ? row : 0) / K) * INPUT_DIM + col0;
+            float relu = 0.0f, dot = 0.0f, log2_terms = 0.0f; // sum max(l,0); sum pixel * l; sum log2(1 + e^-|l|)
+            #pragma unroll
+            for (int j = 0; j < IWAE_BN / 8; j++) {
+                if (j < skip) continue;
+                const int c = 8 * j + 2 * t;
+                const uint32_t px = *reinterpret_cast<const uint16_t*>(&x[c]);
+                const float2 b = *reinterpret_cast<const float2*>(&sm.b4[c]);
+                const float l0 = logit[4 * j + 2 * half] + b.x, l1 = logit[4 * j + 2 * half + 1] + b.y;
+                relu += fmaxf(l0, 0.0f) + fmaxf(l1, 0.0f);
+                dot = fmaf(byte_to_float(px), l0, dot);
+                dot = fmaf(byte_to_float(px >> 8), l1, dot);
+                log2_terms += fast_log2(1.0f + fast_exp2(-fabsf(l0) * 1.4426950409f)) +
+                              fast_log2(1.0f + fast_exp2(-fabsf(l1) * 1.4426950409f));
+            }
+            float sum = relu - dot * (1.0f / 255.0f) + 0.6931471806f * log2_terms;
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (live && t == 0) bce_parts[(size_t)row * IWAE_COL_BLOCKS + cb] = sum;
+        }
+    }
+#endif
 }
 
 // ----------------------------------------------------------------------------
@@ -1331,15 +1612,18 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // TMA descriptor of a row-major [rows][cols] bf16 matrix read in boxes of box_rows x 64 columns
-// (one 128-byte swizzle row). Reads past `rows` or `cols` return zeros. A host struct: encoding
-// allocates nothing, and the kernel takes it by value, so a captured CUDA graph keeps its copy.
-static CUtensorMap bf16_tensor_map(const bf16* base, int rows, int cols, int box_rows) {
+// (one 128-byte swizzle row; box_cols = 32: 64-byte rows, 64-byte swizzle). Reads past `rows` or
+// `cols` return zeros. A host struct: encoding allocates nothing, and the kernel takes it by
+// value, so a captured CUDA graph keeps its copy.
+static CUtensorMap bf16_tensor_map(const bf16* base, int rows, int cols, int box_rows, int box_cols = 64) {
     CUtensorMap map;
     const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}; // innermost first
     const cuuint64_t row_pitch[1] = {(cuuint64_t)cols * sizeof(bf16)};
-    const cuuint32_t box[2] = {FC4_WG_BK, (cuuint32_t)box_rows}, element_strides[2] = {1, 1};
+    const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows}, element_strides[2] = {1, 1};
+    const CUtensorMapSwizzle swizzle = box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+    if (box_cols != 64 && box_cols != 32) fail("internal: TMA boxes are 32 or 64 bf16 wide, not %d", box_cols);
     const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)base, dims, row_pitch, box,
-                                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) fail("internal: cuTensorMapEncodeTiled failed (%d) for a %d x %d matrix", (int)r, rows, cols);
     return map;
@@ -1382,9 +1666,29 @@ static void iwae_latent_bf16(bf16* h3, float* log_ratio, const float* mulv, cons
     cudaCheck(cudaGetLastError());
 }
 
-static void iwae_logsumexp(float* log_px, const float* bce, const float* log_ratio, int images, int K,
-                           cudaStream_t stream) {
-    iwae_logsumexp_kernel<<<images, LSE_THREADS, 0, stream>>>(log_px, bce, log_ratio, K);
+static void iwae_z_bf16(uint4* z_frag, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
+                        uint32_t first_image, uint64_t seed, cudaStream_t stream) {
+    iwae_z_bf16_kernel<<<ceil_div(rows, 128), 128, 0, stream>>>(z_frag, log_ratio, mulv, eps_in, rows, K, first_image,
+                                                                seed);
+    cudaCheck(cudaGetLastError());
+}
+
+// Hopper's fused decoder: fc3 + fc4 + BCE of `rows` z rows into bce_parts[rows][4]. Blocks come
+// in multiples of the 4 column blocks, at most `blocks` (one per SM) and no more than the row
+// tiles need (two 64-row tiles per block at a time).
+static void iwae_decoder_wgmma(float* bce_parts, const uint4* z_frag, const CUtensorMap& w4_map,
+                               const CUtensorMap& w3_map, const float* fc3_b, const float* fc4_b,
+                               const uint8_t* pixels, int rows, int K, int blocks, cudaStream_t stream) {
+    const int copies_needed = ceil_div(ceil_div(rows, 64), 2), copies = blocks / IWAE_COL_BLOCKS;
+    const int grid = IWAE_COL_BLOCKS * (copies < copies_needed ? copies : copies_needed);
+    iwae_decoder_wgmma_kernel<<<grid, IWAE_DEC_THREADS, IWAE_DEC_SMEM, stream>>>(w4_map, w3_map, bce_parts, z_frag,
+                                                                                 fc3_b, fc4_b, pixels, rows, K);
+    cudaCheck(cudaGetLastError());
+}
+
+static void iwae_logsumexp(float* log_px, const float* bce_parts, int parts, const float* log_ratio, int images,
+                           int K, cudaStream_t stream) {
+    iwae_logsumexp_kernel<<<images, LSE_THREADS, 0, stream>>>(log_px, bce_parts, parts, log_ratio, K);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1397,6 +1701,8 @@ static void bf16_kernels_init() {
     cudaCheck(cudaFuncSetAttribute(fc4_bce_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(Fc4Smem)));
     cudaCheck(cudaFuncSetAttribute(fc4_bce_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, FC4_WG_SMEM));
+    cudaCheck(cudaFuncSetAttribute(iwae_decoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   IWAE_DEC_SMEM));
     // two blocks per SM need nearly all of the unified L1 / shared memory as shared memory
     cudaCheck(cudaFuncSetAttribute(fc4_bce_wgmma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared));
@@ -1446,6 +1752,10 @@ typedef struct {
     int fc4_wgmma_blocks; // its persistent blocks: as many as fit on the GPU at once
     // --iwae: per-row BCE and log p(z) - log q(z|x) of the importance samples
     float *row_bce, *row_log_ratio;
+    // --iwae in bf16 on Hopper: z rows for the fused decoder, its weight maps and blocks
+    uint4* iwae_z_frag; // [max_batch][4]
+    CUtensorMap iwae_w4_map, iwae_w3_map;
+    int iwae_blocks;
 } VAE;
 
 // How one forward pass draws z and what it keeps.
@@ -1518,6 +1828,10 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
             cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fc4_bce_wgmma_kernel, FC4_WG_THREADS,
                                                                     FC4_WG_SMEM));
             m->fc4_wgmma_blocks = sms * per_sm;
+            m->iwae_z_frag = (uint4*)device_alloc(B * 4 * sizeof(uint4), "IWAE z rows", max_batch);
+            m->iwae_w4_map = bf16_tensor_map(m->fc4_w16, INPUT_DIM, HIDDEN_DIM, IWAE_BN);
+            m->iwae_w3_map = bf16_tensor_map(m->fc3_w16, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
+            m->iwae_blocks = IWAE_COL_BLOCKS * (sms / IWAE_COL_BLOCKS); // one block per SM
         }
         cudaCheck(cudaStreamSynchronize(m->stream));
     }
@@ -1526,7 +1840,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
 static void vae_free(VAE* m) {
     void* buffers[] = {m->params,      m->h1,    m->mulv,  m->z,           m->h3,      m->logits,
                        m->recon,       m->params_bf16, m->h1_16, m->h3_16, m->bce_partial, m->row_bce,
-                       m->row_log_ratio};
+                       m->row_log_ratio, m->iwae_z_frag};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
@@ -1596,13 +1910,20 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                 iwae_sample(m->z, m->row_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
                 vae_decode_logits(m, m->z, rows);
                 bce_loss(m->row_bce, NULL, m->logits, x, rows, K, m->stream);
+                iwae_logsumexp(log_px + first, m->row_bce, 1, m->row_log_ratio, images, K, m->stream);
+            } else if (m->fc4_wgmma) {
+                iwae_z_bf16(m->iwae_z_frag, m->row_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
+                iwae_decoder_wgmma(m->bce_partial, m->iwae_z_frag, m->iwae_w4_map, m->iwae_w3_map, m->fc3_b, m->fc4_b,
+                                   x, rows, K, m->iwae_blocks, m->stream);
+                iwae_logsumexp(log_px + first, m->bce_partial, IWAE_COL_BLOCKS, m->row_log_ratio, images, K,
+                               m->stream);
             } else {
                 iwae_latent_bf16(m->h3_16, m->row_log_ratio, mulv, eps_rows, m->fc3_w16, m->fc3_b, rows, K, image0,
                                  seed, m->stream);
-                fc4_bce_bf16(m->row_bce, m->bce_partial, NULL, NULL, m->h3_16, m->fc4_w16, m->fc4_b, x, rows, K,
-                             m->fc4_wgmma ? m->fc4_wgmma_blocks : 0, m->stream);
+                fc4_bce_bf16(m->row_bce, m->bce_partial, NULL, NULL, m->h3_16, m->fc4_w16, m->fc4_b, x, rows, K, 0,
+                             m->stream);
+                iwae_logsumexp(log_px + first, m->row_bce, 1, m->row_log_ratio, images, K, m->stream);
             }
-            iwae_logsumexp(log_px + first, m->row_bce, m->row_log_ratio, images, K, m->stream);
         }
     }
 }
