@@ -839,7 +839,10 @@ static void poison_activations(VAE* m) {
     if (m->precision == PRECISION_BF16) { // 0xffff is a bf16 NaN too
         poison(m->h1_16, B * HIDDEN_DIM * 2), poison(m->h3_16, B * HIDDEN_DIM * 2);
         poison(m->bce_partial, B * FC4_COL_BLOCKS * 4);
-        if (m->iwae_z_frag) poison(m->iwae_z_frag, B * 4 * sizeof(uint4));
+        if (m->iwae_bce_parts) { // the fused IWAE decoder's outputs
+            poison(m->iwae_bce_parts, (size_t)m->iwae_rows * IWAE_COL_BLOCKS * 4);
+            poison(m->iwae_log_ratio, (size_t)m->iwae_rows * 4);
+        }
     }
 }
 
@@ -1026,7 +1029,7 @@ static void test_gpu_fc4_fallback(VAE* m, const uint8_t* d_pixels, const DebugSt
     float log_px[2][B];
     for (int wgmma = 0; wgmma < 2; wgmma++) {
         m->fc4_wgmma = wgmma;
-        poison(m->row_bce, (size_t)m->max_batch * 4), poison(m->bce_partial, (size_t)m->max_batch * FC4_COL_BLOCKS * 4);
+        poison_activations(m);
         gpu_iwae(m, d_pixels, first, B, K, 5, NULL, log_px[wgmma]);
     }
     worst = 0.0;
@@ -1238,7 +1241,7 @@ static void test_gpu_iwae(VAE* m, const HostWeights* w, const uint8_t* d_pixels,
     }
     printf("GPU %s IWAE, K = 5000, the whole test set\n", PRECISION_NAMES[p]);
     VAE big; // K = 5000 rows per image need a model sized for --iwae
-    vae_init(&big, w, IWAE_ROWS, p);
+    vae_init(&big, w, IWAE_ROWS, p, IWAE_PASS_ROWS);
     float* all = (float*)malloc((size_t)test_set_count * 4);
     gpu_iwae(&big, d_pixels, 0, test_set_count, 5000, 0, NULL, all);
     vae_free(&big);

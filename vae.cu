@@ -1311,6 +1311,8 @@ struct IwaeDecoderSmem {
     bf16 w4[IWAE_SLICES][IWAE_BN][64];  // fc4's weights for this block's 200 logits, K-major
     bf16 w3[HIDDEN_DIM][FC3_K_PADDED];  // fc3's, K-major, 64-byte rows (64-byte swizzle)
     float b4[IWAE_BN], b3[HIDDEN_DIM];
+    uint32_t z[2][64][4][4];                   // per warpgroup: a tile's z rows as bf16 pairs (see the kernel)
+    float ratio[2][64][LATENT_DIM / 4];        // per warpgroup: the rows' log-density ratio, by Philox group
     uint64_t loaded;
 };
 static_assert(sizeof(bf16) * IWAE_BN * 64 % 1024 == 0 && sizeof(bf16) * IWAE_SLICES * IWAE_BN * 64 % 1024 == 0,
@@ -1390,38 +1392,6 @@ __device__ inline float byte_to_float(uint32_t v) {
     return __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440)) - 8388608.0f;
 }
 
-// One thread per row: its z, as bf16 pairs with thread t of a quad's 4 words together
-// (z_frag[r][t] = the pairs at latents 2t, 8+2t, 16+2t, 24+2t; 20..31 are zeros), and
-// log p(z) - log q(z|x).
-__global__ void iwae_z_bf16_kernel(uint4* __restrict__ z_frag, float* __restrict__ log_ratio,
-                                   const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
-                                   uint32_t first_image, uint64_t seed) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows) return;
-    const int image = r / K, sample = r % K;
-    float z[FC3_K_PADDED] = {};
-    float ratio = 0.0f;
-    for (int q = 0; q < LATENT_DIM / 4; q++) {
-        float zq[4];
-        ratio += iwae_sample_group(zq, mulv + (size_t)image * 2 * LATENT_DIM,
-                                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image, sample,
-                                   seed);
-        for (int j = 0; j < 4; j++) z[4 * q + j] = zq[j];
-    }
-    #pragma unroll
-    for (int t = 0; t < 4; t++)
-        z_frag[(size_t)r * 4 + t] = make_uint4(pack_bf16(z[2 * t], z[2 * t + 1]), pack_bf16(z[8 + 2 * t], z[9 + 2 * t]),
-                                               pack_bf16(z[16 + 2 * t], z[17 + 2 * t]),
-                                               pack_bf16(z[24 + 2 * t], z[25 + 2 * t]));
-    log_ratio[r] = ratio;
-}
-
-template <int R>
-__device__ inline void fence_registers(uint32_t (&a)[R]) {
-    #pragma unroll
-    for (int i = 0; i < R; i++) asm volatile("" : "+r"(a[i])::"memory");
-}
-
 // fc3 accumulators of one 80-unit chunk, preset to the bias (the same for rows g and g + 8).
 __device__ inline void fc3_bias(float (&h)[2 * IWAE_CHUNK / 4], const float* b3, int t) {
     #pragma unroll
@@ -1440,12 +1410,25 @@ __device__ inline void fc3_to_a(uint32_t (&a)[IWAE_STEPS][4], const float (&h)[2
             a[s][i] = pack_bf16(fmaxf(h[8 * s + 2 * i], 0.0f), fmaxf(h[8 * s + 2 * i + 1], 0.0f));
 }
 
+// Named barriers (0 is __syncthreads): the two warpgroups' turns at the tensor cores, and
+// each warpgroup's own z tile.
+enum { BAR_TURN = 1, BAR_Z_TILE = 3 };
+__device__ inline void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ inline void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
     iwae_decoder_wgmma_kernel(const __grid_constant__ CUtensorMap w4_map, const __grid_constant__ CUtensorMap w3_map,
-                              float* __restrict__ bce_parts, const uint4* __restrict__ z_frag,
+                              float* __restrict__ bce_parts, float* __restrict__ log_ratio,
+                              const float* __restrict__ mulv, const float* __restrict__ eps_in,
                               const float* __restrict__ fc3_b, const float* __restrict__ fc4_b,
-                              const uint8_t* __restrict__ pixels, int rows, int K) {
+                              const uint8_t* __restrict__ pixels, int rows, int K, uint32_t first_image,
+                              uint64_t seed) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
+    constexpr int GROUPS = LATENT_DIM / 4;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
     IwaeDecoderSmem& sm = *reinterpret_cast<IwaeDecoderSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
@@ -1465,62 +1448,99 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
     }
     for (int i = threadIdx.x; i < IWAE_BN; i += blockDim.x) sm.b4[i] = fc4_b[col0 + i];
     for (int i = threadIdx.x; i < HIDDEN_DIM; i += blockDim.x) sm.b3[i] = fc3_b[i];
+    for (int i = threadIdx.x; i < (int)(sizeof(sm.z) / 4); i += blockDim.x) (&sm.z[0][0][0][0])[i] = 0; // K padding
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
 
-    // The blocks of one column block share the row tiles: warpgroup w of the block's p-th copy
-    // takes 64-row tiles 2p + w, 2p + w + 2 copies, ...
-    const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
-              t = lane % 4;
-    const int tiles = (rows + 63) / 64, workers = 2 * (gridDim.x / IWAE_COL_BLOCKS);
+    // The blocks of one column block share the row tiles in pairs: warpgroup w of the block's
+    // p-th copy takes tile 2 pair + w of pairs p, p + copies, ... Both warpgroups run the same
+    // number of turns (a tile past the rows does no work) so their turn barriers stay matched.
+    const int wg = threadIdx.x / 128, i128 = threadIdx.x % 128, warp = i128 / 32, lane = threadIdx.x % 32,
+              g = lane / 4, t = lane % 4;
+    const int tiles = (rows + 63) / 64, pairs = (tiles + 1) / 2, copies = gridDim.x / IWAE_COL_BLOCKS;
     const uint32_t w3_tile = addr(&sm.w3[0][0]), w4_tile = addr(&sm.w4[0][0][0]);
-    for (int tile = 2 * (blockIdx.x / IWAE_COL_BLOCKS) + wg; tile < tiles; tile += workers) {
-        const int row_top = tile * 64 + warp * 16 + g, row_bottom = row_top + 8;
-        const uint4 zt = row_top < rows ? z_frag[(size_t)row_top * 4 + t] : make_uint4(0, 0, 0, 0);
-        const uint4 zb = row_bottom < rows ? z_frag[(size_t)row_bottom * 4 + t] : make_uint4(0, 0, 0, 0);
-        const uint32_t z_a[2][4] = {{zt.x, zb.x, zt.y, zb.y}, {zt.z, zb.z, zt.w, zb.w}};
-
-        float logit[IWAE_BN / 2], h[2 * IWAE_CHUNK / 4];
-        uint32_t a[2][IWAE_STEPS][4];
-        fc3_bias(h, sm.b3, t);
-        wgmma_fence();
-        #pragma unroll
-        for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], smem_desc_64b(w3_tile) + 2 * s, true);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_accumulators(h);
-        fc3_to_a(a[0], h);
-        #pragma unroll
-        for (int c = 0; c < IWAE_CHUNKS; c++) {
-            if (c + 1 < IWAE_CHUNKS) { // fc3 of the next chunk: rows 80 (c + 1) .. of fc3's weights
-                fc3_bias(h, sm.b3 + (c + 1) * IWAE_CHUNK, t);
-                wgmma_fence();
-                const uint64_t desc = smem_desc_64b(w3_tile + (c + 1) * IWAE_CHUNK * FC3_K_PADDED * sizeof(bf16));
-                #pragma unroll
-                for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], desc + 2 * s, true);
-                wgmma_commit();
+    if (wg == 1) named_bar_arrive(BAR_TURN + 0, 256); // warpgroup 0 takes the first turn
+    for (int pair = blockIdx.x / IWAE_COL_BLOCKS; pair < pairs; pair += copies) {
+        const int tile = 2 * pair + wg;
+        const bool live_tile = tile < tiles;
+        if (live_tile) {
+            // Sample the tile's 64 z rows, one group of 4 latents (one Philox call) per item,
+            // into the shared z tile: latents 4q.. are bf16 pairs 2q and 2q + 1, pair w at
+            // z[row][w % 4][w / 4], so thread t of a quad loads its A fragments as one uint4.
+            for (int item = i128; item < 64 * GROUPS; item += 128) {
+                const int r = item / GROUPS, q = item % GROUPS, row = tile * 64 + r;
+                float zq[4] = {}, ratio = 0.0f;
+                if (row < rows) {
+                    const int image = row / K;
+                    ratio = iwae_sample_group(zq, mulv + (size_t)image * 2 * LATENT_DIM,
+                                              eps_in ? eps_in + (size_t)row * LATENT_DIM : NULL, q,
+                                              first_image + image, row % K, seed);
+                }
+                sm.z[wg][r][(2 * q) % 4][(2 * q) / 4] = pack_bf16(zq[0], zq[1]);
+                sm.z[wg][r][(2 * q + 1) % 4][(2 * q + 1) / 4] = pack_bf16(zq[2], zq[3]);
+                sm.ratio[wg][r][q] = ratio;
             }
-            wgmma_fence();
-            #pragma unroll
-            for (int s = 0; s < IWAE_STEPS; s++) { // fc4's k16 step c * 5 + s: slice ks / 4, +32 bytes per step
-                const int ks = c * IWAE_STEPS + s;
-                const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * IWAE_BN * 128) + 2 * (ks % 4);
-                wgmma_m64n200k16_rs(logit, a[c % 2][s], desc, ks > 0);
-            }
-            wgmma_commit();
-            if (c + 1 < IWAE_CHUNKS) { // the next chunk's fc3 is done; this chunk's fc4 may still run
-                wgmma_wait<1>();
-                fence_accumulators(h);
-                fc3_to_a(a[(c + 1) % 2], h);
+            named_bar_sync(BAR_Z_TILE + wg, 128);
+            const int row = tile * 64 + i128;
+            if (cb == 0 && i128 < 64 && row < rows) { // one column block writes the rows' log-density ratio
+                float sum = 0.0f;
+                for (int q = 0; q < GROUPS; q++) sum += sm.ratio[wg][i128][q];
+                log_ratio[row] = sum;
             }
         }
+        const uint4 zt = *reinterpret_cast<const uint4*>(&sm.z[wg][warp * 16 + g][t][0]);
+        const uint4 zb = *reinterpret_cast<const uint4*>(&sm.z[wg][warp * 16 + g + 8][t][0]);
+        const uint32_t z_a[2][4] = {{zt.x, zb.x, zt.y, zb.y}, {zt.z, zb.z, zt.w, zb.w}};
+
+        // This warpgroup's turn: it issues the tile's MMAs while the other runs its epilogue.
+        named_bar_sync(BAR_TURN + wg, 256);
+        // (A tile past the rows multiplies stale z rows and drops the result: a condition around
+        // the wgmmas would make ptxas serialise them.)
+        float logit[IWAE_BN / 2], h[2 * IWAE_CHUNK / 4];
+        {
+            uint32_t a[2][IWAE_STEPS][4];
+            fc3_bias(h, sm.b3, t);
+            wgmma_fence();
+            #pragma unroll
+            for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], smem_desc_64b(w3_tile) + 2 * s, true);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_accumulators(h);
+            fc3_to_a(a[0], h);
+            #pragma unroll
+            for (int c = 0; c < IWAE_CHUNKS; c++) {
+                if (c + 1 < IWAE_CHUNKS) { // fc3 of the next chunk: rows 80 (c + 1) .. of fc3's weights
+                    fc3_bias(h, sm.b3 + (c + 1) * IWAE_CHUNK, t);
+                    wgmma_fence();
+                    const uint64_t desc = smem_desc_64b(w3_tile + (c + 1) * IWAE_CHUNK * FC3_K_PADDED * sizeof(bf16));
+                    #pragma unroll
+                    for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], desc + 2 * s, true);
+                    wgmma_commit();
+                }
+                wgmma_fence();
+                #pragma unroll
+                for (int s = 0; s < IWAE_STEPS; s++) { // fc4's k16 step c * 5 + s: slice ks / 4, +32 bytes per step
+                    const int ks = c * IWAE_STEPS + s;
+                    const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * IWAE_BN * 128) + 2 * (ks % 4);
+                    wgmma_m64n200k16_rs(logit, a[c % 2][s], desc, ks > 0);
+                }
+                wgmma_commit();
+                if (c + 1 < IWAE_CHUNKS) { // the next chunk's fc3 is done; this chunk's fc4 may still run
+                    wgmma_wait<1>();
+                    fence_accumulators(h);
+                    fc3_to_a(a[(c + 1) % 2], h);
+                }
+            }
+        }
+        named_bar_arrive(BAR_TURN + 1 - wg, 256); // the other warpgroup's turn
         wgmma_wait<0>();
         fence_accumulators(logit);
+        if (!live_tile) continue;
 
         // Epilogue: BCE terms of this thread's 2 rows x 50 logits; the 4 lanes of a quad share rows.
         #pragma unroll
         for (int half = 0; half < 2; half++) {
-            const int row = half ? row_bottom : row_top;
+            const int row = tile * 64 + warp * 16 + g + 8 * half;
             const bool live = row < rows;
             const uint8_t* x = pixels + (size_t)((live ? row : 0) / K) * INPUT_DIM + col0;
             float relu = 0.0f, dot = 0.0f, log2_terms = 0.0f; // sum max(l,0); sum pixel * l; sum log2(1 + e^-|l|)
@@ -1543,6 +1563,7 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
             if (live && t == 0) bce_parts[(size_t)row * IWAE_COL_BLOCKS + cb] = sum;
         }
     }
+    if (wg == 0) named_bar_sync(BAR_TURN + 0, 256); // warpgroup 1's last hand-over
 #endif
 }
 
@@ -1666,23 +1687,17 @@ static void iwae_latent_bf16(bf16* h3, float* log_ratio, const float* mulv, cons
     cudaCheck(cudaGetLastError());
 }
 
-static void iwae_z_bf16(uint4* z_frag, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
-                        uint32_t first_image, uint64_t seed, cudaStream_t stream) {
-    iwae_z_bf16_kernel<<<ceil_div(rows, 128), 128, 0, stream>>>(z_frag, log_ratio, mulv, eps_in, rows, K, first_image,
-                                                                seed);
-    cudaCheck(cudaGetLastError());
-}
-
-// Hopper's fused decoder: fc3 + fc4 + BCE of `rows` z rows into bce_parts[rows][4]. Blocks come
-// in multiples of the 4 column blocks, at most `blocks` (one per SM) and no more than the row
-// tiles need (two 64-row tiles per block at a time).
-static void iwae_decoder_wgmma(float* bce_parts, const uint4* z_frag, const CUtensorMap& w4_map,
-                               const CUtensorMap& w3_map, const float* fc3_b, const float* fc4_b,
-                               const uint8_t* pixels, int rows, int K, int blocks, cudaStream_t stream) {
+// Hopper's fused decoder: sampling + fc3 + fc4 + BCE of `rows` importance samples (K per image)
+// into bce_parts[rows][4] and log_ratio[rows]. Blocks come in multiples of the 4 column blocks,
+// at most `blocks` (one per SM) and no more than the row tiles need (two 64-row tiles a turn).
+static void iwae_decoder_wgmma(float* bce_parts, float* log_ratio, const float* mulv, const float* eps_in,
+                               const CUtensorMap& w4_map, const CUtensorMap& w3_map, const float* fc3_b,
+                               const float* fc4_b, const uint8_t* pixels, int rows, int K, uint32_t first_image,
+                               uint64_t seed, int blocks, cudaStream_t stream) {
     const int copies_needed = ceil_div(ceil_div(rows, 64), 2), copies = blocks / IWAE_COL_BLOCKS;
     const int grid = IWAE_COL_BLOCKS * (copies < copies_needed ? copies : copies_needed);
-    iwae_decoder_wgmma_kernel<<<grid, IWAE_DEC_THREADS, IWAE_DEC_SMEM, stream>>>(w4_map, w3_map, bce_parts, z_frag,
-                                                                                 fc3_b, fc4_b, pixels, rows, K);
+    iwae_decoder_wgmma_kernel<<<grid, IWAE_DEC_THREADS, IWAE_DEC_SMEM, stream>>>(
+        w4_map, w3_map, bce_parts, log_ratio, mulv, eps_in, fc3_b, fc4_b, pixels, rows, K, first_image, seed);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1752,8 +1767,10 @@ typedef struct {
     int fc4_wgmma_blocks; // its persistent blocks: as many as fit on the GPU at once
     // --iwae: per-row BCE and log p(z) - log q(z|x) of the importance samples
     float *row_bce, *row_log_ratio;
-    // --iwae in bf16 on Hopper: z rows for the fused decoder, its weight maps and blocks
-    uint4* iwae_z_frag; // [max_batch][4]
+    // --iwae in bf16 on Hopper: the fused decoder's passes of up to iwae_rows rows, its outputs,
+    // weight maps and blocks
+    int iwae_rows;
+    float *iwae_bce_parts, *iwae_log_ratio; // [iwae_rows][4], [iwae_rows]
     CUtensorMap iwae_w4_map, iwae_w3_map;
     int iwae_blocks;
 } VAE;
@@ -1776,7 +1793,10 @@ static void* device_alloc(size_t bytes, const char* what, int batch) {
     return p;
 }
 
-static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision) {
+// max_batch: images per forward pass, and the most samples per image --iwae may take.
+// iwae_rows: rows per --iwae pass of the fused Hopper decoder (at least max_batch; it keeps only
+// 20 bytes a row, so its passes can be far longer than the other paths').
+static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, int iwae_rows = 0) {
     memset(m, 0, sizeof(*m));
     m->max_batch = max_batch;
     m->precision = precision;
@@ -1828,7 +1848,10 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
             cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fc4_bce_wgmma_kernel, FC4_WG_THREADS,
                                                                     FC4_WG_SMEM));
             m->fc4_wgmma_blocks = sms * per_sm;
-            m->iwae_z_frag = (uint4*)device_alloc(B * 4 * sizeof(uint4), "IWAE z rows", max_batch);
+            m->iwae_rows = iwae_rows > max_batch ? iwae_rows : max_batch;
+            const size_t P = (size_t)m->iwae_rows;
+            m->iwae_bce_parts = (float*)device_alloc(P * IWAE_COL_BLOCKS * sizeof(float), "IWAE BCE parts", max_batch);
+            m->iwae_log_ratio = (float*)device_alloc(P * sizeof(float), "IWAE log-density ratios", max_batch);
             m->iwae_w4_map = bf16_tensor_map(m->fc4_w16, INPUT_DIM, HIDDEN_DIM, IWAE_BN);
             m->iwae_w3_map = bf16_tensor_map(m->fc3_w16, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
             m->iwae_blocks = IWAE_COL_BLOCKS * (sms / IWAE_COL_BLOCKS); // one block per SM
@@ -1840,7 +1863,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
 static void vae_free(VAE* m) {
     void* buffers[] = {m->params,      m->h1,    m->mulv,  m->z,           m->h3,      m->logits,
                        m->recon,       m->params_bf16, m->h1_16, m->h3_16, m->bce_partial, m->row_bce,
-                       m->row_log_ratio, m->iwae_z_frag};
+                       m->row_log_ratio, m->iwae_bce_parts, m->iwae_log_ratio};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
@@ -1885,6 +1908,12 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
     }
 }
 
+// Images per --iwae pass at K samples each: as many as the pass's rows hold.
+static int vae_iwae_images_per_pass(const VAE* m, int K) {
+    const bool fused = m->precision == PRECISION_BF16 && m->fc4_wgmma;
+    return (fused ? m->iwae_rows : m->max_batch) / K;
+}
+
 // Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels),
 // K samples each, into the device array log_px[n]. The encoder runs once per image in fp32; the
 // n x K decoder passes run in the model's precision, as many images at a time as max_batch rows
@@ -1893,7 +1922,8 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->max_batch) fail("internal: %d samples per image outside 1..%d", K, m->max_batch);
-    const int images_per_pass = m->max_batch / K;
+    const bool fused = m->precision == PRECISION_BF16 && m->fc4_wgmma;
+    const int images_per_pass = vae_iwae_images_per_pass(m, K);
     // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
     // holds few images (13 at K = 5000), far too few to fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
@@ -1911,11 +1941,11 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                 vae_decode_logits(m, m->z, rows);
                 bce_loss(m->row_bce, NULL, m->logits, x, rows, K, m->stream);
                 iwae_logsumexp(log_px + first, m->row_bce, 1, m->row_log_ratio, images, K, m->stream);
-            } else if (m->fc4_wgmma) {
-                iwae_z_bf16(m->iwae_z_frag, m->row_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
-                iwae_decoder_wgmma(m->bce_partial, m->iwae_z_frag, m->iwae_w4_map, m->iwae_w3_map, m->fc3_b, m->fc4_b,
-                                   x, rows, K, m->iwae_blocks, m->stream);
-                iwae_logsumexp(log_px + first, m->bce_partial, IWAE_COL_BLOCKS, m->row_log_ratio, images, K,
+            } else if (fused) {
+                iwae_decoder_wgmma(m->iwae_bce_parts, m->iwae_log_ratio, mulv, eps_rows, m->iwae_w4_map,
+                                   m->iwae_w3_map, m->fc3_b, m->fc4_b, x, rows, K, image0, seed, m->iwae_blocks,
+                                   m->stream);
+                iwae_logsumexp(log_px + first, m->iwae_bce_parts, IWAE_COL_BLOCKS, m->iwae_log_ratio, images, K,
                                m->stream);
             } else {
                 iwae_latent_bf16(m->h3_16, m->row_log_ratio, mulv, eps_rows, m->fc3_w16, m->fc3_b, rows, K, image0,
@@ -2011,6 +2041,7 @@ enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper
 // "/samples.ppm"); a longer argument would be cut silently and name another file.
 enum { MAX_PATH_ARG = 4000 };
 enum { IWAE_ROWS = 1 << 16 };  // decoder rows per --iwae pass (~0.6 GB of activations); K at most this
+enum { IWAE_PASS_ROWS = 1 << 22 }; // rows per pass of Hopper's fused decoder (20 bytes each)
 
 static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     *cfg = (Config){"data/vae_weights.bin", "data", "out", NULL, 4096, 0, 0, false, PRECISION_FP32, false, 0, false};
@@ -2209,12 +2240,12 @@ static void run_iwae(const HostWeights* w, const Labels* labels, const uint8_t* 
                      FILE* csv) {
     const int K = cfg->iwae_k;
     VAE m;
-    vae_init(&m, w, IWAE_ROWS, cfg->precision);
+    vae_init(&m, w, IWAE_ROWS, cfg->precision, IWAE_PASS_ROWS);
     float* d_log_px = (float*)device_alloc((size_t)count * sizeof(float), "log p(x)", count);
     vae_iwae(&m, d_pixels, 1, 0, K, cfg->seed, NULL, d_log_px); // untimed: module loading stays out
 
     // slices of ~2% of the images between progress reports, each a whole number of passes
-    const int per_pass = IWAE_ROWS / K, passes = ceil_div(count, per_pass);
+    const int per_pass = vae_iwae_images_per_pass(&m, K), passes = ceil_div(count, per_pass);
     const int slice = per_pass * ceil_div(passes, 50);
     cudaEvent_t start, stop;
     cudaCheck(cudaEventCreate(&start));
