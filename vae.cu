@@ -1311,8 +1311,6 @@ struct IwaeDecoderSmem {
     bf16 w4[IWAE_SLICES][IWAE_BN][64];  // fc4's weights for this block's 200 logits, K-major
     bf16 w3[HIDDEN_DIM][FC3_K_PADDED];  // fc3's, K-major, 64-byte rows (64-byte swizzle)
     float b4[IWAE_BN], b3[HIDDEN_DIM];
-    uint32_t z[2][64][4][4];                   // per warpgroup: a tile's z rows as bf16 pairs (see the kernel)
-    float ratio[2][64][LATENT_DIM / 4];        // per warpgroup: the rows' log-density ratio, by Philox group
     uint64_t loaded;
 };
 static_assert(sizeof(bf16) * IWAE_BN * 64 % 1024 == 0 && sizeof(bf16) * IWAE_SLICES * IWAE_BN * 64 % 1024 == 0,
@@ -1392,6 +1390,32 @@ __device__ inline float byte_to_float(uint32_t v) {
     return __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440)) - 8388608.0f;
 }
 
+// One thread per row: its z, as bf16 pairs with thread t of a quad's 4 words together
+// (z_frag[r][t] = the pairs at latents 2t, 8+2t, 16+2t, 24+2t; 20..31 are zeros), and
+// log p(z) - log q(z|x).
+__global__ void iwae_z_bf16_kernel(uint4* __restrict__ z_frag, float* __restrict__ log_ratio,
+                                   const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
+                                   uint32_t first_image, uint64_t seed) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const int image = r / K, sample = r % K;
+    float z[FC3_K_PADDED] = {};
+    float ratio = 0.0f;
+    for (int q = 0; q < LATENT_DIM / 4; q++) {
+        float zq[4];
+        ratio += iwae_sample_group(zq, mulv + (size_t)image * 2 * LATENT_DIM,
+                                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image, sample,
+                                   seed);
+        for (int j = 0; j < 4; j++) z[4 * q + j] = zq[j];
+    }
+    #pragma unroll
+    for (int t = 0; t < 4; t++)
+        z_frag[(size_t)r * 4 + t] = make_uint4(pack_bf16(z[2 * t], z[2 * t + 1]), pack_bf16(z[8 + 2 * t], z[9 + 2 * t]),
+                                               pack_bf16(z[16 + 2 * t], z[17 + 2 * t]),
+                                               pack_bf16(z[24 + 2 * t], z[25 + 2 * t]));
+    log_ratio[r] = ratio;
+}
+
 // fc3 accumulators of one 80-unit chunk, preset to the bias (the same for rows g and g + 8).
 __device__ inline void fc3_bias(float (&h)[2 * IWAE_CHUNK / 4], const float* b3, int t) {
     #pragma unroll
@@ -1410,9 +1434,8 @@ __device__ inline void fc3_to_a(uint32_t (&a)[IWAE_STEPS][4], const float (&h)[2
             a[s][i] = pack_bf16(fmaxf(h[8 * s + 2 * i], 0.0f), fmaxf(h[8 * s + 2 * i + 1], 0.0f));
 }
 
-// Named barriers (0 is __syncthreads): the two warpgroups' turns at the tensor cores, and
-// each warpgroup's own z tile.
-enum { BAR_TURN = 1, BAR_Z_TILE = 3 };
+// Named barriers (0 is __syncthreads): the two warpgroups' turns at the tensor cores.
+enum { BAR_TURN = 1 };
 __device__ inline void named_bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -1422,13 +1445,10 @@ __device__ inline void named_bar_arrive(int id, int threads) {
 
 __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
     iwae_decoder_wgmma_kernel(const __grid_constant__ CUtensorMap w4_map, const __grid_constant__ CUtensorMap w3_map,
-                              float* __restrict__ bce_parts, float* __restrict__ log_ratio,
-                              const float* __restrict__ mulv, const float* __restrict__ eps_in,
+                              float* __restrict__ bce_parts, const uint4* __restrict__ z_frag,
                               const float* __restrict__ fc3_b, const float* __restrict__ fc4_b,
-                              const uint8_t* __restrict__ pixels, int rows, int K, uint32_t first_image,
-                              uint64_t seed) {
+                              const uint8_t* __restrict__ pixels, int rows, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
-    constexpr int GROUPS = LATENT_DIM / 4;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
     IwaeDecoderSmem& sm = *reinterpret_cast<IwaeDecoderSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
@@ -1448,54 +1468,35 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
     }
     for (int i = threadIdx.x; i < IWAE_BN; i += blockDim.x) sm.b4[i] = fc4_b[col0 + i];
     for (int i = threadIdx.x; i < HIDDEN_DIM; i += blockDim.x) sm.b3[i] = fc3_b[i];
-    for (int i = threadIdx.x; i < (int)(sizeof(sm.z) / 4); i += blockDim.x) (&sm.z[0][0][0][0])[i] = 0; // K padding
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
 
     // The blocks of one column block share the row tiles in pairs: warpgroup w of the block's
     // p-th copy takes tile 2 pair + w of pairs p, p + copies, ... Both warpgroups run the same
     // number of turns (a tile past the rows does no work) so their turn barriers stay matched.
-    const int wg = threadIdx.x / 128, i128 = threadIdx.x % 128, warp = i128 / 32, lane = threadIdx.x % 32,
-              g = lane / 4, t = lane % 4;
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
+              t = lane % 4;
     const int tiles = (rows + 63) / 64, pairs = (tiles + 1) / 2, copies = gridDim.x / IWAE_COL_BLOCKS;
     const uint32_t w3_tile = addr(&sm.w3[0][0]), w4_tile = addr(&sm.w4[0][0][0]);
+    // z rows g and g + 8 of this warp's 16 in tile `tile` (zeros past the rows): the A fragments
+    // of fc3's two k16 steps. Loaded a tile ahead, while the epilogue runs.
+    auto load_z = [&](int tile, uint4& top, uint4& bottom) {
+        const int row = tile * 64 + warp * 16 + g;
+        top = row < rows ? z_frag[(size_t)row * 4 + t] : make_uint4(0, 0, 0, 0);
+        bottom = row + 8 < rows ? z_frag[(size_t)(row + 8) * 4 + t] : make_uint4(0, 0, 0, 0);
+    };
+    uint4 zt, zb;
+    load_z(2 * (blockIdx.x / IWAE_COL_BLOCKS) + wg, zt, zb);
     if (wg == 1) named_bar_arrive(BAR_TURN + 0, 256); // warpgroup 0 takes the first turn
     for (int pair = blockIdx.x / IWAE_COL_BLOCKS; pair < pairs; pair += copies) {
         const int tile = 2 * pair + wg;
         const bool live_tile = tile < tiles;
-        if (live_tile) {
-            // Sample the tile's 64 z rows, one group of 4 latents (one Philox call) per item,
-            // into the shared z tile: latents 4q.. are bf16 pairs 2q and 2q + 1, pair w at
-            // z[row][w % 4][w / 4], so thread t of a quad loads its A fragments as one uint4.
-            for (int item = i128; item < 64 * GROUPS; item += 128) {
-                const int r = item / GROUPS, q = item % GROUPS, row = tile * 64 + r;
-                float zq[4] = {}, ratio = 0.0f;
-                if (row < rows) {
-                    const int image = row / K;
-                    ratio = iwae_sample_group(zq, mulv + (size_t)image * 2 * LATENT_DIM,
-                                              eps_in ? eps_in + (size_t)row * LATENT_DIM : NULL, q,
-                                              first_image + image, row % K, seed);
-                }
-                sm.z[wg][r][(2 * q) % 4][(2 * q) / 4] = pack_bf16(zq[0], zq[1]);
-                sm.z[wg][r][(2 * q + 1) % 4][(2 * q + 1) / 4] = pack_bf16(zq[2], zq[3]);
-                sm.ratio[wg][r][q] = ratio;
-            }
-            named_bar_sync(BAR_Z_TILE + wg, 128);
-            const int row = tile * 64 + i128;
-            if (cb == 0 && i128 < 64 && row < rows) { // one column block writes the rows' log-density ratio
-                float sum = 0.0f;
-                for (int q = 0; q < GROUPS; q++) sum += sm.ratio[wg][i128][q];
-                log_ratio[row] = sum;
-            }
-        }
-        const uint4 zt = *reinterpret_cast<const uint4*>(&sm.z[wg][warp * 16 + g][t][0]);
-        const uint4 zb = *reinterpret_cast<const uint4*>(&sm.z[wg][warp * 16 + g + 8][t][0]);
         const uint32_t z_a[2][4] = {{zt.x, zb.x, zt.y, zb.y}, {zt.z, zb.z, zt.w, zb.w}};
 
         // This warpgroup's turn: it issues the tile's MMAs while the other runs its epilogue.
         named_bar_sync(BAR_TURN + wg, 256);
-        // (A tile past the rows multiplies stale z rows and drops the result: a condition around
-        // the wgmmas would make ptxas serialise them.)
+        // (A tile past the rows multiplies zeros and drops the result: a condition around the
+        // wgmmas would make ptxas serialise them.)
         float logit[IWAE_BN / 2], h[2 * IWAE_CHUNK / 4];
         {
             uint32_t a[2][IWAE_STEPS][4];
@@ -1533,6 +1534,7 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
             }
         }
         named_bar_arrive(BAR_TURN + 1 - wg, 256); // the other warpgroup's turn
+        load_z(tile + 2 * copies, zt, zb);
         wgmma_wait<0>();
         fence_accumulators(logit);
         if (!live_tile) continue;
@@ -1687,17 +1689,23 @@ static void iwae_latent_bf16(bf16* h3, float* log_ratio, const float* mulv, cons
     cudaCheck(cudaGetLastError());
 }
 
-// Hopper's fused decoder: sampling + fc3 + fc4 + BCE of `rows` importance samples (K per image)
-// into bce_parts[rows][4] and log_ratio[rows]. Blocks come in multiples of the 4 column blocks,
-// at most `blocks` (one per SM) and no more than the row tiles need (two 64-row tiles a turn).
-static void iwae_decoder_wgmma(float* bce_parts, float* log_ratio, const float* mulv, const float* eps_in,
-                               const CUtensorMap& w4_map, const CUtensorMap& w3_map, const float* fc3_b,
-                               const float* fc4_b, const uint8_t* pixels, int rows, int K, uint32_t first_image,
-                               uint64_t seed, int blocks, cudaStream_t stream) {
+static void iwae_z_bf16(uint4* z_frag, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
+                        uint32_t first_image, uint64_t seed, cudaStream_t stream) {
+    iwae_z_bf16_kernel<<<ceil_div(rows, 128), 128, 0, stream>>>(z_frag, log_ratio, mulv, eps_in, rows, K, first_image,
+                                                                seed);
+    cudaCheck(cudaGetLastError());
+}
+
+// Hopper's fused decoder: fc3 + fc4 + BCE of `rows` z rows (K per image) into bce_parts[rows][4].
+// Blocks come in multiples of the 4 column blocks, at most `blocks` (one per SM) and no more
+// than the row tiles need (two 64-row tiles a turn).
+static void iwae_decoder_wgmma(float* bce_parts, const uint4* z_frag, const CUtensorMap& w4_map,
+                               const CUtensorMap& w3_map, const float* fc3_b, const float* fc4_b,
+                               const uint8_t* pixels, int rows, int K, int blocks, cudaStream_t stream) {
     const int copies_needed = ceil_div(ceil_div(rows, 64), 2), copies = blocks / IWAE_COL_BLOCKS;
     const int grid = IWAE_COL_BLOCKS * (copies < copies_needed ? copies : copies_needed);
-    iwae_decoder_wgmma_kernel<<<grid, IWAE_DEC_THREADS, IWAE_DEC_SMEM, stream>>>(
-        w4_map, w3_map, bce_parts, log_ratio, mulv, eps_in, fc3_b, fc4_b, pixels, rows, K, first_image, seed);
+    iwae_decoder_wgmma_kernel<<<grid, IWAE_DEC_THREADS, IWAE_DEC_SMEM, stream>>>(w4_map, w3_map, bce_parts, z_frag,
+                                                                                 fc3_b, fc4_b, pixels, rows, K);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1770,6 +1778,7 @@ typedef struct {
     // --iwae in bf16 on Hopper: the fused decoder's passes of up to iwae_rows rows, its outputs,
     // weight maps and blocks
     int iwae_rows;
+    uint4* iwae_z_frag;                     // [iwae_rows][4]: z rows as the decoder loads them
     float *iwae_bce_parts, *iwae_log_ratio; // [iwae_rows][4], [iwae_rows]
     CUtensorMap iwae_w4_map, iwae_w3_map;
     int iwae_blocks;
@@ -1852,6 +1861,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
             const size_t P = (size_t)m->iwae_rows;
             m->iwae_bce_parts = (float*)device_alloc(P * IWAE_COL_BLOCKS * sizeof(float), "IWAE BCE parts", max_batch);
             m->iwae_log_ratio = (float*)device_alloc(P * sizeof(float), "IWAE log-density ratios", max_batch);
+            m->iwae_z_frag = (uint4*)device_alloc(P * 4 * sizeof(uint4), "IWAE z rows", max_batch);
             m->iwae_w4_map = bf16_tensor_map(m->fc4_w16, INPUT_DIM, HIDDEN_DIM, IWAE_BN);
             m->iwae_w3_map = bf16_tensor_map(m->fc3_w16, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
             m->iwae_blocks = IWAE_COL_BLOCKS * (sms / IWAE_COL_BLOCKS); // one block per SM
@@ -1863,7 +1873,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
 static void vae_free(VAE* m) {
     void* buffers[] = {m->params,      m->h1,    m->mulv,  m->z,           m->h3,      m->logits,
                        m->recon,       m->params_bf16, m->h1_16, m->h3_16, m->bce_partial, m->row_bce,
-                       m->row_log_ratio, m->iwae_bce_parts, m->iwae_log_ratio};
+                       m->row_log_ratio, m->iwae_bce_parts, m->iwae_log_ratio, m->iwae_z_frag};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
@@ -1942,9 +1952,9 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                 bce_loss(m->row_bce, NULL, m->logits, x, rows, K, m->stream);
                 iwae_logsumexp(log_px + first, m->row_bce, 1, m->row_log_ratio, images, K, m->stream);
             } else if (fused) {
-                iwae_decoder_wgmma(m->iwae_bce_parts, m->iwae_log_ratio, mulv, eps_rows, m->iwae_w4_map,
-                                   m->iwae_w3_map, m->fc3_b, m->fc4_b, x, rows, K, image0, seed, m->iwae_blocks,
-                                   m->stream);
+                iwae_z_bf16(m->iwae_z_frag, m->iwae_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
+                iwae_decoder_wgmma(m->iwae_bce_parts, m->iwae_z_frag, m->iwae_w4_map, m->iwae_w3_map, m->fc3_b,
+                                   m->fc4_b, x, rows, K, m->iwae_blocks, m->stream);
                 iwae_logsumexp(log_px + first, m->iwae_bce_parts, IWAE_COL_BLOCKS, m->iwae_log_ratio, images, K,
                                m->stream);
             } else {
@@ -2041,7 +2051,7 @@ enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper
 // "/samples.ppm"); a longer argument would be cut silently and name another file.
 enum { MAX_PATH_ARG = 4000 };
 enum { IWAE_ROWS = 1 << 16 };  // decoder rows per --iwae pass (~0.6 GB of activations); K at most this
-enum { IWAE_PASS_ROWS = 1 << 22 }; // rows per pass of Hopper's fused decoder (20 bytes each)
+enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per pass of Hopper's fused decoder (84 bytes each)
 
 static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     *cfg = (Config){"data/vae_weights.bin", "data", "out", NULL, 4096, 0, 0, false, PRECISION_FP32, false, 0, false};
