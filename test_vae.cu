@@ -842,6 +842,8 @@ static void poison_activations(VAE* m) {
         if (m->iwae_bce_parts) { // the fused IWAE decoder's outputs
             poison(m->iwae_bce_parts, (size_t)m->iwae_rows * IWAE_COL_BLOCKS * 4);
             poison(m->iwae_log_ratio, (size_t)m->iwae_rows * 4);
+            poison(m->iwae_z_frag, (size_t)m->iwae_rows * 4 * sizeof(uint4));
+            poison(m->iwae_x, B * INPUT_DIM * 4);
         }
     }
 }

@@ -1309,8 +1309,8 @@ static_assert(IWAE_OVERLAP >= 0 && IWAE_OVERLAP % 8 == 0 && INPUT_DIM % 2 == 0, 
 static_assert(FC3_K_PADDED == 32, "z rows are two k16 steps");
 struct IwaeDecoderSmem {
     bf16 w4[IWAE_SLICES][IWAE_BN][64];  // fc4's weights for this block's 200 logits, K-major
-    bf16 w3[HIDDEN_DIM][FC3_K_PADDED];  // fc3's, K-major, 64-byte rows (64-byte swizzle)
-    float b4[IWAE_BN], b3[HIDDEN_DIM];
+    bf16 w3[HIDDEN_DIM][FC3_K_PADDED];  // fc3's with its bias in K = 20, 21; K-major, 64-byte rows (64-byte swizzle)
+    float b4[IWAE_BN];
     uint64_t loaded;
 };
 static_assert(sizeof(bf16) * IWAE_BN * 64 % 1024 == 0 && sizeof(bf16) * IWAE_SLICES * IWAE_BN * 64 % 1024 == 0,
@@ -1371,6 +1371,26 @@ __device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4]
         : "memory");
 }
 
+// 1/2 - x for pixels x = p / 255: what the --iwae decoder's BCE multiplies the logits by (it
+// reads them as float2 pairs).
+__global__ void half_minus_pixels_kernel(float* __restrict__ out, const uint8_t* __restrict__ pixels, size_t n) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = 0.5f - (float)pixels[i] * (1.0f / 255.0f);
+}
+
+// fc3's weights for the --iwae decoder: [400][32] bf16, K = 20 and 21 holding the bias as a high
+// and a low bf16 part (their sum is the fp32 bias to ~2^-16), the rest zero.
+__global__ void fc3_with_bias_kernel(bf16* __restrict__ dst, const float* __restrict__ w, const float* __restrict__ b) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= HIDDEN_DIM * FC3_K_PADDED) return;
+    const int r = i / FC3_K_PADDED, c = i % FC3_K_PADDED;
+    const bf16 high = __float2bfloat16(b[r]);
+    dst[i] = c < LATENT_DIM         ? __float2bfloat16(w[r * LATENT_DIM + c])
+             : c == LATENT_DIM     ? high
+             : c == LATENT_DIM + 1 ? __float2bfloat16(b[r] - __bfloat162float(high))
+                                   : __float2bfloat16(0.0f);
+}
+
 __device__ inline uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
@@ -1385,14 +1405,10 @@ __device__ inline float fast_log2(float x) {
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-// byte 0 of v as a float, exactly: 2^23 + b has b in its low mantissa bits (no int->float unit)
-__device__ inline float byte_to_float(uint32_t v) {
-    return __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440)) - 8388608.0f;
-}
 
 // One thread per row: its z, as bf16 pairs with thread t of a quad's 4 words together
-// (z_frag[r][t] = the pairs at latents 2t, 8+2t, 16+2t, 24+2t; 20..31 are zeros), and
-// log p(z) - log q(z|x).
+// (z_frag[r][t] = the pairs at latents 2t, 8+2t, 16+2t, 24+2t; 20 and 21 are 1, 22..31 zeros),
+// and log p(z) - log q(z|x).
 __global__ void iwae_z_bf16_kernel(uint4* __restrict__ z_frag, float* __restrict__ log_ratio,
                                    const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
                                    uint32_t first_image, uint64_t seed) {
@@ -1400,6 +1416,7 @@ __global__ void iwae_z_bf16_kernel(uint4* __restrict__ z_frag, float* __restrict
     if (r >= rows) return;
     const int image = r / K, sample = r % K;
     float z[FC3_K_PADDED] = {};
+    z[LATENT_DIM] = z[LATENT_DIM + 1] = 1.0f; // times fc3's bias (high and low bf16 halves)
     float ratio = 0.0f;
     for (int q = 0; q < LATENT_DIM / 4; q++) {
         float zq[4];
@@ -1416,22 +1433,17 @@ __global__ void iwae_z_bf16_kernel(uint4* __restrict__ z_frag, float* __restrict
     log_ratio[r] = ratio;
 }
 
-// fc3 accumulators of one 80-unit chunk, preset to the bias (the same for rows g and g + 8).
-__device__ inline void fc3_bias(float (&h)[2 * IWAE_CHUNK / 4], const float* b3, int t) {
-    #pragma unroll
-    for (int j = 0; j < IWAE_CHUNK / 8; j++) {
-        const float2 b = *reinterpret_cast<const float2*>(&b3[8 * j + 2 * t]);
-        h[4 * j] = h[4 * j + 2] = b.x, h[4 * j + 1] = h[4 * j + 3] = b.y;
-    }
-}
-
-// ReLU and bf16 of a chunk's accumulators, as the A fragments of its 5 k16 steps.
+// bf16 and ReLU of a chunk's accumulators (ReLU after rounding, on bf16 pairs: the same values,
+// half the instructions), as the A fragments of its 5 k16 steps.
 __device__ inline void fc3_to_a(uint32_t (&a)[IWAE_STEPS][4], const float (&h)[2 * IWAE_CHUNK / 4]) {
     #pragma unroll
     for (int s = 0; s < IWAE_STEPS; s++)
         #pragma unroll
-        for (int i = 0; i < 4; i++) // n8 blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..); rows g, g + 8
-            a[s][i] = pack_bf16(fmaxf(h[8 * s + 2 * i], 0.0f), fmaxf(h[8 * s + 2 * i + 1], 0.0f));
+        for (int i = 0; i < 4; i++) { // n8 blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..); rows g, g + 8
+            const __nv_bfloat162 v = __hmax2(__floats2bfloat162_rn(h[8 * s + 2 * i], h[8 * s + 2 * i + 1]),
+                                             __float2bfloat162_rn(0.0f));
+            a[s][i] = *reinterpret_cast<const uint32_t*>(&v);
+        }
 }
 
 // Named barriers (0 is __syncthreads): the two warpgroups' turns at the tensor cores.
@@ -1446,8 +1458,8 @@ __device__ inline void named_bar_arrive(int id, int threads) {
 __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
     iwae_decoder_wgmma_kernel(const __grid_constant__ CUtensorMap w4_map, const __grid_constant__ CUtensorMap w3_map,
                               float* __restrict__ bce_parts, const uint4* __restrict__ z_frag,
-                              const float* __restrict__ fc3_b, const float* __restrict__ fc4_b,
-                              const uint8_t* __restrict__ pixels, int rows, int K) {
+                              const float* __restrict__ fc4_b, const float* __restrict__ half_minus_x, int rows,
+                              int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
@@ -1467,7 +1479,6 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
         tma_load_2d(addr(&sm.w3[HIDDEN_DIM / 2][0]), &w3_map, bar, 0, HIDDEN_DIM / 2);
     }
     for (int i = threadIdx.x; i < IWAE_BN; i += blockDim.x) sm.b4[i] = fc4_b[col0 + i];
-    for (int i = threadIdx.x; i < HIDDEN_DIM; i += blockDim.x) sm.b3[i] = fc3_b[i];
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
 
@@ -1479,87 +1490,93 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
     const int tiles = (rows + 63) / 64, pairs = (tiles + 1) / 2, copies = gridDim.x / IWAE_COL_BLOCKS;
     const uint32_t w3_tile = addr(&sm.w3[0][0]), w4_tile = addr(&sm.w4[0][0][0]);
     // z rows g and g + 8 of this warp's 16 in tile `tile` (zeros past the rows): the A fragments
-    // of fc3's two k16 steps. Loaded a tile ahead, while the epilogue runs.
-    auto load_z = [&](int tile, uint4& top, uint4& bottom) {
+    // of fc3's two k16 steps.
+    uint32_t z_a[2][4];
+    auto load_z = [&](int tile) {
         const int row = tile * 64 + warp * 16 + g;
-        top = row < rows ? z_frag[(size_t)row * 4 + t] : make_uint4(0, 0, 0, 0);
-        bottom = row + 8 < rows ? z_frag[(size_t)(row + 8) * 4 + t] : make_uint4(0, 0, 0, 0);
+        const uint4 top = row < rows ? z_frag[(size_t)row * 4 + t] : make_uint4(0, 0, 0, 0);
+        const uint4 bottom = row + 8 < rows ? z_frag[(size_t)(row + 8) * 4 + t] : make_uint4(0, 0, 0, 0);
+        z_a[0][0] = top.x, z_a[0][1] = bottom.x, z_a[0][2] = top.y, z_a[0][3] = bottom.y;
+        z_a[1][0] = top.z, z_a[1][1] = bottom.z, z_a[1][2] = top.w, z_a[1][3] = bottom.w;
     };
-    uint4 zt, zb;
-    load_z(2 * (blockIdx.x / IWAE_COL_BLOCKS) + wg, zt, zb);
+    // fc3 of chunk c of the tile in z_a into h, as one wgmma group (the bias comes with the
+    // product: z's K = 20, 21 hold 1).
+    float h[2 * IWAE_CHUNK / 4];
+    auto fc3_chunk = [&](int c) {
+        wgmma_fence();
+        const uint64_t desc = smem_desc_64b(w3_tile + c * IWAE_CHUNK * FC3_K_PADDED * sizeof(bf16));
+        #pragma unroll
+        for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], desc + 2 * s, s > 0);
+        wgmma_commit();
+    };
+    // A tile's first fc3 chunk runs before its turn (after the previous tile's MMAs), so a turn
+    // starts straight with fc4.
+    uint32_t a[2][IWAE_STEPS][4];
+    load_z(2 * (blockIdx.x / IWAE_COL_BLOCKS) + wg);
+    fc3_chunk(0);
+    wgmma_wait<0>();
+    fence_accumulators(h);
+    fc3_to_a(a[0], h);
     if (wg == 1) named_bar_arrive(BAR_TURN + 0, 256); // warpgroup 0 takes the first turn
     for (int pair = blockIdx.x / IWAE_COL_BLOCKS; pair < pairs; pair += copies) {
         const int tile = 2 * pair + wg;
         const bool live_tile = tile < tiles;
-        const uint32_t z_a[2][4] = {{zt.x, zb.x, zt.y, zb.y}, {zt.z, zb.z, zt.w, zb.w}};
 
         // This warpgroup's turn: it issues the tile's MMAs while the other runs its epilogue.
-        named_bar_sync(BAR_TURN + wg, 256);
         // (A tile past the rows multiplies zeros and drops the result: a condition around the
         // wgmmas would make ptxas serialise them.)
-        float logit[IWAE_BN / 2], h[2 * IWAE_CHUNK / 4];
-        {
-            uint32_t a[2][IWAE_STEPS][4];
-            fc3_bias(h, sm.b3, t);
+        named_bar_sync(BAR_TURN + wg, 256);
+        float logit[IWAE_BN / 2];
+        #pragma unroll
+        for (int c = 0; c < IWAE_CHUNKS; c++) {
+            if (c + 1 < IWAE_CHUNKS) fc3_chunk(c + 1); // this chunk's fc4 runs while its result is converted
             wgmma_fence();
             #pragma unroll
-            for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], smem_desc_64b(w3_tile) + 2 * s, true);
+            for (int s = 0; s < IWAE_STEPS; s++) { // fc4's k16 step c * 5 + s: slice ks / 4, +32 bytes per step
+                const int ks = c * IWAE_STEPS + s;
+                const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * IWAE_BN * 128) + 2 * (ks % 4);
+                wgmma_m64n200k16_rs(logit, a[c % 2][s], desc, ks > 0);
+            }
             wgmma_commit();
-            wgmma_wait<0>();
-            fence_accumulators(h);
-            fc3_to_a(a[0], h);
-            #pragma unroll
-            for (int c = 0; c < IWAE_CHUNKS; c++) {
-                if (c + 1 < IWAE_CHUNKS) { // fc3 of the next chunk: rows 80 (c + 1) .. of fc3's weights
-                    fc3_bias(h, sm.b3 + (c + 1) * IWAE_CHUNK, t);
-                    wgmma_fence();
-                    const uint64_t desc = smem_desc_64b(w3_tile + (c + 1) * IWAE_CHUNK * FC3_K_PADDED * sizeof(bf16));
-                    #pragma unroll
-                    for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], desc + 2 * s, true);
-                    wgmma_commit();
-                }
-                wgmma_fence();
-                #pragma unroll
-                for (int s = 0; s < IWAE_STEPS; s++) { // fc4's k16 step c * 5 + s: slice ks / 4, +32 bytes per step
-                    const int ks = c * IWAE_STEPS + s;
-                    const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * IWAE_BN * 128) + 2 * (ks % 4);
-                    wgmma_m64n200k16_rs(logit, a[c % 2][s], desc, ks > 0);
-                }
-                wgmma_commit();
-                if (c + 1 < IWAE_CHUNKS) { // the next chunk's fc3 is done; this chunk's fc4 may still run
-                    wgmma_wait<1>();
-                    fence_accumulators(h);
-                    fc3_to_a(a[(c + 1) % 2], h);
-                }
+            if (c + 1 < IWAE_CHUNKS) { // the next chunk's fc3 is done; this chunk's fc4 may still run
+                wgmma_wait<1>();
+                fence_accumulators(h);
+                fc3_to_a(a[(c + 1) % 2], h);
+                if (c + 2 == IWAE_CHUNKS) load_z(tile + 2 * copies); // z_a's last reader is done
             }
         }
         named_bar_arrive(BAR_TURN + 1 - wg, 256); // the other warpgroup's turn
-        load_z(tile + 2 * copies, zt, zb);
+        fc3_chunk(0); // the next tile's, behind the other warpgroup's first MMAs
         wgmma_wait<0>();
         fence_accumulators(logit);
+        fence_accumulators(h);
+        fc3_to_a(a[0], h);
         if (!live_tile) continue;
 
-        // Epilogue: BCE terms of this thread's 2 rows x 50 logits; the 4 lanes of a quad share rows.
+        // Epilogue: BCE terms of this thread's 2 rows x 50 logits, max(l, 0) - x l + log(1 + e^-|l|)
+        // = (1/2 - x) l + |l| / 2 + log(1 + e^-|l|) (max(l, 0) = (l + |l|) / 2), with one log per
+        // row: the 50 factors 1 + e^-|l| (each in (1, 2]) are multiplied in two products (at most
+        // 2^25 each) and log2 is taken once. The 4 lanes of a quad share rows.
         #pragma unroll
         for (int half = 0; half < 2; half++) {
             const int row = tile * 64 + warp * 16 + g + 8 * half;
             const bool live = row < rows;
-            const uint8_t* x = pixels + (size_t)((live ? row : 0) / K) * INPUT_DIM + col0;
-            float relu = 0.0f, dot = 0.0f, log2_terms = 0.0f; // sum max(l,0); sum pixel * l; sum log2(1 + e^-|l|)
+            const float* hx = half_minus_x + (size_t)((live ? row : 0) / K) * INPUT_DIM + col0;
+            float dot = 0.0f, abs_sum = 0.0f, prod0 = 1.0f, prod1 = 1.0f; // sum (1/2 - x) l; sum |l|; prod 1 + e^-|l|
             #pragma unroll
             for (int j = 0; j < IWAE_BN / 8; j++) {
                 if (j < skip) continue;
                 const int c = 8 * j + 2 * t;
-                const uint32_t px = *reinterpret_cast<const uint16_t*>(&x[c]);
+                const float2 hxv = *reinterpret_cast<const float2*>(&hx[c]);
                 const float2 b = *reinterpret_cast<const float2*>(&sm.b4[c]);
                 const float l0 = logit[4 * j + 2 * half] + b.x, l1 = logit[4 * j + 2 * half + 1] + b.y;
-                relu += fmaxf(l0, 0.0f) + fmaxf(l1, 0.0f);
-                dot = fmaf(byte_to_float(px), l0, dot);
-                dot = fmaf(byte_to_float(px >> 8), l1, dot);
-                log2_terms += fast_log2(1.0f + fast_exp2(-fabsf(l0) * 1.4426950409f)) +
-                              fast_log2(1.0f + fast_exp2(-fabsf(l1) * 1.4426950409f));
+                dot = fmaf(hxv.x, l0, dot);
+                dot = fmaf(hxv.y, l1, dot);
+                abs_sum += fabsf(l0) + fabsf(l1);
+                prod0 = fmaf(prod0, fast_exp2(-fabsf(l0) * 1.4426950409f), prod0);
+                prod1 = fmaf(prod1, fast_exp2(-fabsf(l1) * 1.4426950409f), prod1);
             }
-            float sum = relu - dot * (1.0f / 255.0f) + 0.6931471806f * log2_terms;
+            float sum = dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
             if (live && t == 0) bce_parts[(size_t)row * IWAE_COL_BLOCKS + cb] = sum;
@@ -1689,6 +1706,12 @@ static void iwae_latent_bf16(bf16* h3, float* log_ratio, const float* mulv, cons
     cudaCheck(cudaGetLastError());
 }
 
+static void half_minus_pixels(float* out, const uint8_t* pixels, int images, cudaStream_t stream) {
+    const size_t n = (size_t)images * INPUT_DIM;
+    half_minus_pixels_kernel<<<ceil_div((int)n, 256), 256, 0, stream>>>(out, pixels, n);
+    cudaCheck(cudaGetLastError());
+}
+
 static void iwae_z_bf16(uint4* z_frag, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
                         uint32_t first_image, uint64_t seed, cudaStream_t stream) {
     iwae_z_bf16_kernel<<<ceil_div(rows, 128), 128, 0, stream>>>(z_frag, log_ratio, mulv, eps_in, rows, K, first_image,
@@ -1700,12 +1723,12 @@ static void iwae_z_bf16(uint4* z_frag, float* log_ratio, const float* mulv, cons
 // Blocks come in multiples of the 4 column blocks, at most `blocks` (one per SM) and no more
 // than the row tiles need (two 64-row tiles a turn).
 static void iwae_decoder_wgmma(float* bce_parts, const uint4* z_frag, const CUtensorMap& w4_map,
-                               const CUtensorMap& w3_map, const float* fc3_b, const float* fc4_b,
-                               const uint8_t* pixels, int rows, int K, int blocks, cudaStream_t stream) {
+                               const CUtensorMap& w3_map, const float* fc4_b, const float* half_minus_x, int rows,
+                               int K, int blocks, cudaStream_t stream) {
     const int copies_needed = ceil_div(ceil_div(rows, 64), 2), copies = blocks / IWAE_COL_BLOCKS;
     const int grid = IWAE_COL_BLOCKS * (copies < copies_needed ? copies : copies_needed);
     iwae_decoder_wgmma_kernel<<<grid, IWAE_DEC_THREADS, IWAE_DEC_SMEM, stream>>>(w4_map, w3_map, bce_parts, z_frag,
-                                                                                 fc3_b, fc4_b, pixels, rows, K);
+                                                                                 fc4_b, half_minus_x, rows, K);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1779,6 +1802,8 @@ typedef struct {
     // weight maps and blocks
     int iwae_rows;
     uint4* iwae_z_frag;                     // [iwae_rows][4]: z rows as the decoder loads them
+    float* iwae_x;                          // [max_batch][784]: 1/2 - pixel / 255
+    bf16* iwae_fc3_w16;                     // [400][32]: fc3's weights and bias (fc3_with_bias_kernel)
     float *iwae_bce_parts, *iwae_log_ratio; // [iwae_rows][4], [iwae_rows]
     CUtensorMap iwae_w4_map, iwae_w3_map;
     int iwae_blocks;
@@ -1862,8 +1887,13 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
             m->iwae_bce_parts = (float*)device_alloc(P * IWAE_COL_BLOCKS * sizeof(float), "IWAE BCE parts", max_batch);
             m->iwae_log_ratio = (float*)device_alloc(P * sizeof(float), "IWAE log-density ratios", max_batch);
             m->iwae_z_frag = (uint4*)device_alloc(P * 4 * sizeof(uint4), "IWAE z rows", max_batch);
+            m->iwae_x = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "IWAE pixels", max_batch);
+            m->iwae_fc3_w16 = (bf16*)device_alloc(HIDDEN_DIM * FC3_K_PADDED * sizeof(bf16), "IWAE fc3", max_batch);
+            fc3_with_bias_kernel<<<ceil_div(HIDDEN_DIM * FC3_K_PADDED, 256), 256, 0, m->stream>>>(
+                m->iwae_fc3_w16, m->fc3_w, m->fc3_b);
+            cudaCheck(cudaGetLastError());
             m->iwae_w4_map = bf16_tensor_map(m->fc4_w16, INPUT_DIM, HIDDEN_DIM, IWAE_BN);
-            m->iwae_w3_map = bf16_tensor_map(m->fc3_w16, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
+            m->iwae_w3_map = bf16_tensor_map(m->iwae_fc3_w16, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
             m->iwae_blocks = IWAE_COL_BLOCKS * (sms / IWAE_COL_BLOCKS); // one block per SM
         }
         cudaCheck(cudaStreamSynchronize(m->stream));
@@ -1873,7 +1903,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
 static void vae_free(VAE* m) {
     void* buffers[] = {m->params,      m->h1,    m->mulv,  m->z,           m->h3,      m->logits,
                        m->recon,       m->params_bf16, m->h1_16, m->h3_16, m->bce_partial, m->row_bce,
-                       m->row_log_ratio, m->iwae_bce_parts, m->iwae_log_ratio, m->iwae_z_frag};
+                       m->row_log_ratio, m->iwae_bce_parts, m->iwae_log_ratio, m->iwae_z_frag, m->iwae_x, m->iwae_fc3_w16};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
@@ -1939,6 +1969,7 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
     for (int group = 0; group < n; group += m->max_batch) {
         const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
         vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
+        if (fused) half_minus_pixels(m->iwae_x, pixels + (size_t)group * INPUT_DIM, group_size, m->stream);
         for (int first = group; first < group + group_size; first += images_per_pass) {
             const int left = group + group_size - first, images = left < images_per_pass ? left : images_per_pass;
             const int rows = images * K;
@@ -1953,8 +1984,9 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                 iwae_logsumexp(log_px + first, m->row_bce, 1, m->row_log_ratio, images, K, m->stream);
             } else if (fused) {
                 iwae_z_bf16(m->iwae_z_frag, m->iwae_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
-                iwae_decoder_wgmma(m->iwae_bce_parts, m->iwae_z_frag, m->iwae_w4_map, m->iwae_w3_map, m->fc3_b,
-                                   m->fc4_b, x, rows, K, m->iwae_blocks, m->stream);
+                iwae_decoder_wgmma(m->iwae_bce_parts, m->iwae_z_frag, m->iwae_w4_map, m->iwae_w3_map, m->fc4_b,
+                                   m->iwae_x + (size_t)(first - group) * INPUT_DIM, rows, K, m->iwae_blocks,
+                                   m->stream);
                 iwae_logsumexp(log_px + first, m->iwae_bce_parts, IWAE_COL_BLOCKS, m->iwae_log_ratio, images, K,
                                m->stream);
             } else {
