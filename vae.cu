@@ -1303,14 +1303,16 @@ enum {
     IWAE_STEPS = IWAE_CHUNK / 16,
     IWAE_SLICES = (HIDDEN_DIM + 63) / 64,          // fc4's K in 64-wide 128-byte swizzle rows
     IWAE_DEC_THREADS = 256,                        // two warpgroups
+    IWAE_FC4_K = HIDDEN_DIM + 8,                   // fc4's K with the bias parts (rows of 16-byte multiples for TMA)
 };
+static_assert(LATENT_DIM + 3 <= FC3_K_PADDED && IWAE_FC4_K - HIDDEN_DIM >= 3 && IWAE_FC4_K <= IWAE_SLICES * 64 &&
+                  HIDDEN_DIM % 64 <= 48, "the 3 bias parts fit the K padding, in fc4's k16 step 25");
 static_assert(HIDDEN_DIM % IWAE_CHUNK == 0 && IWAE_CHUNK % 16 == 0, "chunks are whole k16 steps");
 static_assert(IWAE_OVERLAP >= 0 && IWAE_OVERLAP % 8 == 0 && INPUT_DIM % 2 == 0, "the overlap is whole n8 blocks");
 static_assert(FC3_K_PADDED == 32, "z rows are two k16 steps");
 struct IwaeDecoderSmem {
-    bf16 w4[IWAE_SLICES][IWAE_BN][64];  // fc4's weights for this block's 200 logits, K-major
-    bf16 w3[HIDDEN_DIM][FC3_K_PADDED];  // fc3's with its bias in K = 20, 21; K-major, 64-byte rows (64-byte swizzle)
-    float b4[IWAE_BN];
+    bf16 w4[IWAE_SLICES][IWAE_BN][64];  // fc4's weights for this block's 200 logits, bias in K = 400..402, K-major
+    bf16 w3[HIDDEN_DIM][FC3_K_PADDED];  // fc3's with its bias in K = 20..22; K-major, 64-byte rows (64-byte swizzle)
     uint64_t loaded;
 };
 static_assert(sizeof(bf16) * IWAE_BN * 64 % 1024 == 0 && sizeof(bf16) * IWAE_SLICES * IWAE_BN * 64 % 1024 == 0,
@@ -1378,17 +1380,24 @@ __global__ void half_minus_pixels_kernel(float* __restrict__ out, const uint8_t*
     if (i < n) out[i] = 0.5f - (float)pixels[i] * (1.0f / 255.0f);
 }
 
-// fc3's weights for the --iwae decoder: [400][32] bf16, K = 20 and 21 holding the bias as a high
-// and a low bf16 part (their sum is the fp32 bias to ~2^-16), the rest zero.
-__global__ void fc3_with_bias_kernel(bf16* __restrict__ dst, const float* __restrict__ w, const float* __restrict__ b) {
+// A layer's weights for the --iwae decoder, whose wgmmas add the bias themselves: bf16
+// [rows][dst_cols] with the weights in K = 0 .. cols - 1, the bias split into three bf16 parts
+// (high, middle, low: their sum is the fp32 bias to ~2^-24) in K = cols .. cols + 2, zeros after.
+// The A operand holds 1 in those three K.
+enum { BIAS_PARTS = 3 };
+__global__ void weights_with_bias_kernel(bf16* __restrict__ dst, const float* __restrict__ w,
+                                         const float* __restrict__ b, int rows, int cols, int dst_cols) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= HIDDEN_DIM * FC3_K_PADDED) return;
-    const int r = i / FC3_K_PADDED, c = i % FC3_K_PADDED;
-    const bf16 high = __float2bfloat16(b[r]);
-    dst[i] = c < LATENT_DIM         ? __float2bfloat16(w[r * LATENT_DIM + c])
-             : c == LATENT_DIM     ? high
-             : c == LATENT_DIM + 1 ? __float2bfloat16(b[r] - __bfloat162float(high))
-                                   : __float2bfloat16(0.0f);
+    if (i >= rows * dst_cols) return;
+    const int r = i / dst_cols, c = i % dst_cols;
+    float v = 0.0f;
+    if (c < cols) {
+        v = w[(size_t)r * cols + c];
+    } else if (c < cols + BIAS_PARTS) {
+        v = b[r]; // peel off the parts before this one: each remainder is exact in fp32
+        for (int part = 0; part < c - cols; part++) v -= __bfloat162float(__float2bfloat16(v));
+    }
+    dst[i] = __float2bfloat16(v);
 }
 
 __device__ inline uint32_t pack_bf16(float lo, float hi) {
@@ -1407,7 +1416,7 @@ __device__ inline float fast_log2(float x) {
 }
 
 // One thread per row: its z, as bf16 pairs with thread t of a quad's 4 words together
-// (z_frag[r][t] = the pairs at latents 2t, 8+2t, 16+2t, 24+2t; 20 and 21 are 1, 22..31 zeros),
+// (z_frag[r][t] = the pairs at latents 2t, 8+2t, 16+2t, 24+2t; 20..22 are 1, 23..31 zeros),
 // and log p(z) - log q(z|x).
 __global__ void iwae_z_bf16_kernel(uint4* __restrict__ z_frag, float* __restrict__ log_ratio,
                                    const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
@@ -1416,7 +1425,7 @@ __global__ void iwae_z_bf16_kernel(uint4* __restrict__ z_frag, float* __restrict
     if (r >= rows) return;
     const int image = r / K, sample = r % K;
     float z[FC3_K_PADDED] = {};
-    z[LATENT_DIM] = z[LATENT_DIM + 1] = 1.0f; // times fc3's bias (high and low bf16 halves)
+    for (int k = LATENT_DIM; k < LATENT_DIM + BIAS_PARTS; k++) z[k] = 1.0f; // times fc3's bias parts
     float ratio = 0.0f;
     for (int q = 0; q < LATENT_DIM / 4; q++) {
         float zq[4];
@@ -1458,8 +1467,7 @@ __device__ inline void named_bar_arrive(int id, int threads) {
 __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
     iwae_decoder_wgmma_kernel(const __grid_constant__ CUtensorMap w4_map, const __grid_constant__ CUtensorMap w3_map,
                               float* __restrict__ bce_parts, const uint4* __restrict__ z_frag,
-                              const float* __restrict__ fc4_b, const float* __restrict__ half_minus_x, int rows,
-                              int K) {
+                              const float* __restrict__ half_minus_x, int rows, int K) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
@@ -1478,7 +1486,6 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
         tma_load_2d(addr(&sm.w3[0][0]), &w3_map, bar, 0, 0);
         tma_load_2d(addr(&sm.w3[HIDDEN_DIM / 2][0]), &w3_map, bar, 0, HIDDEN_DIM / 2);
     }
-    for (int i = threadIdx.x; i < IWAE_BN; i += blockDim.x) sm.b4[i] = fc4_b[col0 + i];
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
 
@@ -1500,7 +1507,7 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
         z_a[1][0] = top.z, z_a[1][1] = bottom.z, z_a[1][2] = top.w, z_a[1][3] = bottom.w;
     };
     // fc3 of chunk c of the tile in z_a into h, as one wgmma group (the bias comes with the
-    // product: z's K = 20, 21 hold 1).
+    // product: z's K = 20..22 hold 1).
     float h[2 * IWAE_CHUNK / 4];
     auto fc3_chunk = [&](int c) {
         wgmma_fence();
@@ -1512,6 +1519,8 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
     // A tile's first fc3 chunk runs before its turn (after the previous tile's MMAs), so a turn
     // starts straight with fc4.
     uint32_t a[2][IWAE_STEPS][4];
+    const uint32_t ones = t == 0 ? 0x3F803F80u : t == 1 ? 0x00003F80u : 0u; // bf16 1s at K = 400..402
+    const uint32_t a_bias[4] = {ones, ones, 0u, 0u};
     load_z(2 * (blockIdx.x / IWAE_COL_BLOCKS) + wg);
     fc3_chunk(0);
     wgmma_wait<0>();
@@ -1536,6 +1545,11 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
                 const int ks = c * IWAE_STEPS + s;
                 const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * IWAE_BN * 128) + 2 * (ks % 4);
                 wgmma_m64n200k16_rs(logit, a[c % 2][s], desc, ks > 0);
+            }
+            if (c + 1 == IWAE_CHUNKS) { // k16 step 25: the bias, times A = 1 in K = 400..402
+                constexpr int ks = HIDDEN_DIM / 16;
+                const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * IWAE_BN * 128) + 2 * (ks % 4);
+                wgmma_m64n200k16_rs(logit, a_bias, desc, true);
             }
             wgmma_commit();
             if (c + 1 < IWAE_CHUNKS) { // the next chunk's fc3 is done; this chunk's fc4 may still run
@@ -1568,8 +1582,7 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
                 if (j < skip) continue;
                 const int c = 8 * j + 2 * t;
                 const float2 hxv = *reinterpret_cast<const float2*>(&hx[c]);
-                const float2 b = *reinterpret_cast<const float2*>(&sm.b4[c]);
-                const float l0 = logit[4 * j + 2 * half] + b.x, l1 = logit[4 * j + 2 * half + 1] + b.y;
+                const float l0 = logit[4 * j + 2 * half], l1 = logit[4 * j + 2 * half + 1];
                 dot = fmaf(hxv.x, l0, dot);
                 dot = fmaf(hxv.y, l1, dot);
                 abs_sum += fabsf(l0) + fabsf(l1);
@@ -1706,6 +1719,12 @@ static void iwae_latent_bf16(bf16* h3, float* log_ratio, const float* mulv, cons
     cudaCheck(cudaGetLastError());
 }
 
+static void weights_with_bias(bf16* dst, const float* w, const float* b, int rows, int cols, int dst_cols,
+                              cudaStream_t stream) {
+    weights_with_bias_kernel<<<ceil_div(rows * dst_cols, 256), 256, 0, stream>>>(dst, w, b, rows, cols, dst_cols);
+    cudaCheck(cudaGetLastError());
+}
+
 static void half_minus_pixels(float* out, const uint8_t* pixels, int images, cudaStream_t stream) {
     const size_t n = (size_t)images * INPUT_DIM;
     half_minus_pixels_kernel<<<ceil_div((int)n, 256), 256, 0, stream>>>(out, pixels, n);
@@ -1723,12 +1742,12 @@ static void iwae_z_bf16(uint4* z_frag, float* log_ratio, const float* mulv, cons
 // Blocks come in multiples of the 4 column blocks, at most `blocks` (one per SM) and no more
 // than the row tiles need (two 64-row tiles a turn).
 static void iwae_decoder_wgmma(float* bce_parts, const uint4* z_frag, const CUtensorMap& w4_map,
-                               const CUtensorMap& w3_map, const float* fc4_b, const float* half_minus_x, int rows,
-                               int K, int blocks, cudaStream_t stream) {
+                               const CUtensorMap& w3_map, const float* half_minus_x, int rows, int K, int blocks,
+                               cudaStream_t stream) {
     const int copies_needed = ceil_div(ceil_div(rows, 64), 2), copies = blocks / IWAE_COL_BLOCKS;
     const int grid = IWAE_COL_BLOCKS * (copies < copies_needed ? copies : copies_needed);
     iwae_decoder_wgmma_kernel<<<grid, IWAE_DEC_THREADS, IWAE_DEC_SMEM, stream>>>(w4_map, w3_map, bce_parts, z_frag,
-                                                                                 fc4_b, half_minus_x, rows, K);
+                                                                                 half_minus_x, rows, K);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1803,7 +1822,7 @@ typedef struct {
     int iwae_rows;
     uint4* iwae_z_frag;                     // [iwae_rows][4]: z rows as the decoder loads them
     float* iwae_x;                          // [max_batch][784]: 1/2 - pixel / 255
-    bf16* iwae_fc3_w16;                     // [400][32]: fc3's weights and bias (fc3_with_bias_kernel)
+    bf16 *iwae_fc3_w16, *iwae_fc4_w16;      // [400][32], [784][408]: weights and bias (weights_with_bias_kernel)
     float *iwae_bce_parts, *iwae_log_ratio; // [iwae_rows][4], [iwae_rows]
     CUtensorMap iwae_w4_map, iwae_w3_map;
     int iwae_blocks;
@@ -1889,10 +1908,10 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
             m->iwae_z_frag = (uint4*)device_alloc(P * 4 * sizeof(uint4), "IWAE z rows", max_batch);
             m->iwae_x = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "IWAE pixels", max_batch);
             m->iwae_fc3_w16 = (bf16*)device_alloc(HIDDEN_DIM * FC3_K_PADDED * sizeof(bf16), "IWAE fc3", max_batch);
-            fc3_with_bias_kernel<<<ceil_div(HIDDEN_DIM * FC3_K_PADDED, 256), 256, 0, m->stream>>>(
-                m->iwae_fc3_w16, m->fc3_w, m->fc3_b);
-            cudaCheck(cudaGetLastError());
-            m->iwae_w4_map = bf16_tensor_map(m->fc4_w16, INPUT_DIM, HIDDEN_DIM, IWAE_BN);
+            m->iwae_fc4_w16 = (bf16*)device_alloc((size_t)INPUT_DIM * IWAE_FC4_K * sizeof(bf16), "IWAE fc4", max_batch);
+            weights_with_bias(m->iwae_fc3_w16, m->fc3_w, m->fc3_b, HIDDEN_DIM, LATENT_DIM, FC3_K_PADDED, m->stream);
+            weights_with_bias(m->iwae_fc4_w16, m->fc4_w, m->fc4_b, INPUT_DIM, HIDDEN_DIM, IWAE_FC4_K, m->stream);
+            m->iwae_w4_map = bf16_tensor_map(m->iwae_fc4_w16, INPUT_DIM, IWAE_FC4_K, IWAE_BN);
             m->iwae_w3_map = bf16_tensor_map(m->iwae_fc3_w16, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
             m->iwae_blocks = IWAE_COL_BLOCKS * (sms / IWAE_COL_BLOCKS); // one block per SM
         }
@@ -1903,7 +1922,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
 static void vae_free(VAE* m) {
     void* buffers[] = {m->params,      m->h1,    m->mulv,  m->z,           m->h3,      m->logits,
                        m->recon,       m->params_bf16, m->h1_16, m->h3_16, m->bce_partial, m->row_bce,
-                       m->row_log_ratio, m->iwae_bce_parts, m->iwae_log_ratio, m->iwae_z_frag, m->iwae_x, m->iwae_fc3_w16};
+                       m->row_log_ratio, m->iwae_bce_parts, m->iwae_log_ratio, m->iwae_z_frag, m->iwae_x, m->iwae_fc3_w16, m->iwae_fc4_w16};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
@@ -1984,7 +2003,7 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                 iwae_logsumexp(log_px + first, m->row_bce, 1, m->row_log_ratio, images, K, m->stream);
             } else if (fused) {
                 iwae_z_bf16(m->iwae_z_frag, m->iwae_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
-                iwae_decoder_wgmma(m->iwae_bce_parts, m->iwae_z_frag, m->iwae_w4_map, m->iwae_w3_map, m->fc4_b,
+                iwae_decoder_wgmma(m->iwae_bce_parts, m->iwae_z_frag, m->iwae_w4_map, m->iwae_w3_map,
                                    m->iwae_x + (size_t)(first - group) * INPUT_DIM, rows, K, m->iwae_blocks,
                                    m->stream);
                 iwae_logsumexp(log_px + first, m->iwae_bce_parts, IWAE_COL_BLOCKS, m->iwae_log_ratio, images, K,
