@@ -964,6 +964,7 @@ __device__ inline void wgmma_wait() {
 
 // The accumulators are written by asynchronous wgmmas that the compiler cannot see finish; this
 // empty asm "writes" each one, so no read or write of them moves across a wgmma.wait_group.
+// (pin_registers, below, does the same for A fragments held in registers.)
 template <int R>
 __device__ inline void fence_accumulators(float (&d)[R]) {
     #pragma unroll
@@ -1442,6 +1443,14 @@ __global__ void iwae_z_bf16_kernel(uint4* __restrict__ z_frag, float* __restrict
     log_ratio[r] = ratio;
 }
 
+// An empty asm "writes" each register: a constant A fragment is then materialised here, before a
+// wgmma.fence, rather than between wgmmas (where ptxas would have to add a fence of its own).
+template <int R>
+__device__ inline void pin_registers(uint32_t (&a)[R]) {
+    #pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+r"(a[i])::"memory");
+}
+
 // bf16 and ReLU of a chunk's accumulators (ReLU after rounding, on bf16 pairs: the same values,
 // half the instructions), as the A fragments of its 5 k16 steps.
 __device__ inline void fc3_to_a(uint32_t (&a)[IWAE_STEPS][4], const float (&h)[2 * IWAE_CHUNK / 4]) {
@@ -1520,7 +1529,7 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
     // starts straight with fc4.
     uint32_t a[2][IWAE_STEPS][4];
     const uint32_t ones = t == 0 ? 0x3F803F80u : t == 1 ? 0x00003F80u : 0u; // bf16 1s at K = 400..402
-    const uint32_t a_bias[4] = {ones, ones, 0u, 0u};
+    uint32_t a_bias[4] = {ones, ones, 0u, 0u};
     load_z(2 * (blockIdx.x / IWAE_COL_BLOCKS) + wg);
     fc3_chunk(0);
     wgmma_wait<0>();
@@ -1539,6 +1548,7 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
         #pragma unroll
         for (int c = 0; c < IWAE_CHUNKS; c++) {
             if (c + 1 < IWAE_CHUNKS) fc3_chunk(c + 1); // this chunk's fc4 runs while its result is converted
+            if (c + 1 == IWAE_CHUNKS) pin_registers(a_bias); // materialised before the fence, not between wgmmas
             wgmma_fence();
             #pragma unroll
             for (int s = 0; s < IWAE_STEPS; s++) { // fc4's k16 step c * 5 + s: slice ks / 4, +32 bytes per step
