@@ -1278,22 +1278,26 @@ __global__ void __launch_bounds__(LSE_THREADS)
 // re-read the weights from L2. This kernel keeps everything but the z rows on chip:
 //   weights   a block owns one of 4 column blocks of fc4 (200 logits; the last block starts at
 //             584 and leaves its first 16 to block 2) and keeps that slice of fc4's weights
-//             (160 KB) and all of fc3's (25 KB) in shared memory for the whole pass, loaded once
-//             by TMA in the swizzled layouts wgmma reads
+//             (179 KB) and all of fc3's (25 KB) in shared memory for a whole pass of up to 2M
+//             rows, loaded once by TMA in the swizzled layouts wgmma reads
 //   h3        never leaves the registers: a warpgroup multiplies 64 z rows by fc3 in chunks of
-//             80 hidden units; each chunk's accumulators (+ bias, ReLU, rounded to bf16) are
-//             already in the layout of wgmma's A operand from registers, so they feed fc4's
-//             next 5 k16 steps directly. fc3 for chunk c + 1 runs while fc4 takes chunk c.
-//   z         the sampling kernel stores each row's 20 latents (zero-padded to K = 32) as bf16
-//             pairs in the order a thread's A fragments need them: two 16-byte loads a row
-//   loss      fc4's 64 x 200 accumulators become BCE terms in registers (max(l, 0) - x l +
-//             log(1 + e^-|l|) on the hardware exp2 / log2), one partial per row and column
-//             block; the logsumexp kernel adds the 4 in a fixed order, so results are bitwise
-//             reproducible and batch invariant (each row's sums run in the same order wherever
-//             it sits)
-// Two warpgroups per block (one block per SM: 206 KB of shared memory) walk 64-row tiles on
-// their own, so one's BCE epilogue (exp2 / log2 on the special-function units) overlaps the
-// other's tensor-core work.
+//             80 hidden units; each chunk's accumulators (ReLU, rounded to bf16) are already in
+//             the layout of wgmma's A operand from registers, so they feed fc4's next 5 k16
+//             steps directly. fc3 for chunk c + 1 runs while fc4 takes chunk c.
+//   biases    ride in the K padding: z's K = 20..22 and an extra k16 step of fc4 hold 1, the
+//             weights there hold the bias split into three bf16 parts (~fp32 exact), so the
+//             tensor cores add them and the epilogue does not
+//   z         the sampling kernel stores each row's z (K = 32 with the bias ones and zeros) as
+//             bf16 pairs in the order a thread's A fragments need them: two 16-byte loads a row
+//   loss      fc4's 64 x 200 accumulators become BCE terms in registers, max(l, 0) - x l +
+//             log(1 + e^-|l|) written as (1/2 - x) l + |l| / 2 + log(1 + e^-|l|) (pixels come
+//             as 1/2 - x) with one log2 per row, of the product of the 1 + e^-|l|; one partial
+//             per row and column block; the logsumexp kernel adds the 4 in a fixed order, so
+//             results are bitwise reproducible and batch invariant (each row's sums run in the
+//             same order wherever it sits)
+// Two warpgroups per block (one block per SM: 205 KB of shared memory, 235 registers a thread)
+// take turns at the tensor cores, handing over by named barriers: while one issues a tile's
+// MMAs the other runs its epilogue, so BCE and matrix work overlap (dev/README.md, IWAE).
 
 enum {
     IWAE_COL_BLOCKS = 4,
