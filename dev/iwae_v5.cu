@@ -86,10 +86,10 @@ int main() {
     cudaCheck(cudaMalloc(&d_pixels, pixel_bytes));
     cudaCheck(cudaMemcpy(d_pixels, images.pixels, pixel_bytes, cudaMemcpyHostToDevice));
 
-    // Validation. Small passes (iwae_rows 4097) so images straddle passes and row tiles; K = 1
-    // puts 64 images in a row tile, K = 37 and 1000 are not tile multiples.
+    // Validation. Passes of at most 1024 rows, so K = 1000 and 409 take several passes (1 and 2
+    // images each); K = 1 puts 64 images in a row tile; no K here is a multiple of the 64-row tile.
     VAE m;
-    vae_init(&m, &weights, 4097, PRECISION_BF16, 4097);
+    vae_init(&m, &weights, 1024, PRECISION_BF16, 1024);
     if (!m.fc4_wgmma) {
         printf("this GPU or build has no wgmma (sm_90a): nothing to check\n");
         return 0;
