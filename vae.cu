@@ -1308,9 +1308,11 @@ enum {
     IWAE_STEPS = IWAE_CHUNK / 16,
     IWAE_SLICES = (HIDDEN_DIM + 63) / 64,          // fc4's K in 64-wide 128-byte swizzle rows
     IWAE_DEC_THREADS = 256,                        // two warpgroups
+    BIAS_PARTS = 3,                                // bf16 parts of a bias in the K padding (weights_with_bias_kernel)
     IWAE_FC4_K = HIDDEN_DIM + 8,                   // fc4's K with the bias parts (rows of 16-byte multiples for TMA)
 };
-static_assert(LATENT_DIM + 3 <= FC3_K_PADDED && IWAE_FC4_K - HIDDEN_DIM >= 3 && IWAE_FC4_K <= IWAE_SLICES * 64 &&
+static_assert(LATENT_DIM + BIAS_PARTS <= FC3_K_PADDED && IWAE_FC4_K - HIDDEN_DIM >= BIAS_PARTS &&
+                  IWAE_FC4_K <= IWAE_SLICES * 64 &&
                   HIDDEN_DIM % 64 <= 48, "the 3 bias parts fit the K padding, in fc4's k16 step 25");
 static_assert(HIDDEN_DIM % IWAE_CHUNK == 0 && IWAE_CHUNK % 16 == 0, "chunks are whole k16 steps");
 static_assert(IWAE_OVERLAP >= 0 && IWAE_OVERLAP % 8 == 0 && INPUT_DIM % 2 == 0, "the overlap is whole n8 blocks");
@@ -1389,7 +1391,6 @@ __global__ void half_minus_pixels_kernel(float* __restrict__ out, const uint8_t*
 // [rows][dst_cols] with the weights in K = 0 .. cols - 1, the bias split into three bf16 parts
 // (high, middle, low: their sum is the fp32 bias to ~2^-24) in K = cols .. cols + 2, zeros after.
 // The A operand holds 1 in those three K.
-enum { BIAS_PARTS = 3 };
 __global__ void weights_with_bias_kernel(bf16* __restrict__ dst, const float* __restrict__ w,
                                          const float* __restrict__ b, int rows, int cols, int dst_cols) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -1827,7 +1828,8 @@ typedef struct {
     const bf16 *fc1_w16, *enc_w16, *fc3_w16, *fc4_w16; // fc3_w16 is [400][32], K zero-padded
     bf16 *h1_16, *h3_16;
     float* bce_partial; // [max_batch][FC4_COL_BLOCKS]
-    bool fc4_wgmma;       // fc4 + BCE on Hopper's wgmma kernel (set at init; tests turn it off to check the other)
+    bool fc4_wgmma;       // fc4 + BCE on Hopper's wgmma kernel, and --iwae on the fused decoder (set at
+                          // init; tests turn it off to check the kernels other GPUs run)
     int fc4_wgmma_blocks; // its persistent blocks: as many as fit on the GPU at once
     // --iwae: per-row BCE and log p(z) - log q(z|x) of the importance samples
     float *row_bce, *row_log_ratio;
@@ -1861,8 +1863,8 @@ static void* device_alloc(size_t bytes, const char* what, int batch) {
 }
 
 // max_batch: images per forward pass, and the most samples per image --iwae may take.
-// iwae_rows: rows per --iwae pass of the fused Hopper decoder (at least max_batch; it keeps only
-// 20 bytes a row, so its passes can be far longer than the other paths').
+// iwae_rows: rows per --iwae pass of the fused Hopper decoder (at least max_batch; it keeps 84
+// bytes a row, no activations, so its passes can be far longer than the other paths').
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, int iwae_rows = 0) {
     memset(m, 0, sizeof(*m));
     m->max_batch = max_batch;
@@ -1989,8 +1991,9 @@ static int vae_iwae_images_per_pass(const VAE* m, int K) {
 
 // Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels),
 // K samples each, into the device array log_px[n]. The encoder runs once per image in fp32; the
-// n x K decoder passes run in the model's precision, as many images at a time as max_batch rows
-// hold. eps: device [n][K][20] noise to use instead of the generator (tests), or NULL.
+// n x K decoder passes run in the model's precision, as many images at a time as a pass's rows
+// hold (max_batch; iwae_rows on Hopper's bf16 path, which runs the fused decoder).
+// eps: device [n][K][20] noise to use instead of the generator (tests), or NULL.
 // Asynchronous on m->stream.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
