@@ -1983,10 +1983,12 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
     }
 }
 
+// Whether --iwae runs Hopper's fused decoder (bf16 with wgmma) rather than the other kernels.
+static bool vae_iwae_fused(const VAE* m) { return m->precision == PRECISION_BF16 && m->fc4_wgmma; }
+
 // Images per --iwae pass at K samples each: as many as the pass's rows hold.
 static int vae_iwae_images_per_pass(const VAE* m, int K) {
-    const bool fused = m->precision == PRECISION_BF16 && m->fc4_wgmma;
-    return (fused ? m->iwae_rows : m->max_batch) / K;
+    return (vae_iwae_fused(m) ? m->iwae_rows : m->max_batch) / K;
 }
 
 // Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels),
@@ -1998,7 +2000,7 @@ static int vae_iwae_images_per_pass(const VAE* m, int K) {
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->max_batch) fail("internal: %d samples per image outside 1..%d", K, m->max_batch);
-    const bool fused = m->precision == PRECISION_BF16 && m->fc4_wgmma;
+    const bool fused = vae_iwae_fused(m);
     const int images_per_pass = vae_iwae_images_per_pass(m, K);
     // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
     // holds few images (13 at K = 5000), far too few to fill the GPU.
