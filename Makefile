@@ -1,57 +1,90 @@
 # vae.cu: make vae | make test | make dev | make data | make fuzz | make sanitize | make clean
 NVCC ?= nvcc
-# GPU architecture: the first GPU's compute capability (e.g. 9.0 -> 90), sm_90 without a GPU.
-GPU_ARCH ?= $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '.[:space:]')
-ifeq ($(GPU_ARCH),)
-GPU_ARCH := 90
+# The GPU architecture: GPU_ARCH (90, 9.0, sm_90 and sm_90a all mean Hopper), else the first GPU's compute
+# capability from nvidia-smi. With neither, a portable fat binary: sm_80 code, its PTX (which the driver
+# compiles for any newer GPU) and sm_90a, Hopper's architecture-specific target with wgmma; the program
+# picks Hopper's kernels at run time. vae.cu needs sm_80 or newer.
+MIN_ARCH := 80
+normalize_arch = $(shell echo '$(1)' | sed -E 's/^[[:space:]]*(sm_|compute_)?//; s/a?[[:space:]]*$$//; s/\.//')
+is_arch = $(shell echo '$(1)' | grep -xE '[0-9]{2,3}')
+ifeq ($(origin GPU_ARCH),undefined)
+DETECTED_ARCH := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1)
+ARCH := $(call normalize_arch,$(DETECTED_ARCH))
+ifeq ($(call is_arch,$(ARCH)),)
+ifneq ($(strip $(DETECTED_ARCH)),)
+$(info vae.cu: nvidia-smi gave no compute capability ('$(strip $(DETECTED_ARCH))'); building the portable binary)
 endif
-# Hopper builds for sm_90a, the architecture-specific target that has wgmma (fc4's kernel there);
-# -gencode because the -arch=sm_90a shorthand also runs a plain sm_90 pass. Other GPUs run the
-# mma.sync kernels.
-ifeq ($(GPU_ARCH),90)
+ARCH :=
+endif
+else
+ARCH := $(call normalize_arch,$(GPU_ARCH))
+ifeq ($(call is_arch,$(ARCH)),)
+$(error vae.cu: GPU_ARCH=$(GPU_ARCH) is not a compute capability. HINT: GPU_ARCH=90 (or 9.0, sm_90), or leave it unset)
+endif
+endif
+ifeq ($(ARCH),)
+ARCH_FLAGS := -gencode arch=compute_80,code=[sm_80,compute_80] -gencode arch=compute_90a,code=sm_90a
+$(info vae.cu: no GPU detected: building for sm_80 (+ PTX for newer GPUs) and sm_90a. HINT: GPU_ARCH=86 builds for one GPU)
+else ifeq ($(shell test $(ARCH) -lt $(MIN_ARCH) && echo old),old)
+$(error vae.cu: sm_$(ARCH) is older than sm_$(MIN_ARCH), the oldest GPU vae.cu runs on (A100, RTX 30 series and newer). HINT: GPU_ARCH=80, or leave it unset for the portable binary)
+else ifeq ($(ARCH),90)
+# -gencode because the -arch=sm_90a shorthand also runs a plain sm_90 pass
 ARCH_FLAGS := -gencode arch=compute_90a,code=sm_90a
 $(info vae.cu: building for sm_90a)
 else
-ARCH_FLAGS := -arch=sm_$(GPU_ARCH)
-$(info vae.cu: building for sm_$(GPU_ARCH))
+ARCH_FLAGS := -arch=sm_$(ARCH)
+$(info vae.cu: building for sm_$(ARCH))
 endif
+# the commit --version names, when built from a checkout
+GIT_COMMIT := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
+VERSION_FLAGS := $(if $(GIT_COMMIT),-DVAE_GIT_COMMIT='"$(GIT_COMMIT)$(shell git diff --quiet HEAD -- vae.cu 2>/dev/null || echo +changes)"')
 NVCCFLAGS ?= -O3 -std=c++17 -lineinfo $(ARCH_FLAGS) -Xcompiler -Wall,-Wextra -Werror all-warnings
-LDLIBS = -lcublas -lcublasLt
 
-# A Python that can import torch, for prepare_weights.py (Debian's python3-torch lives in /usr/bin).
-PYTHON ?= $(firstword $(foreach p,python3 /usr/bin/python3 python,$(shell $(p) -c 'import torch' >/dev/null 2>&1 && echo $(p))))
+# prepare_weights.py needs numpy for what ./vae reads, and PyTorch for the reference dumps make test
+# checks against (Debian: python3-numpy, python3-torch; python3-torch lives in /usr/bin).
+find_python = $(firstword $(foreach p,python3 /usr/bin/python3 python,$(shell $(p) -c 'import $(1)' >/dev/null 2>&1 && echo $(p))))
+PYTHON ?= $(call find_python,numpy)
+PYTHON_TORCH ?= $(call find_python,torch)
 # Inputs for prepare_weights.py: a local folder when there is one, else it downloads them.
 DATA_SRC ?= $(wildcard ../shared/data)
-DATA = data/vae_weights.bin data/t10k-images-idx3-ubyte data/t10k-labels-idx1-ubyte data/vae_debug_state.bin \
-       data/vae_iwae_state.bin
+INPUTS = data/vae_weights.bin data/t10k-images-idx3-ubyte data/t10k-labels-idx1-ubyte
+REFERENCES = data/vae_debug_state.bin data/vae_iwae_state.bin
+DATA = $(INPUTS) $(REFERENCES)
 
 .PHONY: all test dev data fuzz fuzz-build sanitize clean
 all: vae test_vae dev
 
-vae: vae.cu
-	$(NVCC) $(NVCCFLAGS) $< -o $@ $(LDLIBS)
+# ./vae needs the weights and the test set: a fresh clone gets them with the first build
+vae: vae.cu | $(INPUTS)
+	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $< -o $@
 
 test_vae: test_vae.cu vae.cu
-	$(NVCC) $(NVCCFLAGS) $< -o $@ $(LDLIBS)
+	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $< -o $@
 
+# the CUDA tests, the converter's tests (against torch.load when PyTorch is there), the Makefile's
 test: test_vae $(DATA)
 	./test_vae
+	$(or $(PYTHON_TORCH),$(PYTHON)) test_prepare_weights.py $(if $(DATA_SRC),--src $(DATA_SRC))
+	bash test_build.sh
 
 dev:
-	$(MAKE) -C dev all GPU_ARCH=$(GPU_ARCH)
+	$(MAKE) -C dev all $(if $(ARCH),GPU_ARCH=$(ARCH))
 
 data: $(DATA)
-$(DATA) &: prepare_weights.py
-	@test -n "$(PYTHON)" || { echo "error: no python with torch found. HINT: apt-get install -y python3-torch python3-numpy, or make PYTHON=/path/to/python"; exit 1; }
-	$(PYTHON) prepare_weights.py $(if $(DATA_SRC),--src $(DATA_SRC))
+$(INPUTS) &: prepare_weights.py
+	@test -n "$(PYTHON)" || { echo "error: no python with numpy found. HINT: apt-get install -y python3-numpy, or make PYTHON=/path/to/python"; exit 1; }
+	$(PYTHON) prepare_weights.py --only inputs $(if $(DATA_SRC),--src $(DATA_SRC))
+$(REFERENCES) &: prepare_weights.py | $(INPUTS)
+	@test -n "$(PYTHON_TORCH)" || { echo "error: no python with torch found; make test checks against PyTorch's dumps. HINT: apt-get install -y python3-torch python3-numpy, or make PYTHON_TORCH=/path/to/python"; exit 1; }
+	$(PYTHON_TORCH) prepare_weights.py --only references $(if $(DATA_SRC),--src $(DATA_SRC))
 
 # libFuzzer on each file reader, FUZZ_SECONDS each (fuzz/run.sh). Needs clang and its libFuzzer
 # runtime (Debian: apt-get install clang libclang-rt-dev); nvcc compiles the host code with clang
 # so that vae.cu and test_vae.cu are fuzzed unchanged, with AddressSanitizer and UBSan.
 FUZZ_CXX ?= clang++
 FUZZ_SECONDS ?= 60
-FUZZ_READERS = weights idx_images idx_labels debug_state iwae_state
-FUZZ_FLAGS = -std=c++17 -g -O1 -arch=sm_$(GPU_ARCH) -ccbin $(FUZZ_CXX) -Xcompiler -fno-omit-frame-pointer \
+FUZZ_READERS = weights idx_images idx_labels debug_state iwae_state pgm
+FUZZ_FLAGS = -std=c++17 -g -O1 -arch=sm_80 -ccbin $(FUZZ_CXX) -Xcompiler -fno-omit-frame-pointer \
              -Xcompiler -fsanitize=address -Xcompiler -fsanitize=undefined -Xcompiler -fno-sanitize-recover=all
 
 fuzz: fuzz-build fuzz/build/seeds/.made

@@ -20,7 +20,9 @@ the model, image output, and (unless TESTING is defined, as test_vae.cu does) th
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <ctype.h>
 #include <errno.h>
+#include <getopt.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -97,6 +99,61 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
         *data = NULL;
         return set_error(err, "%s: read %zu of %zu bytes. HINT: check the disk and the file", path, got, *size);
     }
+    return true;
+}
+
+// Output files are written under a temporary name beside their final one and renamed into place
+// together once the run has succeeded (outputs_commit), so a run that fails - no GPU, a bad input
+// found late, a full disk - leaves every existing file as it was and creates nothing. An exit
+// before the commit (fail(), cudaCheck) removes the temporary files, and the output folder if this
+// run made it, from an atexit handler.
+enum { MAX_OUTPUTS = 8, MAX_PATH = 4096 };
+static struct {
+    char final_path[MAX_PATH], temp_path[MAX_PATH + 8], what[128];
+} pending_outputs[MAX_OUTPUTS];
+static int num_pending_outputs = 0;
+static char created_dir[MAX_PATH] = ""; // the output folder, while this run made it and nothing is committed
+
+static void outputs_discard() {
+    for (int i = 0; i < num_pending_outputs; i++) remove(pending_outputs[i].temp_path);
+    num_pending_outputs = 0;
+    if (created_dir[0] != '\0') rmdir(created_dir); // only if empty: nothing of anyone else's goes
+    created_dir[0] = '\0';
+}
+
+// A new temporary file beside `path` (path.XXXXXX, with the mode fopen would give), or NULL with
+// errno set. Its contents reach `path` at outputs_commit(); `what` describes it there.
+static FILE* output_open(const char* path, const char* what) {
+    static bool registered = false;
+    if (!registered) registered = atexit(outputs_discard) == 0;
+    if (num_pending_outputs == MAX_OUTPUTS || strlen(path) >= MAX_PATH) {
+        errno = ENAMETOOLONG;
+        return NULL;
+    }
+    char* temp = pending_outputs[num_pending_outputs].temp_path;
+    snprintf(pending_outputs[num_pending_outputs].final_path, MAX_PATH, "%s", path);
+    snprintf(temp, MAX_PATH + 8, "%s.XXXXXX", path);
+    snprintf(pending_outputs[num_pending_outputs].what, sizeof(pending_outputs[0].what), "%s", what);
+    const int fd = mkstemp(temp);
+    if (fd < 0) return NULL;
+    num_pending_outputs++; // from here on an exit removes it
+    const mode_t mask = umask(0);
+    umask(mask);
+    FILE* f = fchmod(fd, 0666 & ~mask) == 0 ? fdopen(fd, "wb") : NULL;
+    if (f == NULL) close(fd);
+    return f;
+}
+
+// Moves every file written since the last commit into place; names each on `report` (NULL: quiet).
+static bool outputs_commit(Error* err, FILE* report) {
+    for (int i = 0; i < num_pending_outputs; i++) {
+        if (rename(pending_outputs[i].temp_path, pending_outputs[i].final_path) != 0)
+            return set_error(err, "%s: cannot move %s into place (%s). HINT: check the folder's permissions",
+                             pending_outputs[i].final_path, pending_outputs[i].temp_path, strerror(errno));
+        if (report != NULL) fprintf(report, "wrote %s (%s)\n", pending_outputs[i].final_path, pending_outputs[i].what);
+    }
+    num_pending_outputs = 0;
+    created_dir[0] = '\0';
     return true;
 }
 
@@ -215,30 +272,77 @@ static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, 
     return true;
 }
 
-// The three loaders read a file, then parse it; the parsers above never touch the disk.
-static bool load_weights(const char* path, HostWeights* w, Error* err) {
-    uint8_t* buf;
-    size_t size;
-    if (!read_file(path, &buf, &size, err)) return false;
-    bool ok = parse_weights(buf, size, path, w, err);
-    free(buf);
-    return ok;
+// Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII),
+// then width, height and maxval (1..65535) as decimal numbers separated by whitespace, where '#'
+// starts a comment that runs to the end of its line; then width x height samples, row by row: in
+// P5 after exactly one whitespace byte, one byte each (two, big-endian, when maxval > 255); in P2
+// as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
+#define PGM_HINT "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
+
+// The next header number at *pos, after whitespace and comments; at most `max`.
+static bool pgm_number(const uint8_t* buf, size_t size, size_t* pos, uint32_t max, uint32_t* out) {
+    size_t p = *pos;
+    while (p < size && (isspace(buf[p]) || buf[p] == '#'))
+        if (buf[p++] == '#')
+            while (p < size && buf[p] != '\n' && buf[p] != '\r') p++;
+    if (p == size || !isdigit(buf[p])) return false;
+    uint64_t v = 0;
+    while (p < size && isdigit(buf[p]) && v <= max) v = v * 10 + (buf[p++] - '0');
+    if (v > max || (p < size && !isspace(buf[p]) && buf[p] != '#')) return false;
+    *pos = p, *out = (uint32_t)v;
+    return true;
 }
 
-static bool load_images(const char* path, Images* images, Error* err) {
-    uint8_t* buf;
-    size_t size;
-    if (!read_file(path, &buf, &size, err)) return false;
-    bool ok = parse_idx_images(buf, size, path, images, err);
-    free(buf);
-    return ok;
+static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
+    if (size < 2 || buf[0] != 'P' || (buf[1] != '5' && buf[1] != '2'))
+        return set_error(err, "%s: not a PGM greymap (P5 or P2). " PGM_HINT, name);
+    const bool ascii = buf[1] == '2';
+    size_t pos = 2;
+    uint32_t width, height, maxval;
+    if (!pgm_number(buf, size, &pos, 1u << 20, &width) || !pgm_number(buf, size, &pos, 1u << 20, &height) ||
+        !pgm_number(buf, size, &pos, 65535, &maxval) || maxval == 0)
+        return set_error(err, "%s: the PGM header (width, height, maxval 1..65535) is malformed. " PGM_HINT, name);
+    if (width != IMAGE_SIDE || height != IMAGE_SIDE)
+        return set_error(err, "%s: a %ux%u image; the model takes %dx%d. " PGM_HINT, name, width, height, IMAGE_SIDE,
+                         IMAGE_SIDE);
+    uint8_t pixels[INPUT_DIM];
+    const size_t bytes_per_sample = maxval > 255 ? 2 : 1;
+    if (!ascii) {
+        if (pos == size || !isspace(buf[pos]) || size - pos - 1 < INPUT_DIM * bytes_per_sample)
+            return set_error(err, "%s: truncated: %zu bytes of samples, a 28x28 image needs %zu. " PGM_HINT, name,
+                             pos == size ? 0 : size - pos - 1, INPUT_DIM * bytes_per_sample);
+        pos++; // the single whitespace byte that ends the header
+    }
+    for (int i = 0; i < INPUT_DIM; i++) {
+        uint32_t v;
+        if (ascii) {
+            if (!pgm_number(buf, size, &pos, maxval, &v))
+                return set_error(err, "%s: sample %d is missing or above maxval %u. " PGM_HINT, name, i, maxval);
+        } else {
+            v = bytes_per_sample == 2 ? (uint32_t)buf[pos] << 8 | buf[pos + 1] : buf[pos];
+            pos += bytes_per_sample;
+            if (v > maxval) return set_error(err, "%s: sample %d is %u, above maxval %u. " PGM_HINT, name, i, v, maxval);
+        }
+        pixels[i] = (uint8_t)((v * 255 + maxval / 2) / maxval);
+    }
+    for (; pos < size; pos++) // a trailing newline is common; anything else is not one 28x28 image
+        if (!isspace(buf[pos]))
+            return set_error(err, "%s: %zu bytes after the 28x28 image. HINT: pass one image per file", name, size - pos);
+    out->count = 1;
+    out->pixels = (uint8_t*)malloc(INPUT_DIM);
+    if (out->pixels == NULL) return set_error(err, "%s: out of host memory", name);
+    memcpy(out->pixels, pixels, INPUT_DIM);
+    return true;
 }
 
-static bool load_labels(const char* path, Labels* labels, Error* err) {
+// Reads a whole file and hands it to one of the parsers above, which never touch the disk.
+template <typename T>
+static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, const char*, T*, Error*), T* out,
+                      Error* err) {
     uint8_t* buf;
     size_t size;
     if (!read_file(path, &buf, &size, err)) return false;
-    bool ok = parse_idx_labels(buf, size, path, labels, err);
+    bool ok = parse(buf, size, path, out, err);
     free(buf);
     return ok;
 }
@@ -445,6 +549,21 @@ __global__ void bce_loss_kernel(float* bce, float* recon, const float* logits, c
 __global__ void sigmoid_kernel(float* out, const float* in, size_t n) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = 1.0f / (1.0f + expf(-in[i]));
+}
+
+// Latents on the straight line between two images' means: row r of the decoder's batch is step
+// r % steps of pair r / steps, z = (1 - t) mu_a + t mu_b with t = step / (steps - 1). The pairs
+// index rows of mulv ([mu | logvar] per image); rows count from first_row, so a long list of
+// pairs is decoded in passes without any host work between them. One thread per latent.
+__global__ void interp_latents_kernel(float* z, const float* mulv, const int2* pairs, long long first_row, int rows,
+                                      int steps) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * LATENT_DIM) return;
+    const long long row = first_row + i / LATENT_DIM;
+    const int j = i % LATENT_DIM, step = (int)(row % steps);
+    const int2 pair = pairs[row / steps];
+    const float t = (float)step / (float)(steps - 1);
+    z[i] = (1.0f - t) * mulv[pair.x * 2 * LATENT_DIM + j] + t * mulv[pair.y * 2 * LATENT_DIM + j];
 }
 
 // ----------------------------------------------------------------------------
@@ -1647,6 +1766,12 @@ static void sigmoid(float* out, const float* in, int n, cudaStream_t stream) {
     cudaCheck(cudaGetLastError());
 }
 
+static void interp_latents(float* z, const float* mulv, const int2* pairs, long long first_row, int rows, int steps,
+                           cudaStream_t stream) {
+    interp_latents_kernel<<<ceil_div(rows * LATENT_DIM, 256), 256, 0, stream>>>(z, mulv, pairs, first_row, rows, steps);
+    cudaCheck(cudaGetLastError());
+}
+
 typedef MmaTile<uint8_t, 4, 2, 2, 5, 3, 64> Fc1Tile; // 128 images x 80 hidden units (400 = 5 x 80), 8 warps
 
 static void fc1_bf16(bf16* h1, const uint8_t* pixels, const bf16* W, const float* bias, int B, cudaStream_t stream) {
@@ -2041,9 +2166,10 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
 // ----------------------------------------------------------------------------
 // image output
 
-// Writes tiles (each 28x28 floats in [0,1]) as a rows x cols grid into a binary PPM (P6),
-// white digits on black, tiles separated by a 1-pixel grey border.
-static bool write_ppm_grid(const char* path, const float* tiles, int rows, int cols, Error* err) {
+// Writes tiles (each 28x28 floats in [0,1]) as a rows x cols grid into a binary PPM (P6), white
+// digits on black, tiles separated by a 1-pixel grey border. The file reaches `path` at
+// outputs_commit(); `what` describes it there.
+static bool write_ppm_grid(const char* path, const char* what, const float* tiles, int rows, int cols, Error* err) {
     const int cell = IMAGE_SIDE + 1, width = cols * cell + 1, height = rows * cell + 1;
     uint8_t* rgb = (uint8_t*)malloc((size_t)width * height * 3);
     if (rgb == NULL) return set_error(err, "%s: out of host memory", path);
@@ -2057,61 +2183,138 @@ static bool write_ppm_grid(const char* path, const float* tiles, int rows, int c
                 px[0] = px[1] = px[2] = (uint8_t)lrintf(v * 255.0f);
             }
     }
-    FILE* f = fopen(path, "wb");
+    FILE* f = output_open(path, what);
     bool ok = f != NULL && fprintf(f, "P6\n%d %d\n255\n", width, height) > 0 &&
               fwrite(rgb, 3, (size_t)width * height, f) == (size_t)width * height;
     if (f != NULL && fclose(f) != 0) ok = false;
+    const int saved_errno = errno;
     free(rgb);
-    if (!ok) return set_error(err, "%s: cannot write (%s). HINT: pass -o with a writable folder", path, strerror(errno));
+    if (!ok)
+        return set_error(err, "%s: cannot write (%s). HINT: pass -o with a writable folder", path, strerror(saved_errno));
     return true;
 }
 
 // ----------------------------------------------------------------------------
 // command line
 
+#define VAE_VERSION "1.0"
+#ifndef VAE_GIT_COMMIT // the Makefile passes the checkout's commit
+#define VAE_GIT_COMMIT "unknown"
+#endif
+
+// The oldest GPUs vae.cu runs on: its bf16 kernels need sm_80's mma.sync shapes, cp.async and ldmatrix.
+static bool gpu_supported(const char* name, int major, int minor, Error* err) {
+    if (major >= 8) return true;
+    return set_error(err, "%s has compute capability %d.%d; vae.cu needs 8.0 or newer (A100, RTX 30 series, H100 "
+                     "or later). HINT: run on a newer NVIDIA GPU", name, major, minor);
+}
+
+typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP } Mode;
+static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp"};
+
+// Every option: long name, short letter (0: none), whether it takes a value.
+enum Option {
+    OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
+    OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_VERSION, OPT_HELP, NUM_OPTIONS
+};
+static const struct {
+    const char* name;
+    char letter;
+    bool takes_value;
+} OPTIONS[NUM_OPTIONS] = {
+    {"weights", 'w', true}, {"data", 'd', true},         {"image", 0, true},          {"invert", 0, false},
+    {"count", 'n', true},   {"batch-size", 'b', true},   {"seed", 's', true},         {"zmu", 0, false},
+    {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
+    {"iwae", 0, true},      {"bench", 0, false},         {"bench-batches", 0, true},  {"interp", 0, true},
+    {"version", 0, false},  {"help", 'h', false},
+};
+#define OPT_BIT(o) (1u << (o))
+// The options each mode reads; any other one given with it is refused rather than ignored.
+static const unsigned MODE_OPTIONS[] = {
+    // elbo: the evaluation, images and CSV
+    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_IMAGE) | OPT_BIT(OPT_INVERT) | OPT_BIT(OPT_COUNT) |
+        OPT_BIT(OPT_BATCH) | OPT_BIT(OPT_SEED) | OPT_BIT(OPT_ZMU) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_OUT) |
+        OPT_BIT(OPT_CSV) | OPT_BIT(OPT_QUIET),
+    // iwae: sizes its own passes (no -b), writes no images (no -o), samples z (no --zmu)
+    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_IMAGE) | OPT_BIT(OPT_INVERT) | OPT_BIT(OPT_COUNT) |
+        OPT_BIT(OPT_SEED) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_CSV) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_IWAE),
+    // bench: times the test set's first images; prints its table, writes nothing
+    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_COUNT) | OPT_BIT(OPT_SEED) | OPT_BIT(OPT_ZMU) |
+        OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_BENCH) | OPT_BIT(OPT_BENCH_BATCHES),
+    // interp: decodes latent means in fp32 (no noise, no precision), writes interp.ppm
+    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_OUT) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_INTERP),
+};
+
+enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16 };
 typedef struct {
+    Mode mode;
     const char* weights_path;
     const char* data_dir;
+    const char* image_paths[MAX_IMAGE_FILES]; // --image: evaluated instead of the test set
+    int num_image_files;
+    bool invert;
     const char* out_dir;
-    const char* csv_path; // NULL: no per-image CSV
+    const char* csv_path; // NULL: no per-image CSV; "-": standard output
     int batch;
-    int count; // images to evaluate; 0 = the whole test set
+    int count; // images to evaluate; 0 = all
     uint64_t seed;
     bool z_is_mu;
     Precision precision;
-    bool bench;
-    int iwae_k; // > 0: importance-weighted log-likelihood with this many samples per image
-    bool help;
+    bool quiet;
+    int iwae_k;     // --iwae: samples per image
+    int interp_n;   // --interp: images whose every pair is interpolated
+    int bench_batches[MAX_BENCH_BATCHES], num_bench_batches;
+    bool help, version;
+    unsigned given;                 // OPT_BIT of every option on the command line
+    char flag[NUM_OPTIONS][24];     // each as it was spelled there ("-b" or "--batch-size"), for messages
 } Config;
 
 static const char* USAGE =
     "usage: vae [options]\n"
-    "Evaluates the pretrained MNIST VAE on the test set (mean BCE, KL, loss = BCE + KL) and\n"
-    "writes recon.ppm, samples.ppm and interp.ppm.\n"
-    "  -w FILE     weights file (default data/vae_weights.bin)\n"
-    "  -d DIR      folder with t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte (default data)\n"
-    "  -b N        batch size (default 4096)\n"
-    "  -n N        number of test images to evaluate (default all)\n"
-    "  -s N        seed of the noise eps (default 0)\n"
-    "  -o DIR      folder for the images (default out; created if missing)\n"
-    "  --zmu       use z = mu instead of sampling z\n"
-    "  --csv FILE  also write per-image index,label,bce,kl\n"
-    "  --precision fp32|bf16\n"
-    "              fp32: exact against PyTorch (default); bf16: tensor cores, fp32 accumulation\n"
-    "  --bench     time one forward+loss at batch 1024, 2048, 4096, 10000 in both precisions\n"
-    "  --iwae K    instead: importance-weighted log-likelihood, K samples per image (mean NLL,\n"
-    "              its standard error, time; --csv gets per-image log p(x))\n"
-    "  -h, --help  this help\n";
+    "Evaluates the pretrained MNIST VAE on the test set (mean BCE, KL, loss = BCE + KL) and writes\n"
+    "recon.ppm, samples.ppm and interp.ppm. Values go as '-b 64', '--batch-size 64' or '--batch-size=64';\n"
+    "'--' ends the options.\n"
+    "inputs\n"
+    "  -w, --weights FILE   weights file (default data/vae_weights.bin)\n"
+    "  -d, --data DIR       folder with t10k-images-idx3-ubyte (default data); t10k-labels-idx1-ubyte\n"
+    "                       beside it is optional (label -1 without it)\n"
+    "      --image FILE     instead of the test set: a 28x28 PGM (P5 or P2), a white digit on black as\n"
+    "                       in MNIST; repeat for more; each is printed with its losses\n"
+    "      --invert         the --image files are black on white\n"
+    "  -n, --count N        evaluate the first N images (default all)\n"
+    "evaluation\n"
+    "  -b, --batch-size N   images per forward pass (default 4096)\n"
+    "  -s, --seed N         seed of the noise eps, 0..2^64-1 (default 0)\n"
+    "      --zmu            use z = mu instead of sampling z\n"
+    "      --precision P    fp32: exact against PyTorch (default); bf16: tensor cores, fp32 accumulation\n"
+    "outputs\n"
+    "  -o, --out DIR        folder for the images (default out; created if missing)\n"
+    "      --csv FILE       also write per-image results (index,label,bce,kl[,log_px]) after a '#' line\n"
+    "                       naming the run; '-' writes them to stdout and the summary to stderr\n"
+    "  -q, --quiet          results and errors only: no start-up table, progress or 'wrote' lines\n"
+    "other runs, instead of the evaluation\n"
+    "      --iwae K         importance-weighted log p(x), K samples per image (1..65536): mean NLL, its\n"
+    "                       standard error, time, beside the ELBO; --csv adds per-image log p(x)\n"
+    "      --bench          time forward+loss per batch size (latency and throughput), in both\n"
+    "                       precisions or the one --precision names\n"
+    "      --bench-batches L  --bench's batch sizes, comma-separated (default 1024,2048,4096,10000)\n"
+    "      --interp N       every pair of the first N test images (2..1000), 11 steps each, decoded\n"
+    "                       batched and one pair per call: both times; the first pairs in interp.ppm\n"
+    "      --version        version, commit, CUDA runtime and driver\n"
+    "  -h, --help           this help\n";
 
-static bool parse_int(const char* flag, const char* text, long long min, long long max, long long* out, Error* err) {
-    if (text == NULL) return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
-    char* end;
+// A whole number in min..max. Digits only: "0x10", "1e3", " 5" and "+5" are refused.
+static bool parse_number(const char* flag, const char* text, unsigned long long min, unsigned long long max,
+                         unsigned long long* out, Error* err) {
+    if (text == NULL || text[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
+    const char* digits = text[0] == '-' ? text + 1 : text;
+    bool whole = digits[0] != '\0';
+    for (const char* p = digits; *p != '\0'; p++) whole = whole && isdigit((unsigned char)*p);
+    if (!whole) return set_error(err, "%s '%s' is not a whole number. HINT: vae -h lists the options", flag, text);
     errno = 0;
-    long long v = strtoll(text, &end, 10);
-    if (end == text || *end != '\0' || errno == ERANGE)
-        return set_error(err, "%s '%s' is not a whole number. HINT: vae -h lists the options", flag, text);
-    if (v < min || v > max)
-        return set_error(err, "%s %lld is outside %lld..%lld. HINT: vae -h lists the options", flag, v, min, max);
+    const unsigned long long v = strtoull(digits, NULL, 10);
+    if (text[0] == '-' || errno == ERANGE || v < min || v > max)
+        return set_error(err, "%s %s is outside %llu..%llu. HINT: vae -h lists the options", flag, text, min, max);
     *out = v;
     return true;
 }
@@ -2122,80 +2325,262 @@ enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper
 enum { MAX_PATH_ARG = 4000 };
 enum { IWAE_ROWS = 1 << 16 };  // decoder rows per --iwae pass (~0.6 GB of activations); K at most this
 enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per pass of Hopper's fused decoder (84 bytes each)
+enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
 
-static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
-    *cfg = (Config){"data/vae_weights.bin", "data", "out", NULL, 4096, 0, 0, false, PRECISION_FP32, false, 0, false};
-    for (int i = 1; i < argc; i++) {
-        const char* a = argv[i];
-        const char* value = i + 1 < argc ? argv[i + 1] : NULL;
-        long long v;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            cfg->help = true;
-        } else if (!strcmp(a, "--zmu")) {
-            cfg->z_is_mu = true;
-        } else if (!strcmp(a, "--bench")) {
-            cfg->bench = true;
-        } else if (!strcmp(a, "--iwae")) {
-            if (!parse_int(a, value, 1, IWAE_ROWS, &v, err)) return false;
-            cfg->iwae_k = (int)v, i++;
-        } else if (!strcmp(a, "--precision")) {
-            if (value != NULL && !strcmp(value, "fp32")) cfg->precision = PRECISION_FP32;
-            else if (value != NULL && !strcmp(value, "bf16")) cfg->precision = PRECISION_BF16;
-            else return set_error(err, "--precision needs fp32 or bf16, got '%s'. HINT: vae -h lists the options", value ? value : "");
-            i++;
-        } else if (!strcmp(a, "-w") || !strcmp(a, "-d") || !strcmp(a, "-o") || !strcmp(a, "--csv")) {
-            if (value == NULL || value[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", a);
-            if (strlen(value) > MAX_PATH_ARG)
-                return set_error(err, "%s: a path of %zu characters, longer than %d. HINT: use a shorter path", a,
-                                 strlen(value), (int)MAX_PATH_ARG);
-            const char** dst = !strcmp(a, "-w") ? &cfg->weights_path
-                             : !strcmp(a, "-d") ? &cfg->data_dir
-                             : !strcmp(a, "-o") ? &cfg->out_dir
-                                                : &cfg->csv_path;
-            *dst = value;
-            i++;
-        } else if (!strcmp(a, "-b")) {
-            if (!parse_int(a, value, 1, MAX_BATCH, &v, err)) return false;
-            cfg->batch = (int)v, i++;
-        } else if (!strcmp(a, "-n")) {
-            if (!parse_int(a, value, 1, INT32_MAX, &v, err)) return false;
-            cfg->count = (int)v, i++;
-        } else if (!strcmp(a, "-s")) {
-            if (!parse_int(a, value, 0, INT64_MAX, &v, err)) return false;
-            cfg->seed = (uint64_t)v, i++;
-        } else {
-            return set_error(err, "unknown option '%s'. HINT: vae -h lists the options", a);
+static bool parse_path(const char* flag, const char* value, const char** out, Error* err) {
+    if (value[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
+    if (strlen(value) > MAX_PATH_ARG)
+        return set_error(err, "%s: a path of %zu characters, longer than %d. HINT: use a shorter path", flag,
+                         strlen(value), (int)MAX_PATH_ARG);
+    *out = value;
+    return true;
+}
+
+// One option and its value (NULL for flags) into cfg.
+static bool apply_option(Config* cfg, int o, const char* flag, const char* value, Error* err) {
+    unsigned long long v = 0;
+    switch (o) {
+    case OPT_WEIGHTS: return parse_path(flag, value, &cfg->weights_path, err);
+    case OPT_DATA: return parse_path(flag, value, &cfg->data_dir, err);
+    case OPT_OUT: return parse_path(flag, value, &cfg->out_dir, err);
+    case OPT_CSV: return parse_path(flag, value, &cfg->csv_path, err);
+    case OPT_IMAGE:
+        if (cfg->num_image_files == MAX_IMAGE_FILES)
+            return set_error(err, "%s: more than %d images. HINT: evaluate them in several runs", flag, MAX_IMAGE_FILES);
+        return parse_path(flag, value, &cfg->image_paths[cfg->num_image_files++], err);
+    case OPT_INVERT: cfg->invert = true; return true;
+    case OPT_ZMU: cfg->z_is_mu = true; return true;
+    case OPT_QUIET: cfg->quiet = true; return true;
+    case OPT_BENCH: cfg->mode = MODE_BENCH; return true;
+    case OPT_VERSION: cfg->version = true; return true;
+    case OPT_HELP: cfg->help = true; return true;
+    case OPT_PRECISION:
+        if (!strcmp(value, "fp32")) cfg->precision = PRECISION_FP32;
+        else if (!strcmp(value, "bf16")) cfg->precision = PRECISION_BF16;
+        else return set_error(err, "%s needs fp32 or bf16, got '%s'. HINT: vae -h lists the options", flag, value);
+        return true;
+    case OPT_BATCH:
+        if (!parse_number(flag, value, 1, MAX_BATCH, &v, err)) return false;
+        cfg->batch = (int)v;
+        return true;
+    case OPT_COUNT:
+        if (!parse_number(flag, value, 1, INT32_MAX, &v, err)) return false;
+        cfg->count = (int)v;
+        return true;
+    case OPT_SEED: return parse_number(flag, value, 0, UINT64_MAX, (unsigned long long*)&cfg->seed, err);
+    case OPT_IWAE:
+        if (!parse_number(flag, value, 1, IWAE_ROWS, &v, err)) return false;
+        cfg->iwae_k = (int)v, cfg->mode = MODE_IWAE;
+        return true;
+    case OPT_INTERP:
+        if (!parse_number(flag, value, 2, INTERP_MAX_IMAGES, &v, err)) return false;
+        cfg->interp_n = (int)v, cfg->mode = MODE_INTERP;
+        return true;
+    case OPT_BENCH_BATCHES: {
+        cfg->num_bench_batches = 0;
+        for (const char* item = value;; item++) {
+            char text[24];
+            const size_t len = strcspn(item, ",");
+            snprintf(text, sizeof(text), "%.*s", (int)(len < sizeof(text) - 1 ? len : sizeof(text) - 1), item);
+            if (cfg->num_bench_batches == MAX_BENCH_BATCHES)
+                return set_error(err, "%s: more than %d batch sizes. HINT: time them in several runs", flag,
+                                 MAX_BENCH_BATCHES);
+            if (len >= sizeof(text) || !parse_number(flag, text, 1, MAX_BATCH, &v, err))
+                return len >= sizeof(text) || text[0] == '\0'
+                           ? set_error(err, "%s '%s' is not a list of batch sizes like 1024,4096. HINT: vae -h lists "
+                                       "the options", flag, value)
+                           : false;
+            cfg->bench_batches[cfg->num_bench_batches++] = (int)v;
+            item += len;
+            if (*item == '\0') return true;
         }
     }
-    if (cfg->bench && cfg->iwae_k > 0)
-        return set_error(err, "--bench and --iwae are separate runs. HINT: pass one of them");
-    if (cfg->z_is_mu && cfg->iwae_k > 0)
+    }
+    return set_error(err, "internal: option %d has no handler", o);
+}
+
+static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->weights_path = "data/vae_weights.bin", cfg->data_dir = "data", cfg->out_dir = "out", cfg->batch = 4096;
+    for (int o = 0; o < NUM_OPTIONS; o++) // how messages name an option the command line did not spell
+        if (OPTIONS[o].letter != 0) snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "-%c", OPTIONS[o].letter);
+        else snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "--%s", OPTIONS[o].name);
+    const int default_batches[] = {1024, 2048, 4096, 10000};
+    for (int b : default_batches) cfg->bench_batches[cfg->num_bench_batches++] = b;
+
+    // getopt_long's tables from OPTIONS: long options answer LONG_CODE + their index, short ones
+    // their letter. '+' stops at the first word that is not an option (it is refused below);
+    // ':' reports a missing value as ':' rather than '?'.
+    enum { LONG_CODE = 1000 };
+    struct option long_options[NUM_OPTIONS + 1] = {};
+    char short_options[3 * NUM_OPTIONS + 3] = "+:";
+    for (int o = 0; o < NUM_OPTIONS; o++) {
+        long_options[o] = {OPTIONS[o].name, OPTIONS[o].takes_value ? required_argument : no_argument, NULL,
+                           LONG_CODE + o};
+        if (OPTIONS[o].letter != 0) {
+            const size_t n = strlen(short_options);
+            short_options[n] = OPTIONS[o].letter;
+            if (OPTIONS[o].takes_value) short_options[n + 1] = ':';
+        }
+    }
+    // The option a getopt code stands for, and how the user spelled it (argv[optind - 1] holds
+    // the word that named it, unless a short option was one of several in one word).
+    auto option_of = [](int code) {
+        for (int o = 0; o < NUM_OPTIONS; o++)
+            if (code == LONG_CODE + o || (OPTIONS[o].letter != 0 && code == OPTIONS[o].letter)) return o;
+        return -1;
+    };
+    auto spell = [&](int o, char* flag, size_t size) {
+        const bool long_form = OPTIONS[o].letter == 0 || !strncmp(argv[optind - 1], "--", 2);
+        if (long_form) snprintf(flag, size, "--%s", OPTIONS[o].name);
+        else snprintf(flag, size, "-%c", OPTIONS[o].letter);
+    };
+    optind = 0; // 0: restart GNU getopt's scan from scratch (the tests parse many command lines)
+    opterr = 0;
+    for (int code; (code = getopt_long(argc, argv, short_options, long_options, NULL)) != -1;) {
+        char flag[24];
+        if (code == ':' || (code == '?' && optopt >= LONG_CODE)) {
+            const int o = option_of(optopt);
+            if (o < 0) return set_error(err, "internal: getopt code %d", optopt);
+            spell(o, flag, sizeof(flag));
+            if (code == ':') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
+            return set_error(err, "%s takes no value, got '%s'. HINT: vae -h lists the options", flag, argv[optind - 1]);
+        }
+        if (code == '?') {
+            if (optopt != 0) return set_error(err, "unknown option '-%c'. HINT: vae -h lists the options", optopt);
+            return set_error(err, "unknown option '%s'. HINT: vae -h lists the options", argv[optind - 1]);
+        }
+        const int o = option_of(code);
+        if (o < 0) return set_error(err, "internal: getopt code %d", code);
+        spell(o, flag, sizeof(flag));
+        if (!apply_option(cfg, o, flag, optarg, err)) return false;
+        cfg->given |= OPT_BIT(o);
+        snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "%s", flag);
+    }
+    if (optind < argc)
+        return set_error(err, "unexpected argument '%s'. HINT: vae -h lists the options; files go after a flag "
+                         "(-w, -d, --image ...)", argv[optind]);
+    if (cfg->help || cfg->version) return true;
+
+    // one mode, and only the options it reads
+    const int modes[] = {OPT_IWAE, OPT_BENCH, OPT_INTERP};
+    for (int a : modes)
+        for (int b : modes)
+            if (a < b && (cfg->given & OPT_BIT(a)) && (cfg->given & OPT_BIT(b)))
+                return set_error(err, "%s and %s are separate runs. HINT: pass one of them", cfg->flag[a], cfg->flag[b]);
+    const char* mode_flag = cfg->mode == MODE_IWAE    ? cfg->flag[OPT_IWAE]
+                          : cfg->mode == MODE_BENCH   ? cfg->flag[OPT_BENCH]
+                          : cfg->mode == MODE_INTERP ? cfg->flag[OPT_INTERP]
+                                                      : "the evaluation";
+    if (cfg->z_is_mu && cfg->mode == MODE_IWAE)
         return set_error(err, "--iwae samples z by definition; --zmu does not apply. HINT: drop --zmu");
+    if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(OPT_BENCH_BATCHES)))
+        return set_error(err, "%s applies to --bench only. HINT: add --bench or drop %s", cfg->flag[OPT_BENCH_BATCHES],
+                         cfg->flag[OPT_BENCH_BATCHES]);
+    for (int o = 0; o < NUM_OPTIONS; o++)
+        if ((cfg->given & OPT_BIT(o)) && !(MODE_OPTIONS[cfg->mode] & OPT_BIT(o)))
+            return set_error(err, "%s does not apply to %s. HINT: drop %s", cfg->flag[o], mode_flag, cfg->flag[o]);
+    // --image replaces the test set, which -d and -n choose from
+    if (cfg->invert && cfg->num_image_files == 0)
+        return set_error(err, "%s applies to --image files. HINT: add --image FILE or drop %s", cfg->flag[OPT_INVERT],
+                         cfg->flag[OPT_INVERT]);
+    for (int o : {OPT_DATA, OPT_COUNT})
+        if (cfg->num_image_files > 0 && (cfg->given & OPT_BIT(o)))
+            return set_error(err, "%s does not apply to --image, which replaces the test set. HINT: drop %s",
+                             cfg->flag[o], cfg->flag[o]);
     return true;
 }
 
 #ifndef TESTING
 
-// Creates dir if missing and checks it can be written, before any work is done.
-static void ensure_writable_dir(const char* dir) {
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
-        fail("-o %s: cannot create the folder (%s). HINT: pass -o with a writable folder", dir, strerror(errno));
+// Informational lines (the start-up table, progress, 'wrote ...') go to the console unless -q;
+// results always do. The console is stdout, or stderr when the CSV takes stdout (--csv -).
+static FILE* console = stdout;
+static bool quiet = false;
+static void say(const char* fmt, ...) {
+    if (quiet) return;
+    va_list args;
+    va_start(args, fmt);
+    vfprintf(console, fmt, args);
+    va_end(args);
+}
+
+static void print_version() {
+    int runtime = 0, driver = 0;
+    cudaCheck(cudaRuntimeGetVersion(&runtime));
+    const bool has_driver = cudaDriverGetVersion(&driver) == cudaSuccess && driver > 0; // 0: no driver installed
+    printf("vae.cu %s (commit %s)\n", VAE_VERSION, VAE_GIT_COMMIT);
+    printf("CUDA runtime %d.%d, driver ", runtime / 1000, runtime % 1000 / 10);
+    if (has_driver) printf("%d.%d\n", driver / 1000, driver % 1000 / 10);
+    else printf("none found\n");
+#ifdef __CUDA_ARCH_LIST__ // nvcc's list of the architectures this binary has code for, e.g. 800,900
+#define VAE_STRING(...) #__VA_ARGS__
+#define VAE_EXPAND(...) VAE_STRING(__VA_ARGS__)
+    printf("built for");
+    for (const char* arch = VAE_EXPAND(__CUDA_ARCH_LIST__); *arch != '\0'; arch += strcspn(arch, ","), arch += *arch == ',')
+        printf(" sm_%d", atoi(arch) / 10);
+    printf("\n");
+#endif
+}
+
+// The folder a new file at `path` would go into, for the checks below.
+static void parent_folder(const char* path, char folder[MAX_PATH]) {
+    snprintf(folder, MAX_PATH, "%s", path);
+    char* slash = strrchr(folder, '/');
+    while (slash != NULL && slash != folder && slash[1] == '\0') *slash = '\0', slash = strrchr(folder, '/'); // "a/b/"
+    if (slash == NULL) snprintf(folder, MAX_PATH, ".");
+    else slash[slash == folder ? 1 : 0] = '\0';
+}
+
+static bool writable_folder(const char* folder) {
     struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
-        fail("-o %s: not a folder. HINT: pass -o with a writable folder", dir);
-    if (access(dir, W_OK) != 0)
-        fail("-o %s: cannot write there (%s). HINT: pass -o with a writable folder", dir, strerror(errno));
+    return stat(folder, &st) == 0 && S_ISDIR(st.st_mode) && access(folder, W_OK) == 0;
+}
+
+// Outputs are checked before any work and written only at its end: the folder -o names must be
+// a writable folder or one that can be made (it is made only when the outputs are written); a
+// --csv file must not be a folder, and its folder must be writable.
+static void check_output_dir(const char* flag, const char* dir) {
+    struct stat st;
+    if (stat(dir, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) fail("%s %s: not a folder. HINT: pass %s with a writable folder", flag, dir, flag);
+        if (access(dir, W_OK) != 0)
+            fail("%s %s: cannot write there (%s). HINT: pass %s with a writable folder", flag, dir, strerror(errno), flag);
+        return;
+    }
+    const int missing = errno == ENOENT;
+    char parent[MAX_PATH];
+    parent_folder(dir, parent);
+    if (!missing || !writable_folder(parent))
+        fail("%s %s: cannot create the folder (%s). HINT: pass %s with a writable folder", flag, dir,
+             missing ? "its parent folder is missing or not writable" : strerror(errno), flag);
+}
+
+static void check_output_file(const char* flag, const char* path) {
+    struct stat st;
+    char folder[MAX_PATH];
+    parent_folder(path, folder);
+    const bool is_folder = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+    if (is_folder || !writable_folder(folder))
+        fail("%s %s: cannot write (%s). HINT: pass a writable path", flag, path,
+             is_folder ? "a folder" : "its folder is missing or not writable");
+}
+
+static void make_output_dir(const char* dir) {
+    if (mkdir(dir, 0777) == 0) snprintf(created_dir, sizeof(created_dir), "%s", dir);
+    else if (errno != EEXIST) fail("-o %s: cannot create the folder (%s). HINT: pass -o with a writable folder", dir,
+                                   strerror(errno));
 }
 
 // The start-up table: one "| key | value |" row each.
-static void print_separator() { printf("+-----------+------------------------------------------------+\n"); }
+static void print_separator() { say("+-----------+------------------------------------------------+\n"); }
 static void print_row(const char* key, const char* fmt, ...) {
     char value[256];
     va_list args;
     va_start(args, fmt);
     vsnprintf(value, sizeof(value), fmt, args);
     va_end(args);
-    printf("| %-9s | %-46s |\n", key, value);
+    say("| %-9s | %-46s |\n", key, value);
 }
 
 static void init_cuda(cudaDeviceProp* prop) {
@@ -2206,30 +2591,47 @@ static void init_cuda(cudaDeviceProp* prop) {
              status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
     cudaCheck(cudaSetDevice(0));
     cudaCheck(cudaGetDeviceProperties(prop, 0));
+    Error err;
+    if (!gpu_supported(prop->name, prop->major, prop->minor, &err)) fail("%s", err.msg);
+    cudaFuncAttributes attr; // a binary built for other GPUs has no kernel this one can load
+    status = cudaFuncGetAttributes(&attr, sigmoid_kernel);
+    if (status != cudaSuccess)
+        fail("this vae has no code for the %s (sm_%d%d): %s. HINT: rebuild it here: make clean && make vae", prop->name,
+             prop->major, prop->minor, cudaGetErrorString(status));
 }
 
-// The first test image of each digit 0..9 (or -1), for the interpolation rows.
+static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
+
+// The first image of each digit 0..9 among the first count (or -1), for the interpolation rows.
 static void first_of_each_digit(const Labels* labels, int count, int first[10]) {
     for (int d = 0; d < 10; d++) first[d] = -1;
-    for (int i = count - 1; i >= 0; i--) first[labels->labels[i]] = i;
+    for (int i = count - 1; i >= 0 && labels->labels != NULL; i--) first[labels->labels[i]] = i;
 }
 
-// Writes the three picture files: reconstructions, prior samples, latent interpolations.
-enum { RECON_COLS = 16, SAMPLE_SIDE = 8, INTERP_STEPS = 10, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
+// Decodes `steps` points on the line between the means of each pair of images (pairs index the
+// images' [mu | logvar] rows in m->mulv) into tiles[pairs * steps][784], in one batch.
+static void decode_interpolations(VAE* m, const int2* d_pairs, int num_pairs, int steps, float* tiles) {
+    interp_latents(m->z, m->mulv, d_pairs, 0, num_pairs * steps, steps, m->stream);
+    vae_decode(m, m->z, num_pairs * steps);
+    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)num_pairs * steps * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
+// The three picture files: reconstructions, prior samples, latent interpolations.
+enum { RECON_COLS = 16, SAMPLE_SIDE = 8, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
 static_assert(SAMPLE_SIDE * SAMPLE_SIDE <= IMAGE_TILES_MAX && 2 * RECON_COLS <= IMAGE_TILES_MAX, "image batches fit");
-static void write_images(VAE* m, const Images* images, const Labels* labels, int count, uint8_t* d_pixels,
+static void write_images(VAE* m, const Images* images, const Labels* labels, int count, const uint8_t* d_pixels,
                          const Config* cfg) {
     Error err;
-    char path[4096];
-    const int tiles_max = IMAGE_TILES_MAX;
-    float* tiles = (float*)malloc((size_t)tiles_max * INPUT_DIM * sizeof(float));
-    float* z = (float*)malloc((size_t)tiles_max * LATENT_DIM * sizeof(float));
-    float *d_z, *d_loss;
-    cudaCheck(cudaMalloc(&d_z, (size_t)tiles_max * LATENT_DIM * sizeof(float)));
-    cudaCheck(cudaMalloc(&d_loss, 2 * RECON_COLS * sizeof(float)));
+    char path[MAX_PATH];
+    float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * INPUT_DIM * sizeof(float));
+    float* z = (float*)malloc((size_t)IMAGE_TILES_MAX * LATENT_DIM * sizeof(float));
     if (tiles == NULL || z == NULL) fail("out of host memory for the images");
+    float *d_z, *d_loss;
+    cudaCheck(cudaMalloc(&d_z, (size_t)IMAGE_TILES_MAX * LATENT_DIM * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_loss, 2 * RECON_COLS * sizeof(float)));
+    make_output_dir(cfg->out_dir);
 
-    // recon.ppm: the first test images over their reconstructions
+    // recon.ppm: the first images over their reconstructions
     const int n_recon = count < RECON_COLS ? count : RECON_COLS;
     const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, true, false};
     vae_forward(m, d_pixels, n_recon, 0, &opt, d_loss, d_loss + RECON_COLS);
@@ -2239,8 +2641,9 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     cudaCheck(cudaMemcpy(tiles + RECON_COLS * INPUT_DIM, m->recon, (size_t)n_recon * INPUT_DIM * sizeof(float),
                          cudaMemcpyDeviceToHost));
     snprintf(path, sizeof(path), "%s/recon.ppm", cfg->out_dir);
-    if (!write_ppm_grid(path, tiles, 2, RECON_COLS, &err)) fail("%s", err.msg);
-    printf("wrote %s (top: test images, bottom: reconstructions)\n", path);
+    const char* what = cfg->num_image_files > 0 ? "top: the --image files, bottom: reconstructions"
+                                                : "top: test images, bottom: reconstructions";
+    if (!write_ppm_grid(path, what, tiles, 2, RECON_COLS, &err)) fail("%s", err.msg);
 
     // samples.ppm: decodes of z ~ N(0, I)
     const int n_samples = SAMPLE_SIDE * SAMPLE_SIDE;
@@ -2250,75 +2653,144 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     vae_decode(m, d_z, n_samples);
     cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)n_samples * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
     snprintf(path, sizeof(path), "%s/samples.ppm", cfg->out_dir);
-    if (!write_ppm_grid(path, tiles, SAMPLE_SIDE, SAMPLE_SIDE, &err)) fail("%s", err.msg);
-    printf("wrote %s (decodes of z ~ N(0, I))\n", path);
+    if (!write_ppm_grid(path, "decodes of z ~ N(0, I)", tiles, SAMPLE_SIDE, SAMPLE_SIDE, &err)) fail("%s", err.msg);
 
-    // interp.ppm: row d walks the latent mean of a test 'd' to that of a 'd+1', all rows in one decode
-    int first[10], pair_images[20], rows = 0;
+    // interp.ppm: row d walks the latent mean of a test 'd' to that of a 'd+1'
+    int first[10], rows = 0;
+    int2 pairs[10];
     first_of_each_digit(labels, count, first);
+    uint8_t* d_pair_pixels; // the images of the pairs, gathered into one batch
+    cudaCheck(cudaMalloc(&d_pair_pixels, (size_t)20 * INPUT_DIM));
     for (int d = 0; d < 10; d++) {
         if (first[d] < 0 || first[(d + 1) % 10] < 0) continue;
-        pair_images[2 * rows] = first[d], pair_images[2 * rows + 1] = first[(d + 1) % 10];
+        for (int k = 0; k < 2; k++)
+            cudaCheck(cudaMemcpy(d_pair_pixels + (size_t)(2 * rows + k) * INPUT_DIM,
+                                 d_pixels + (size_t)first[(d + k) % 10] * INPUT_DIM, INPUT_DIM,
+                                 cudaMemcpyDeviceToDevice));
+        pairs[rows] = make_int2(2 * rows, 2 * rows + 1);
         rows++;
     }
     if (rows == 0) {
-        printf("skipped interp.ppm: the evaluated images hold no two consecutive digits (raise -n)\n");
+        say("skipped interp.ppm: %s\n", labels->labels == NULL ? "the images have no labels"
+                                        : "the evaluated images hold no two consecutive digits (raise -n)");
     } else {
-        uint8_t* d_pairs; // the pair images, gathered into one batch
-        cudaCheck(cudaMalloc(&d_pairs, (size_t)2 * rows * INPUT_DIM));
-        for (int i = 0; i < 2 * rows; i++)
-            cudaCheck(cudaMemcpy(d_pairs + (size_t)i * INPUT_DIM, d_pixels + (size_t)pair_images[i] * INPUT_DIM,
-                                 INPUT_DIM, cudaMemcpyDeviceToDevice));
-        vae_encode(m, d_pairs, 2 * rows);
-        float* mulv = (float*)malloc((size_t)2 * rows * 2 * LATENT_DIM * sizeof(float));
-        if (mulv == NULL) fail("out of host memory for the images");
-        cudaCheck(cudaMemcpy(mulv, m->mulv, (size_t)2 * rows * 2 * LATENT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
-        for (int r = 0; r < rows; r++)
-            for (int s = 0; s < INTERP_STEPS; s++) {
-                const float t = (float)s / (INTERP_STEPS - 1);
-                const float* mu_a = mulv + (2 * r) * 2 * LATENT_DIM;
-                const float* mu_b = mulv + (2 * r + 1) * 2 * LATENT_DIM;
-                for (int j = 0; j < LATENT_DIM; j++)
-                    z[(r * INTERP_STEPS + s) * LATENT_DIM + j] = (1.0f - t) * mu_a[j] + t * mu_b[j];
-            }
-        cudaCheck(cudaMemcpy(d_z, z, (size_t)rows * INTERP_STEPS * LATENT_DIM * sizeof(float), cudaMemcpyHostToDevice));
-        vae_decode(m, d_z, rows * INTERP_STEPS);
-        cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)rows * INTERP_STEPS * INPUT_DIM * sizeof(float),
-                             cudaMemcpyDeviceToHost));
+        int2* d_pairs;
+        cudaCheck(cudaMalloc(&d_pairs, sizeof(pairs)));
+        cudaCheck(cudaMemcpy(d_pairs, pairs, sizeof(pairs), cudaMemcpyHostToDevice));
+        vae_encode(m, d_pair_pixels, 2 * rows);
+        decode_interpolations(m, d_pairs, rows, INTERP_STEPS, tiles);
         snprintf(path, sizeof(path), "%s/interp.ppm", cfg->out_dir);
-        if (!write_ppm_grid(path, tiles, rows, INTERP_STEPS, &err)) fail("%s", err.msg);
-        printf("wrote %s (row d: latent mean of a test 'd' to one of a 'd+1')\n", path);
-        free(mulv);
+        if (!write_ppm_grid(path, "row d: latent mean of a test 'd' to one of a 'd+1'", tiles, rows, INTERP_STEPS, &err))
+            fail("%s", err.msg);
         cudaCheck(cudaFree(d_pairs));
     }
+    cudaCheck(cudaFree(d_pair_pixels));
     free(tiles);
     free(z);
     cudaCheck(cudaFree(d_z));
     cudaCheck(cudaFree(d_loss));
 }
 
-// Times one whole forward+loss (sampled z) per batch size and precision: the forward pass is
-// captured once as a CUDA graph, replayed 20 times to warm up, then 200 replays are each timed
-// with CUDA events; the table shows the median.
-// Progress of a long run on stderr: a bar redrawn in place on a terminal, a line every 10%
-// otherwise (logs stay readable).
-static void report_progress(const char* what, int done, int total) {
+// Progress of a long run on stderr, unless -q: a bar redrawn in place on a terminal, a line every
+// 10% otherwise (logs stay readable).
+static void report_progress(const char* what, long long done, long long total) {
     static int last_decile = -1;
+    if (quiet) return;
     if (isatty(STDERR_FILENO)) {
-        const int width = 40, filled = (int)((long long)width * done / total);
-        fprintf(stderr, "\r%s [%.*s%*s] %3d%% (%d/%d)", what, filled, "########################################",
-                width - filled, "", (int)(100LL * done / total), done, total);
+        const int width = 40, filled = (int)(width * done / total);
+        fprintf(stderr, "\r%s [%.*s%*s] %3d%% (%lld/%lld)", what, filled, "########################################",
+                width - filled, "", (int)(100 * done / total), done, total);
         if (done == total) fputc('\n', stderr);
-    } else if ((int)(10LL * done / total) != last_decile) {
-        last_decile = (int)(10LL * done / total);
-        fprintf(stderr, "%s: %d/%d\n", what, done, total);
+    } else if ((int)(10 * done / total) != last_decile) {
+        last_decile = (int)(10 * done / total);
+        fprintf(stderr, "%s: %lld/%lld\n", what, done, total);
     }
 }
 
-// --iwae K: log p(x) of every evaluated image, K importance samples each.
-static void run_iwae(const HostWeights* w, const Labels* labels, const uint8_t* d_pixels, int count, const Config* cfg,
-                     FILE* csv) {
-    const int K = cfg->iwae_k;
+// What produced a run's results, for the CSV's first line.
+typedef struct {
+    const char* images; // where the images came from
+    int count;
+    const Labels* labels;
+} Inputs;
+
+// Per-image results as CSV after one '#' line naming what produced them; "-" is stdout.
+// log_px is NULL outside --iwae.
+static void write_csv(const Config* cfg, const Inputs* in, const float* bce, const float* kl, const float* log_px) {
+    const bool to_stdout = !strcmp(cfg->csv_path, "-");
+    FILE* f = to_stdout ? stdout : output_open(cfg->csv_path, "per-image results");
+    if (f == NULL) fail("--csv %s: cannot write (%s). HINT: pass a writable path", cfg->csv_path, strerror(errno));
+    bool ok = fprintf(f, "# vae.cu %s (commit %s): mode %s, precision %s, seed %llu, z %s, weights %s, images %s\n",
+                      VAE_VERSION, VAE_GIT_COMMIT, MODE_NAMES[cfg->mode], PRECISION_NAMES[cfg->precision],
+                      (unsigned long long)cfg->seed, cfg->z_is_mu ? "mu" : "sampled", cfg->weights_path, in->images) > 0;
+    ok = ok && fprintf(f, "index,label,bce,kl%s\n", log_px != NULL ? ",log_px" : "") > 0;
+    for (int i = 0; i < in->count && ok; i++) {
+        ok = fprintf(f, "%d,%d,%.6f,%.6f", i, label_of(in->labels, i), bce[i], kl[i]) > 0;
+        if (ok && log_px != NULL) ok = fprintf(f, ",%.6f", log_px[i]) > 0;
+        ok = ok && fputc('\n', f) != EOF;
+    }
+    if (to_stdout ? fflush(f) != 0 : fclose(f) != 0) ok = false;
+    if (!ok) fail("--csv %s: write failed (%s). HINT: check the disk", cfg->csv_path, strerror(errno));
+}
+
+// Per-image BCE and KL of `count` images in batches of `batch`, copied to the host.
+static void evaluate(VAE* m, const uint8_t* d_pixels, int count, int batch, const Config* cfg, float* bce, float* kl,
+                     float* ms) {
+    float* d_losses = (float*)device_alloc((size_t)2 * count * sizeof(float), "the losses", batch);
+    const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, false, false};
+    vae_forward(m, d_pixels, batch, 0, &opt, d_losses, d_losses + count); // untimed: module loading stays out
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    cudaCheck(cudaEventRecord(start, m->stream));
+    for (int first = 0; first < count; first += batch) {
+        const int B = count - first < batch ? count - first : batch;
+        vae_forward(m, d_pixels + (size_t)first * INPUT_DIM, B, first, &opt, d_losses + first,
+                    d_losses + count + first);
+    }
+    cudaCheck(cudaEventRecord(stop, m->stream));
+    cudaCheck(cudaEventSynchronize(stop));
+    cudaCheck(cudaEventElapsedTime(ms, start, stop));
+    cudaCheck(cudaMemcpy(bce, d_losses, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(kl, d_losses + count, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    cudaCheck(cudaFree(d_losses));
+}
+
+static double mean_of(const float* v, int n) {
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += v[i];
+    return sum / n;
+}
+
+// The default run: mean BCE, KL and loss; per image for --image files; CSV; the three pictures.
+static void run_elbo(const HostWeights* w, const Images* images, const Inputs* in, const uint8_t* d_pixels,
+                     const Config* cfg) {
+    const int count = in->count, batch = cfg->batch < count ? cfg->batch : count;
+    VAE m;
+    vae_init(&m, w, batch > IMAGE_TILES_MAX ? batch : IMAGE_TILES_MAX, cfg->precision); // the pictures need 110
+    float* bce = (float*)malloc((size_t)2 * count * sizeof(float));
+    if (bce == NULL) fail("out of host memory for %d losses", count);
+    float *kl = bce + count, ms;
+    evaluate(&m, d_pixels, count, batch, cfg, bce, kl, &ms);
+    if (cfg->num_image_files > 0)
+        for (int i = 0; i < count; i++)
+            fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f\n", cfg->image_paths[i], bce[i], kl[i], bce[i] + kl[i]);
+    const double mean_bce = mean_of(bce, count), mean_kl = mean_of(kl, count);
+    fprintf(console, "evaluated %d images in %.3f ms (%.0f images/s)\n", count, ms, count / (ms * 1e-3));
+    fprintf(console, "mean BCE   %10.4f\n", mean_bce);
+    fprintf(console, "mean KL    %10.4f\n", mean_kl);
+    fprintf(console, "mean loss  %10.4f   (BCE + KL = -ELBO)\n", mean_bce + mean_kl);
+    if (cfg->csv_path != NULL) write_csv(cfg, in, bce, kl, NULL);
+    write_images(&m, images, in->labels, count, d_pixels, cfg);
+    free(bce);
+    vae_free(&m);
+}
+
+// --iwae K: log p(x) of every evaluated image, K importance samples each, beside its ELBO.
+static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pixels, const Config* cfg) {
+    const int K = cfg->iwae_k, count = in->count;
     VAE m;
     vae_init(&m, w, IWAE_ROWS, cfg->precision, IWAE_PASS_ROWS);
     float* d_log_px = (float*)device_alloc((size_t)count * sizeof(float), "log p(x)", count);
@@ -2339,56 +2811,71 @@ static void run_iwae(const HostWeights* w, const Labels* labels, const uint8_t* 
     }
     cudaCheck(cudaEventRecord(stop, m.stream));
     cudaCheck(cudaEventSynchronize(stop));
-    float ms;
+    float ms, elbo_ms;
     cudaCheck(cudaEventElapsedTime(&ms, start, stop));
 
-    float* log_px = (float*)malloc((size_t)count * sizeof(float));
-    if (log_px == NULL) fail("out of host memory for %d results", count);
+    float* results = (float*)malloc((size_t)3 * count * sizeof(float)); // log p(x), BCE, KL
+    if (results == NULL) fail("out of host memory for %d results", count);
+    float *log_px = results, *bce = results + count, *kl = results + 2 * count;
     cudaCheck(cudaMemcpy(log_px, d_log_px, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
+    evaluate(&m, d_pixels, count, count < 4096 ? count : 4096, cfg, bce, kl, &elbo_ms);
+    if (cfg->num_image_files > 0)
+        for (int i = 0; i < count; i++)
+            fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f  log p(x) %.4f\n", cfg->image_paths[i], bce[i], kl[i],
+                    bce[i] + kl[i], log_px[i]);
     double sum = 0.0, sum_sq = 0.0;
     for (int i = 0; i < count; i++) sum += log_px[i], sum_sq += (double)log_px[i] * log_px[i];
     const double mean = sum / count, var = count > 1 ? (sum_sq - count * mean * mean) / (count - 1) : 0.0;
-    printf("IWAE, K = %d samples per image, %d images (%s)\n", K, count, PRECISION_NAMES[cfg->precision]);
-    printf("mean NLL   %10.4f   (-log p(x), nats; standard error %.4f)\n", -mean, sqrt(fmax(var, 0.0) / count));
-    printf("time       %10.2f ms (%.3g decoder passes/s, progress reports included)\n", ms,
-           (double)count * K / (ms * 1e-3));
-    if (csv != NULL) {
-        bool ok = fprintf(csv, "index,label,log_px\n") > 0;
-        for (int i = 0; i < count && ok; i++) ok = fprintf(csv, "%d,%d,%.6f\n", i, labels->labels[i], log_px[i]) > 0;
-        if (fclose(csv) != 0 || !ok) fail("--csv %s: write failed (%s)", cfg->csv_path, strerror(errno));
-        printf("wrote %s\n", cfg->csv_path);
-    }
-    free(log_px);
+    fprintf(console, "IWAE, K = %d samples per image, %d images (%s)\n", K, count, PRECISION_NAMES[cfg->precision]);
+    fprintf(console, "mean -ELBO %10.4f   (BCE + KL, one sample; the bound IWAE tightens)\n",
+            mean_of(bce, count) + mean_of(kl, count));
+    fprintf(console, "mean NLL   %10.4f   (-log p(x), nats; standard error %.4f)\n", -mean,
+            sqrt(fmax(var, 0.0) / count));
+    fprintf(console, "time       %10.2f ms (%.3g decoder passes/s, progress reports included)\n", ms,
+            (double)count * K / (ms * 1e-3));
+    if (cfg->csv_path != NULL) write_csv(cfg, in, bce, kl, log_px);
+    free(results);
     cudaCheck(cudaFree(d_log_px));
     cudaCheck(cudaEventDestroy(start));
     cudaCheck(cudaEventDestroy(stop));
     vae_free(&m);
 }
 
-static void run_bench(const HostWeights* w, const uint8_t* d_pixels, int count, uint64_t seed) {
+// --bench: one whole forward+loss (sampled z) per batch size and precision, captured once as a
+// CUDA graph and replayed: 20 replays warm up; latency is the median of 200 replays each between
+// two events, throughput the time of 200 back-to-back replays between two events over 200.
+static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Config* cfg) {
     enum { WARMUP = 20, REPS = 200 };
-    const int batches[] = {1024, 2048, 4096, 10000};
     const double flops_per_image =
         2.0 * ((double)INPUT_DIM * HIDDEN_DIM + HIDDEN_DIM * 2 * LATENT_DIM + LATENT_DIM * HIDDEN_DIM +
                (double)HIDDEN_DIM * INPUT_DIM);
-    const double floor_tflops = 770.0; // dense bf16 matrix rate measured on an H200 (random data)
-    float* d_bce = (float*)device_alloc((size_t)count * sizeof(float), "the losses", count);
-    float* d_kl = (float*)device_alloc((size_t)count * sizeof(float), "the losses", count);
-    cudaEvent_t start[REPS], stop[REPS];
+    // the floor: the matrix work at the dense bf16 rate an H200 sustains, or the bytes that must move
+    // (pixels in, two losses out, the weights once) at its memory bandwidth, whichever is longer
+    const double floor_flops = 770e12, floor_bytes_per_s = 4.2e12;
+    int max_batch = 1;
+    for (int i = 0; i < cfg->num_bench_batches; i++)
+        max_batch = cfg->bench_batches[i] > max_batch ? cfg->bench_batches[i] : max_batch;
+    float* d_losses = (float*)device_alloc((size_t)2 * max_batch * sizeof(float), "the losses", max_batch);
+    cudaEvent_t start[REPS], stop[REPS], burst_start, burst_stop;
     for (int i = 0; i < REPS; i++) cudaCheck(cudaEventCreate(&start[i])), cudaCheck(cudaEventCreate(&stop[i]));
-    printf("forward + loss per batch (CUDA graph replay, median of %d after %d warm-up)\n", REPS, WARMUP);
-    printf("| precision | batch | us/batch | images/s | TFLOP/s | %% of bf16 floor |\n");
-    printf("|---|---:|---:|---:|---:|---:|\n");
+    cudaCheck(cudaEventCreate(&burst_start));
+    cudaCheck(cudaEventCreate(&burst_stop));
+    printf("forward + loss per batch, z %s: CUDA graph replays after %d warm-up; latency = median of %d single\n"
+           "replays, throughput = %d back-to-back replays / %d (images/s and TFLOP/s from it); floor = the FLOPs at\n"
+           "770 TFLOP/s or the bytes at 4.2 TB/s\n", cfg->z_is_mu ? "= mu" : "sampled", WARMUP, REPS, REPS, REPS);
+    printf("| precision | batch | latency us | throughput us | images/s | TFLOP/s | floor us | %% of floor |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int p = 0; p < 2; p++) {
+        if ((cfg->given & OPT_BIT(OPT_PRECISION)) && p != (int)cfg->precision) continue;
         VAE m;
-        vae_init(&m, w, count, (Precision)p);
-        for (int B : batches) {
-            if (B > count) continue;
-            const ForwardOptions opt = {seed, false, NULL, false, false};
+        vae_init(&m, w, max_batch, (Precision)p);
+        for (int b = 0; b < cfg->num_bench_batches; b++) {
+            const int B = cfg->bench_batches[b];
+            const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, false, false};
             cudaGraph_t graph;
             cudaGraphExec_t exec;
             cudaCheck(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeGlobal));
-            vae_forward(&m, d_pixels, B, 0, &opt, d_bce, d_kl);
+            vae_forward(&m, d_pixels, B, 0, &opt, d_losses, d_losses + max_batch);
             cudaCheck(cudaStreamEndCapture(m.stream, &graph));
             cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
             for (int i = 0; i < WARMUP; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
@@ -2397,27 +2884,133 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, int count, 
                 cudaCheck(cudaGraphLaunch(exec, m.stream));
                 cudaCheck(cudaEventRecord(stop[i], m.stream));
             }
+            cudaCheck(cudaEventRecord(burst_start, m.stream));
+            for (int i = 0; i < REPS; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
+            cudaCheck(cudaEventRecord(burst_stop, m.stream));
             cudaCheck(cudaStreamSynchronize(m.stream));
-            float us[REPS];
+            float us[REPS], burst_ms;
             for (int i = 0; i < REPS; i++) {
                 cudaCheck(cudaEventElapsedTime(&us[i], start[i], stop[i]));
                 us[i] *= 1000.0f;
             }
+            cudaCheck(cudaEventElapsedTime(&burst_ms, burst_start, burst_stop));
             qsort(us, REPS, sizeof(float), [](const void* a, const void* b) {
                 const float x = *(const float*)a, y = *(const float*)b;
                 return (x > y) - (x < y);
             });
-            const double median_us = us[REPS / 2], tflops = flops_per_image * B / (median_us * 1e6);
-            printf("| %s | %d | %.1f | %.3g | %.1f | %.1f%% |\n", PRECISION_NAMES[p], B, median_us, B / (median_us * 1e-6),
-                   tflops, 100.0 * tflops / floor_tflops);
+            const double latency_us = us[REPS / 2], throughput_us = 1000.0 * burst_ms / REPS;
+            const double weight_bytes = (double)w->count * (p == PRECISION_FP32 ? 4 : 2);
+            const double floor_us = 1e6 * fmax(flops_per_image * B / floor_flops,
+                                               ((double)B * (INPUT_DIM + 2 * sizeof(float)) + weight_bytes) /
+                                                   floor_bytes_per_s);
+            const double tflops = flops_per_image * B / (throughput_us * 1e6);
+            printf("| %s | %d | %.1f | %.1f | %.3g | %.1f | %.1f | %.1f%% |\n", PRECISION_NAMES[p], B, latency_us,
+                   throughput_us, B / (throughput_us * 1e-6), tflops, floor_us, 100.0 * floor_us / throughput_us);
             cudaCheck(cudaGraphExecDestroy(exec));
             cudaCheck(cudaGraphDestroy(graph));
         }
         vae_free(&m);
     }
     for (int i = 0; i < REPS; i++) cudaCheck(cudaEventDestroy(start[i])), cudaCheck(cudaEventDestroy(stop[i]));
-    cudaCheck(cudaFree(d_bce));
-    cudaCheck(cudaFree(d_kl));
+    cudaCheck(cudaEventDestroy(burst_start));
+    cudaCheck(cudaEventDestroy(burst_stop));
+    cudaCheck(cudaFree(d_losses));
+}
+
+// --interp N: every pair of the first N images, INTERP_STEPS decodes each on the line between
+// their latent means, first in passes of as many decodes as the model holds, then one pair per
+// call (a launch and a wait for 11 decodes, the way an interactive loop would ask). Both decode
+// on the device and leave the images there; neither copies them back inside the timing.
+static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Config* cfg) {
+    const int n = cfg->interp_n, num_pairs = n * (n - 1) / 2;
+    const long long decodes = (long long)num_pairs * INTERP_STEPS;
+    const int pass_rows = IWAE_ROWS - IWAE_ROWS % INTERP_STEPS; // whole pairs per pass
+    VAE m;
+    vae_init(&m, w, pass_rows, PRECISION_FP32);
+    int2* pairs = (int2*)malloc((size_t)num_pairs * sizeof(int2));
+    float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * INPUT_DIM * sizeof(float));
+    float* last = (float*)malloc((size_t)2 * INTERP_STEPS * INPUT_DIM * sizeof(float)); // the last pair, both ways
+    if (pairs == NULL || tiles == NULL || last == NULL) fail("out of host memory for %d pairs", num_pairs);
+    for (int a = 0, p = 0; a < n; a++)
+        for (int b = a + 1; b < n; b++) pairs[p++] = make_int2(a, b);
+    int2* d_pairs = (int2*)device_alloc((size_t)num_pairs * sizeof(int2), "the pairs", num_pairs);
+    cudaCheck(cudaMemcpy(d_pairs, pairs, (size_t)num_pairs * sizeof(int2), cudaMemcpyHostToDevice));
+    vae_encode(&m, d_pixels, n); // m.mulv holds the N means from here on; decoding leaves it alone
+    decode_interpolations(&m, d_pairs, 1, INTERP_STEPS, tiles); // untimed: module loading stays out
+
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    cudaCheck(cudaEventRecord(start, m.stream));
+    long long first = 0;
+    for (; first + pass_rows < decodes; first += pass_rows) {
+        interp_latents(m.z, m.mulv, d_pairs, first, pass_rows, INTERP_STEPS, m.stream);
+        vae_decode(&m, m.z, pass_rows);
+    }
+    interp_latents(m.z, m.mulv, d_pairs, first, (int)(decodes - first), INTERP_STEPS, m.stream);
+    vae_decode(&m, m.z, (int)(decodes - first));
+    cudaCheck(cudaEventRecord(stop, m.stream));
+    cudaCheck(cudaEventSynchronize(stop));
+    float batched_ms, single_ms;
+    cudaCheck(cudaEventElapsedTime(&batched_ms, start, stop));
+    const size_t pair_floats = (size_t)INTERP_STEPS * INPUT_DIM;
+    cudaCheck(cudaMemcpy(last, m.recon + (size_t)(decodes - first - INTERP_STEPS) * INPUT_DIM,
+                         pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
+
+    const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
+    cudaCheck(cudaEventRecord(start, m.stream));
+    for (int p = 0; p < num_pairs; p++) {
+        interp_latents(m.z, m.mulv, d_pairs, (long long)p * INTERP_STEPS, INTERP_STEPS, INTERP_STEPS, m.stream);
+        vae_decode(&m, m.z, INTERP_STEPS);
+        cudaCheck(cudaStreamSynchronize(m.stream));
+        if ((p + 1) % report_every == 0 || p + 1 == num_pairs) report_progress("one pair per call", p + 1, num_pairs);
+    }
+    cudaCheck(cudaEventRecord(stop, m.stream));
+    cudaCheck(cudaEventSynchronize(stop));
+    cudaCheck(cudaEventElapsedTime(&single_ms, start, stop));
+    cudaCheck(cudaMemcpy(last + pair_floats, m.recon, pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
+    const bool same = !memcmp(last, last + pair_floats, pair_floats * sizeof(float));
+
+    fprintf(console, "interpolation: %d images, %d pairs x %d steps = %lld decodes (fp32)\n", n, num_pairs,
+            INTERP_STEPS, decodes);
+    fprintf(console, "batched          %10.2f ms (%.3g decodes/s, passes of %d)\n", batched_ms,
+            decodes / (batched_ms * 1e-3), pass_rows);
+    fprintf(console, "one pair a call  %10.2f ms (%.3g decodes/s, %d calls)\n", single_ms, decodes / (single_ms * 1e-3),
+            num_pairs);
+    fprintf(console, "batched is %.1fx faster; the last pair's images are %s both ways\n", single_ms / batched_ms,
+            same ? "bitwise identical" : "DIFFERENT");
+    if (!same) fail("--interp: the batched and the one-pair decodes differ. HINT: this is a bug; please report it");
+
+    const int rows = num_pairs < 10 ? num_pairs : 10;
+    decode_interpolations(&m, d_pairs, rows, INTERP_STEPS, tiles);
+    make_output_dir(cfg->out_dir);
+    char path[MAX_PATH], what[96];
+    Error err;
+    snprintf(path, sizeof(path), "%s/interp.ppm", cfg->out_dir);
+    snprintf(what, sizeof(what), "the first %d pairs, t = 0, 0.1, ..., 1", rows);
+    if (!write_ppm_grid(path, what, tiles, rows, INTERP_STEPS, &err)) fail("%s", err.msg);
+    free(pairs);
+    free(tiles);
+    free(last);
+    cudaCheck(cudaFree(d_pairs));
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    vae_free(&m);
+}
+
+// --image files: 28x28 greymaps, read in full and validated like every other input.
+static void load_image_files(const Config* cfg, Images* images) {
+    images->count = cfg->num_image_files;
+    images->pixels = (uint8_t*)malloc((size_t)images->count * INPUT_DIM);
+    if (images->pixels == NULL) fail("out of host memory for %d images", images->count);
+    for (int i = 0; i < images->count; i++) {
+        Images one = {};
+        Error err;
+        if (!load_file(cfg->image_paths[i], parse_pgm, &one, &err)) fail("%s", err.msg);
+        for (int p = 0; p < INPUT_DIM; p++)
+            images->pixels[(size_t)i * INPUT_DIM + p] = cfg->invert ? 255 - one.pixels[p] : one.pixels[p];
+        free(one.pixels);
+    }
 }
 
 int main(int argc, char** argv) {
@@ -2428,106 +3021,79 @@ int main(int argc, char** argv) {
         printf("%s", USAGE);
         return 0;
     }
+    if (cfg.version) {
+        print_version();
+        return 0;
+    }
+    quiet = cfg.quiet;
+    if (cfg.csv_path != NULL && !strcmp(cfg.csv_path, "-")) console = stderr;
 
     // read and validate every input before touching the GPU
     HostWeights weights = {};
     Images images = {};
-    Labels labels = {};
-    char images_path[4096], labels_path[4096];
-    snprintf(images_path, sizeof(images_path), "%s/t10k-images-idx3-ubyte", cfg.data_dir);
-    snprintf(labels_path, sizeof(labels_path), "%s/t10k-labels-idx1-ubyte", cfg.data_dir);
-    if (!load_weights(cfg.weights_path, &weights, &err) || !load_images(images_path, &images, &err) ||
-        !load_labels(labels_path, &labels, &err))
-        fail("%s", err.msg);
-    if (labels.count != images.count)
-        fail("%s holds %d labels for %d images in %s. " PREPARE_HINT, labels_path, labels.count, images.count, images_path);
+    Labels labels = {}; // none: every label is -1
+    char images_path[MAX_PATH], labels_path[MAX_PATH];
+    if (!load_file(cfg.weights_path, parse_weights, &weights, &err)) fail("%s", err.msg);
+    if (cfg.num_image_files > 0) {
+        load_image_files(&cfg, &images);
+        snprintf(images_path, sizeof(images_path), "%d --image file%s", images.count, images.count > 1 ? "s" : "");
+    } else {
+        snprintf(images_path, sizeof(images_path), "%s/t10k-images-idx3-ubyte", cfg.data_dir);
+        snprintf(labels_path, sizeof(labels_path), "%s/t10k-labels-idx1-ubyte", cfg.data_dir);
+        if (!load_file(images_path, parse_idx_images, &images, &err)) fail("%s", err.msg);
+        struct stat st;
+        const bool have_labels = stat(labels_path, &st) == 0 || errno != ENOENT; // optional, but never half-read
+        if (have_labels && !load_file(labels_path, parse_idx_labels, &labels, &err)) fail("%s", err.msg);
+        if (have_labels && labels.count != images.count)
+            fail("%s holds %d labels for %d images in %s. " PREPARE_HINT, labels_path, labels.count, images.count,
+                 images_path);
+    }
     if (cfg.count > images.count)
-        fail("-n %d: %s holds only %d images. HINT: pass -n %d or less", cfg.count, images_path, images.count,
-             images.count);
+        fail("%s %d: %s holds only %d images. HINT: pass %s %d or less", cfg.flag[OPT_COUNT], cfg.count, images_path,
+             images.count, cfg.flag[OPT_COUNT], images.count);
     const int count = cfg.count > 0 ? cfg.count : images.count;
-    const int batch = cfg.batch < count ? cfg.batch : count;
-    if (cfg.iwae_k == 0 && !cfg.bench) ensure_writable_dir(cfg.out_dir); // the only runs that write images
-    FILE* csv = NULL;
-    if (cfg.csv_path != NULL && (csv = fopen(cfg.csv_path, "w")) == NULL)
-        fail("--csv %s: cannot write (%s). HINT: pass a writable path", cfg.csv_path, strerror(errno));
+    if (cfg.mode == MODE_BENCH)
+        for (int b = 0; b < cfg.num_bench_batches; b++)
+            if (cfg.bench_batches[b] > count)
+                fail("--bench times batches of up to %d images, but only %d are evaluated (%s). HINT: pass "
+                     "--bench-batches with sizes of at most %d, or a larger -n", cfg.bench_batches[b], count,
+                     cfg.count > 0 ? cfg.flag[OPT_COUNT] : images_path, count);
+    if (cfg.mode == MODE_INTERP && cfg.interp_n > count)
+        fail("%s %d: %s holds only %d images. HINT: pass %s %d or less", cfg.flag[OPT_INTERP], cfg.interp_n,
+             images_path, count, cfg.flag[OPT_INTERP], count);
+    if (cfg.mode == MODE_ELBO || cfg.mode == MODE_INTERP) check_output_dir(cfg.flag[OPT_OUT], cfg.out_dir);
+    if (cfg.csv_path != NULL && strcmp(cfg.csv_path, "-") != 0) check_output_file(cfg.flag[OPT_CSV], cfg.csv_path);
 
     cudaDeviceProp prop;
     init_cuda(&prop);
+    const int batch = cfg.batch < count ? cfg.batch : count;
     print_separator();
     print_row("device", "%s", prop.name);
     print_row("arch", "sm_%d%d, %d SMs", prop.major, prop.minor, prop.multiProcessorCount);
     print_row("weights", "%s", cfg.weights_path);
     print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, HIDDEN_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM);
     print_row("images", "%d from %s", count, images_path);
-    print_row("batch", "%d", batch);
-    print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
-    print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
-    print_row("seed", "%llu", (unsigned long long)cfg.seed);
-    if (cfg.iwae_k > 0) print_row("iwae", "K = %d importance samples per image", cfg.iwae_k);
+    if (labels.labels == NULL) print_row("labels", "none (each image's label is -1)");
+    if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
+    if (cfg.mode != MODE_INTERP) print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
+    if (cfg.mode == MODE_ELBO || cfg.mode == MODE_BENCH)
+        print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
+    if (cfg.mode != MODE_INTERP) print_row("seed", "%llu", (unsigned long long)cfg.seed);
+    if (cfg.mode == MODE_IWAE) print_row("iwae", "K = %d importance samples per image", cfg.iwae_k);
+    if (cfg.mode == MODE_INTERP) print_row("interp", "all pairs of %d images, %d steps each", cfg.interp_n, INTERP_STEPS);
     print_separator();
 
-    // the test images stay on the device as uint8 for the whole run: no copies in the batch loop
-    uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the test images", batch);
+    // the images stay on the device as uint8 for the whole run: no copies in the batch loop
+    uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the images", batch);
     cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)count * INPUT_DIM, cudaMemcpyHostToDevice));
-    if (cfg.iwae_k > 0 || cfg.bench) {
-        if (cfg.iwae_k > 0) run_iwae(&weights, &labels, d_pixels, count, &cfg, csv);
-        else run_bench(&weights, d_pixels, count, cfg.seed);
-        cudaCheck(cudaFree(d_pixels));
-        free(weights.data);
-        free(images.pixels);
-        free(labels.labels);
-        return 0;
-    }
-    float* d_bce = (float*)device_alloc((size_t)count * sizeof(float), "the losses", batch);
-    float* d_kl = (float*)device_alloc((size_t)count * sizeof(float), "the losses", batch);
-    VAE model;
-    vae_init(&model, &weights, batch > IMAGE_TILES_MAX ? batch : IMAGE_TILES_MAX, cfg.precision); // images need 100
+    const Inputs inputs = {images_path, count, &labels};
+    if (cfg.mode == MODE_ELBO) run_elbo(&weights, &images, &inputs, d_pixels, &cfg);
+    else if (cfg.mode == MODE_IWAE) run_iwae(&weights, &inputs, d_pixels, &cfg);
+    else if (cfg.mode == MODE_BENCH) run_bench(&weights, d_pixels, &cfg);
+    else run_interp(&weights, d_pixels, &cfg);
+    if (!outputs_commit(&err, quiet ? NULL : console)) fail("%s", err.msg);
 
-    // one untimed batch first, so module loading stays out of the timing
-    const ForwardOptions opt = {cfg.seed, cfg.z_is_mu, NULL, false, false};
-    vae_forward(&model, d_pixels, batch, 0, &opt, d_bce, d_kl);
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    cudaCheck(cudaEventRecord(start, model.stream));
-    for (int first = 0; first < count; first += batch) {
-        const int B = count - first < batch ? count - first : batch;
-        vae_forward(&model, d_pixels + (size_t)first * INPUT_DIM, B, first, &opt, d_bce + first, d_kl + first);
-    }
-    cudaCheck(cudaEventRecord(stop, model.stream));
-    cudaCheck(cudaEventSynchronize(stop));
-    float ms;
-    cudaCheck(cudaEventElapsedTime(&ms, start, stop));
-
-    float* bce = (float*)malloc((size_t)count * sizeof(float));
-    float* kl = (float*)malloc((size_t)count * sizeof(float));
-    if (bce == NULL || kl == NULL) fail("out of host memory for %d losses", count);
-    cudaCheck(cudaMemcpy(bce, d_bce, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(kl, d_kl, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
-    double sum_bce = 0.0, sum_kl = 0.0;
-    for (int i = 0; i < count; i++) sum_bce += bce[i], sum_kl += kl[i];
-    printf("evaluated %d images in %.3f ms (%.0f images/s)\n", count, ms, count / (ms * 1e-3));
-    printf("mean BCE   %10.4f\n", sum_bce / count);
-    printf("mean KL    %10.4f\n", sum_kl / count);
-    printf("mean loss  %10.4f   (BCE + KL = -ELBO)\n", (sum_bce + sum_kl) / count);
-
-    if (csv != NULL) {
-        bool ok = fprintf(csv, "index,label,bce,kl\n") > 0;
-        for (int i = 0; i < count && ok; i++)
-            ok = fprintf(csv, "%d,%d,%.6f,%.6f\n", i, labels.labels[i], bce[i], kl[i]) > 0;
-        if (fclose(csv) != 0 || !ok) fail("--csv %s: write failed (%s)", cfg.csv_path, strerror(errno));
-        printf("wrote %s\n", cfg.csv_path);
-    }
-    write_images(&model, &images, &labels, count, d_pixels, &cfg);
-
-    vae_free(&model);
     cudaCheck(cudaFree(d_pixels));
-    cudaCheck(cudaFree(d_bce));
-    cudaCheck(cudaFree(d_kl));
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
-    free(bce);
-    free(kl);
     free(weights.data);
     free(images.pixels);
     free(labels.labels);
