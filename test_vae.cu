@@ -352,8 +352,9 @@ typedef struct {
     char first_msg[160];      // one refusal per family, printed as an example
 } Corpus;
 
-enum { R_WEIGHTS, R_IMAGES, R_LABELS, R_DEBUG, R_IWAE, NUM_READERS };
-static const char* READER_NAMES[NUM_READERS] = {"weights", "idx images", "idx labels", "debug state", "IWAE state"};
+enum { R_WEIGHTS, R_IMAGES, R_LABELS, R_DEBUG, R_IWAE, R_PGM, NUM_READERS };
+static const char* READER_NAMES[NUM_READERS] = {"weights", "idx images", "idx labels", "debug state", "IWAE state",
+                                                "PGM image"};
 
 // Parses buf as reader r's format and frees what that built. False, with a message, on refusal.
 static bool parse_as(int r, const uint8_t* buf, size_t size, int num_images, Error* err) {
@@ -371,6 +372,10 @@ static bool parse_as(int r, const uint8_t* buf, size_t size, int num_images, Err
         Labels lb = {};
         ok = parse_idx_labels(buf, size, "corrupt", &lb, err);
         free(lb.labels);
+    } else if (r == R_PGM) {
+        Images im = {};
+        ok = parse_pgm(buf, size, "corrupt", &im, err);
+        free(im.pixels);
     } else if (r == R_IWAE) {
         uint8_t* copy = (uint8_t*)malloc(size > 0 ? size : 1); // parse_iwae_state keeps pointers into it
         if (copy == NULL) return set_error(err, "out of host memory");
@@ -397,22 +402,32 @@ static bool write_whole_file(const char* path, const uint8_t* buf, size_t size) 
     return fclose(f) == 0 && ok;
 }
 
-// Runs ./vae with args, stdout and stderr going to files in the scratch folder. True when it
-// exited with status 1, wrote nothing to stdout and exactly one line "vae: error: ..." to stderr
-// that contains `must_mention` (the broken file's path or the bad flag: a refusal for another
-// reason, such as the missing GPU after an input was wrongly accepted, does not count).
-// `why` gets the line, or what went wrong.
-static bool vae_refuses(std::initializer_list<const char*> args, const char* must_mention, char* why, size_t why_size) {
+// What a run of ./vae did: its exit status (-1: it did not exit normally) and what it wrote to
+// stdout and stderr, NUL-terminated (a NUL byte in them ends the text early: compare the sizes).
+typedef struct {
+    int status;
+    char *out, *err;
+    size_t out_size, err_size;
+} VaeRun;
+
+static void vae_run_free(VaeRun* r) {
+    free(r->out);
+    free(r->err);
+}
+
+// Runs ./vae with args, stdout and stderr going to files in the scratch folder.
+static VaeRun run_vae(std::initializer_list<const char*> args) {
+    VaeRun r = {-1, NULL, NULL, 0, 0};
     char out_path[128], err_path[128];
     snprintf(out_path, sizeof(out_path), "%s/stdout", scratch);
     snprintf(err_path, sizeof(err_path), "%s/stderr", scratch);
-    const char* argv[16] = {vae_bin};
+    const char* argv[24] = {vae_bin};
     int argc = 1;
     for (const char* a : args)
-        if (argc < 15) argv[argc++] = a;
+        if (argc < 23) argv[argc++] = a;
     fflush(stdout);
     const pid_t pid = fork();
-    if (pid < 0) return snprintf(why, why_size, "fork: %s", strerror(errno)), false;
+    if (pid < 0) return r;
     if (pid == 0) {
         const int out = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
         const int err = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -421,33 +436,46 @@ static bool vae_refuses(std::initializer_list<const char*> args, const char* mus
         _exit(127);
     }
     int status;
-    if (waitpid(pid, &status, 0) != pid) return snprintf(why, why_size, "waitpid: %s", strerror(errno)), false;
-    uint8_t *out = NULL, *msg = NULL;
-    size_t out_size = 0, msg_size = 0;
+    if (waitpid(pid, &status, 0) != pid) return r;
+    r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     Error err;
-    bool ok = false;
-    if (!read_file(out_path, &out, &out_size, &err) || !read_file(err_path, &msg, &msg_size, &err)) {
-        snprintf(why, why_size, "%.*s", (int)why_size - 1, err.msg);
-    } else if (!WIFEXITED(status) || WEXITSTATUS(status) != 1) {
-        snprintf(why, why_size, WIFSIGNALED(status) ? "killed by signal %d" : "exit status %d",
-                 WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+    uint8_t *out = NULL, *msg = NULL;
+    if (read_file(out_path, &out, &r.out_size, &err) && read_file(err_path, &msg, &r.err_size, &err)) {
+        r.out = (char*)realloc(out, r.out_size + 1), r.err = (char*)realloc(msg, r.err_size + 1);
+        if (r.out != NULL) r.out[r.out_size] = '\0';
+        if (r.err != NULL) r.err[r.err_size] = '\0';
+        if (r.out == NULL || r.err == NULL) r.status = -1;
     } else {
-        char* text = (char*)malloc(msg_size + 1);
-        if (text == NULL) {
-            snprintf(why, why_size, "out of host memory");
-        } else {
-            memcpy(text, msg, msg_size);
-            text[msg_size] = '\0';
-            const char* newline = strchr(text, '\n');
-            ok = out_size == 0 && strlen(text) == msg_size && !strncmp(text, "vae: error: ", 12) && newline != NULL &&
-                 newline[1] == '\0' && strstr(text, must_mention) != NULL;
-            snprintf(why, why_size, "%s%s", out_size > 0 ? "wrote to stdout; " : "", text);
-            why[strcspn(why, "\n")] = '\0';
-            free(text);
-        }
+        free(out);
+        free(msg);
     }
-    free(out);
-    free(msg);
+    return r;
+}
+
+// Whether text is exactly one line "vae: error: ..." that mentions `what`.
+static bool one_error_line(const char* text, size_t size, const char* what) {
+    const char* newline = strchr(text, '\n');
+    return strlen(text) == size && !strncmp(text, "vae: error: ", 12) && newline != NULL && newline[1] == '\0' &&
+           strstr(text, what) != NULL;
+}
+
+// True when ./vae with args exited with status 1, wrote nothing to stdout and exactly one line
+// "vae: error: ..." to stderr that contains `must_mention` (the broken file's path or the bad
+// flag: a refusal for another reason, such as the missing GPU after an input was wrongly
+// accepted, does not count). `why` gets the line, or what went wrong.
+static bool vae_refuses(std::initializer_list<const char*> args, const char* must_mention, char* why, size_t why_size) {
+    VaeRun r = run_vae(args);
+    bool ok = false;
+    if (r.out == NULL) {
+        snprintf(why, why_size, "./vae did not run");
+    } else if (r.status != 1) {
+        snprintf(why, why_size, r.status < 0 ? "killed by a signal" : "exit status %d", r.status);
+    } else {
+        ok = r.out_size == 0 && one_error_line(r.err, r.err_size, must_mention);
+        snprintf(why, why_size, "%s%s", r.out_size > 0 ? "wrote to stdout; " : "", r.err);
+        why[strcspn(why, "\n")] = '\0';
+    }
+    vae_run_free(&r);
     return ok;
 }
 
@@ -469,8 +497,10 @@ static void expect_refused(Corpus* c, int r, const uint8_t* buf, size_t size, co
         check(false, "%s: %s was accepted", READER_NAMES[r], what);
     }
     if (vae_bin == NULL || r == R_DEBUG || r == R_IWAE) return; // ./vae does not read the reference states
-    // ./vae reads the weights from -w and both idx files from -d: put the broken one where it looks
-    static const char* where[] = {"w.bin", "img/t10k-images-idx3-ubyte", "lab/t10k-labels-idx1-ubyte"};
+    // ./vae reads the weights from -w, both idx files from -d and greymaps from --image: put the
+    // broken one where it looks
+    static const char* where[] = {"w.bin", "img/t10k-images-idx3-ubyte", "lab/t10k-labels-idx1-ubyte", "", "",
+                                  "digit.pgm"};
     char path[128], data_dir[128], out_dir[128], why[256];
     snprintf(path, sizeof(path), "%s/%s", scratch, where[r]);
     snprintf(data_dir, sizeof(data_dir), "%s/%s", scratch, r == R_IMAGES ? "img" : "lab");
@@ -481,6 +511,7 @@ static void expect_refused(Corpus* c, int r, const uint8_t* buf, size_t size, co
     }
     c->vae_tried++;
     const bool clean = r == R_WEIGHTS ? vae_refuses({"-w", path, "-o", out_dir}, path, why, sizeof(why))
+                     : r == R_PGM     ? vae_refuses({"--image", path, "-o", out_dir}, path, why, sizeof(why))
                                       : vae_refuses({"-d", data_dir, "-o", out_dir}, path, why, sizeof(why));
     if (clean) c->vae_clean++;
     else check(false, "./vae on %s %s: %s", READER_NAMES[r], what, why);
@@ -545,6 +576,10 @@ static void corrupt_one_file(Corpus* c, int r, const uint8_t* good, size_t size,
     snprintf(title, sizeof(title), "%s padded by 1 and 4096 bytes", READER_NAMES[r]);
     family_done(c, m, title);
 
+    if (num_fields == 0) { // a text header (PGM): its own family in test_corrupt_files
+        free(bad);
+        return;
+    }
     m = family_start(c);
     for (int f = 0; f < num_fields; f++) {
         const uint32_t original = get32(good + 4 * fields[f], big_endian);
@@ -563,6 +598,21 @@ static void corrupt_one_file(Corpus* c, int r, const uint8_t* good, size_t size,
     snprintf(title, sizeof(title), "%s header fields set to 0, 1, -1, huge, +-1, byte-swapped", READER_NAMES[r]);
     family_done(c, m, title);
     free(bad);
+}
+
+// 784 pixels as a 28x28 greymap: P5 (binary; maxval 255 or 65535, samples scaled to it) or P2
+// (ASCII, with comments and uneven whitespace), optionally inverted (black on white).
+static bool write_pgm(const char* path, const uint8_t* pixels, bool ascii, int maxval, bool invert) {
+    FILE* f = fopen(path, "wb");
+    if (f == NULL) return false;
+    bool ok = fprintf(f, ascii ? "P2\n# a digit\n28  28 # width, height\n%d\n" : "P5\n28 28\n%d\n", maxval) > 0;
+    for (int i = 0; i < INPUT_DIM && ok; i++) {
+        const int v = (invert ? 255 - pixels[i] : pixels[i]) * maxval / 255;
+        if (ascii) ok = fprintf(f, "%d%s", v, i % 28 == 27 ? "\n" : " ") > 0;
+        else if (maxval > 255) ok = fputc(v >> 8, f) != EOF && fputc(v & 255, f) != EOF;
+        else ok = fputc(v, f) != EOF;
+    }
+    return fclose(f) == 0 && ok;
 }
 
 static void test_corrupt_files(const char* const paths[NUM_READERS], int num_images) {
@@ -591,8 +641,35 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
                          num_debug_fields);
         const int iwae_fields[] = {0, 1, 2, 3, 4, 5, 6, 7};
         corrupt_one_file(&c, R_IWAE, good[R_IWAE], size[R_IWAE], HEADER_INTS * 4, false, iwae_fields, 8);
+        corrupt_one_file(&c, R_PGM, good[R_PGM], size[R_PGM], strlen("P5\n28 28\n255\n"), false, NULL, 0);
 
+        // greymap headers: other sizes and formats, maxvals out of range, samples above maxval,
+        // ASCII samples missing or not numbers
         Mark m = family_start(&c);
+        const char* bad_headers[] = {"P5\n27 28\n255\n", "P5\n28 29\n255\n", "P5\n0 28\n255\n",
+                                     "P5\n280 280\n255\n", "P5\n28 28\n0\n", "P5\n28 28\n65536\n",
+                                     "P5\n28 28\n99999999999\n", "P5 28 28\n",
+                                     "P5\n-28 28\n255\n", "P5\n28x28\n255\n", "P6\n28 28\n255\n",
+                                     "P4\n28 28\n", "P3\n28 28\n255\n", "P7\n", "\x89PNG\r\n\x1a\n",
+                                     "p5\n28 28\n255\n", "P2\n28 28\n255\n1 2 x", "P2\n28 28\n255\n1 2 3",
+                                     "P2\n28 28\n255\n256", "P2\n28 28\n255\n-1"};
+        for (const char* h : bad_headers) {
+            uint8_t bad[INPUT_DIM + 64];
+            const size_t n = strlen(h);
+            memcpy(bad, h, n);
+            memset(bad + n, 7, INPUT_DIM); // P5 samples, valid under any maxval from 7 on
+            char what[96];
+            snprintf(what, sizeof(what), "header '%.*s'", (int)strcspn(h, "\n"), h);
+            expect_refused(&c, R_PGM, (const uint8_t*)bad, h[1] == '2' ? n : n + INPUT_DIM, what);
+        }
+        uint8_t above[16 + INPUT_DIM]; // maxval 200 with a sample of 201
+        const size_t header = (size_t)snprintf((char*)above, 16, "P5\n28 28\n200\n");
+        memset(above + header, 3, INPUT_DIM);
+        above[header + INPUT_DIM - 1] = 201;
+        expect_refused(&c, R_PGM, above, header + INPUT_DIM, "a sample above maxval");
+        family_done(&c, m, "PGM: other sizes and formats, bad maxvals, samples above maxval, bad ASCII samples");
+
+        m = family_start(&c);
         uint8_t* bad = (uint8_t*)malloc(size[R_WEIGHTS]);
         if (bad == NULL) {
             check(false, "memory for a corrupt weights file");
@@ -675,6 +752,9 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
             c.vae_tried++;
             if (vae_refuses({"-w", f, "-o", out_dir}, f, why, sizeof(why))) c.vae_clean++;
             else check(false, "./vae -w %s: %s", f, why);
+            c.vae_tried++;
+            if (vae_refuses({"--image", f, "-o", out_dir}, f, why, sizeof(why))) c.vae_clean++;
+            else check(false, "./vae --image %s: %s", f, why);
             for (const char* sub : {"img", "lab"}) {
                 char dir[128], path[160];
                 snprintf(dir, sizeof(dir), "%s/%s", scratch, sub);
@@ -686,6 +766,7 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
                     check(false, "place %s at %s: %s", f, path, strerror(errno));
                     continue;
                 }
+                if (f == missing && !strcmp(sub, "lab")) continue; // the labels are optional: test_cli runs it
                 c.vae_tried++;
                 if (vae_refuses({"-d", dir, "-o", out_dir}, path, why, sizeof(why))) c.vae_clean++;
                 else check(false, "./vae -d with %s as %s: %s", f, path, why);
@@ -700,7 +781,52 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
            c.rejected, c.vae_tried, c.vae_clean);
 }
 
-static void test_cli(int num_images) {
+// Parses one command line (argv[0] = "vae") into cfg; err gets the refusal.
+static bool parse_line(std::initializer_list<const char*> args, Config* cfg, Error* err, char* line, size_t line_size) {
+    static char* argv[48];
+    int argc = 0;
+    argv[argc++] = (char*)"vae";
+    snprintf(line, line_size, "vae");
+    for (const char* a : args) {
+        argv[argc++] = (char*)a;
+        snprintf(line + strlen(line), line_size - strlen(line), " %s", a);
+    }
+    err->msg[0] = '\0';
+    return parse_args(argc, argv, cfg, err);
+}
+
+// Every file in folder whose name starts with prefix (temporary files left behind).
+static int files_starting(const char* folder, const char* prefix) {
+    char cmd[256];
+    snprintf(cmd, sizeof(cmd), "ls -a '%s' | grep -c '^%s'", folder, prefix);
+    FILE* p = popen(cmd, "r");
+    int n = -1;
+    if (p != NULL && fscanf(p, "%d", &n) != 1) n = -1;
+    if (p != NULL) pclose(p);
+    return n;
+}
+
+static bool file_is(const char* path, const char* text) {
+    uint8_t* buf;
+    size_t size;
+    Error err;
+    if (!read_file(path, &buf, &size, &err)) return false;
+    const bool same = size == strlen(text) && !memcmp(buf, text, size);
+    free(buf);
+    return same;
+}
+
+// The fields after "index,label," of the CSV row of image `index` in text (NULL: none).
+static const char* csv_values(const char* text, int index, char* out, size_t out_size) {
+    char start[32];
+    snprintf(start, sizeof(start), "\n%d,", index);
+    const char* row = strstr(text, start);
+    if (row == NULL || (row = strchr(row + strlen(start), ',')) == NULL) return NULL;
+    snprintf(out, out_size, "%.*s", (int)strcspn(row + 1, "\n"), row + 1);
+    return out;
+}
+
+static void test_cli(int num_images, const Images* images) {
     printf("command line\n");
     static char long_path[MAX_PATH_ARG + 2]; // one character over the limit; +1 is exactly at it
     memset(long_path, 'a', MAX_PATH_ARG + 1);
@@ -710,7 +836,7 @@ static void test_cli(int num_images) {
         bool ok;
     } cases[] = {
         {{}, true},
-        {{"-b", "37", "-n", "1023", "-s", "18446744073709551615", "--zmu", "-o", "x", "--csv", "y.csv"}, false},
+        {{"-b", "37", "-n", "1023", "-s", "18446744073709551615", "--zmu", "-o", "x", "--csv", "y.csv"}, true},
         {{"-b", "37", "-n", "1023", "-s", "9", "--zmu", "-o", "x", "--csv", "y.csv", "-w", "w", "-d", "d"}, true},
         {{"-b", "0"}, false},
         {{"-b", "-3"}, false},
@@ -736,8 +862,10 @@ static void test_cli(int num_images) {
         {{"-n", "-1"}, false},
         {{"-b", "0x10"}, false},
         {{"-b", "1e3"}, false},
-        {{"-s", "9223372036854775807"}, true},
-        {{"-s", "9223372036854775808"}, false},
+        {{"-b", "+5"}, false},
+        {{"-b", " 5"}, false},
+        {{"-s", "9223372036854775808"}, true},
+        {{"-s", "18446744073709551616"}, false},
         {{"-b", "-n", "5"}, false},
         {{"-n", "5", "-b"}, false},
         {{"-n"}, false},
@@ -748,42 +876,111 @@ static void test_cli(int num_images) {
         {{"-d", ""}, false},
         {{"extra"}, false},
         {{"-"}, false},
-        {{"--"}, false},
+        {{"--"}, true},
+        {{"--", "extra"}, false},
+        {{"-q", "--", "-b"}, false},
         {{"-B", "5"}, false},
         {{"--zmu=1"}, false},
         {{"--precision", "BF16"}, false},
         {{"-d", long_path}, false},
         {{"-o", long_path}, false},
         {{"-w", long_path + 1}, true},
+        // long names, --name=value, -q, --version
+        {{"--weights", "w", "--data", "d", "--batch-size", "37", "--count", "1023", "--seed", "9", "--out", "x",
+          "--csv", "y.csv", "--precision=bf16", "--zmu", "--quiet"}, true},
+        {{"--batch-size=0"}, false},
+        {{"--csv="}, false},
+        {{"--weights="}, false},
+        {{"--help"}, true},
+        {{"--version"}, true},
+        {{"-q"}, true},
+        {{"-qh"}, true},
+        // --bench: its own flags; the ones it has no use for are refused
+        {{"--bench", "--bench-batches", "64,128", "--precision", "bf16", "-n", "200", "-s", "3", "--zmu"}, true},
+        {{"--bench-batches", "64"}, false},
+        {{"--bench", "--bench-batches", "0"}, false},
+        {{"--bench", "--bench-batches", "64,"}, false},
+        {{"--bench", "--bench-batches", ",64"}, false},
+        {{"--bench", "--bench-batches", "64,,128"}, false},
+        {{"--bench", "--bench-batches", "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17"}, false},
+        {{"--bench", "--csv", "x.csv"}, false},
+        {{"--bench", "-o", "x"}, false},
+        {{"--bench", "-b", "5"}, false},
+        {{"--bench", "--iwae", "4"}, false},
+        {{"--bench", "--image", "a.pgm"}, false},
+        // --iwae and --interp
+        {{"--iwae", "8", "-n", "64", "--precision", "bf16", "--csv", "x.csv", "-s", "2"}, true},
+        {{"--iwae", "8", "-b", "5"}, false},
+        {{"--iwae", "8", "-o", "x"}, false},
+        {{"--iwae", "8", "--zmu"}, false},
+        {{"--iwae", "0"}, false},
+        {{"--iwae", "65537"}, false},
+        {{"--interp", "2", "-o", "x", "-d", "d", "-w", "w"}, true},
+        {{"--interp", "1000"}, true},
+        {{"--interp", "1"}, false},
+        {{"--interp", "1001"}, false},
+        {{"--interp", "5", "--csv", "x.csv"}, false},
+        {{"--interp", "5", "--precision", "bf16"}, false},
+        {{"--interp", "5", "-s", "3"}, false},
+        {{"--interp", "5", "--iwae", "3"}, false},
+        // --image
+        {{"--image", "a.pgm"}, true},
+        {{"--image", "a.pgm", "--image=b.pgm", "--invert", "--csv", "-", "-o", "x"}, true},
+        {{"--image", "a.pgm", "--iwae", "16"}, true},
+        {{"--invert"}, false},
+        {{"--image"}, false},
+        {{"--image", ""}, false},
+        {{"--image", "a.pgm", "-d", "data"}, false},
+        {{"--image", "a.pgm", "-n", "1"}, false},
+        {{"--image", "a.pgm", "--interp", "3"}, false},
     };
+    char line[512];
     for (auto& c : cases) {
-        char* argv[32] = {(char*)"vae"};
-        int argc = 1;
-        char line[256] = "vae";
-        for (const char* a : c.args) {
-            argv[argc++] = (char*)a;
-            snprintf(line + strlen(line), sizeof(line) - strlen(line), " %s", a);
-        }
         Config cfg;
-        Error err = {};
-        const bool ok = parse_args(argc, argv, &cfg, &err);
+        Error err;
+        const bool ok = parse_line(c.args, &cfg, &err, line, sizeof(line));
         check(ok == c.ok && (ok || err.msg[0] != '\0'), "%s -> %s", line, ok ? "accepted" : err.msg);
     }
     Config cfg;
     Error err;
-    char* argv[] = {(char*)"vae", (char*)"-b", (char*)"37", (char*)"-n", (char*)"1023", (char*)"--zmu", (char*)"-b", (char*)"5"};
-    check(parse_args(6, argv, &cfg, &err) && cfg.batch == 37 && cfg.count == 1023 && cfg.z_is_mu,
-          "values reach the config");
-    check(parse_args(8, argv, &cfg, &err) && cfg.batch == 5, "a repeated flag: the last value wins");
+    check(parse_line({"-b", "37", "-n", "1023", "--zmu"}, &cfg, &err, line, sizeof(line)) && cfg.batch == 37 &&
+              cfg.count == 1023 && cfg.z_is_mu && cfg.mode == MODE_ELBO, "values reach the config");
+    check(parse_line({"-b", "37", "-b", "5"}, &cfg, &err, line, sizeof(line)) && cfg.batch == 5,
+          "a repeated flag: the last value wins");
+    check(parse_line({"--batch-size=37", "--count", "1023", "--seed=18446744073709551615", "--precision=bf16", "-q",
+                      "--weights", "w.bin", "--data=d", "--out", "o", "--csv=-"}, &cfg, &err, line, sizeof(line)) &&
+              cfg.batch == 37 && cfg.count == 1023 && cfg.seed == UINT64_MAX && cfg.precision == PRECISION_BF16 &&
+              cfg.quiet && !strcmp(cfg.weights_path, "w.bin") && !strcmp(cfg.data_dir, "d") && !strcmp(cfg.out_dir, "o") &&
+              !strcmp(cfg.csv_path, "-"), "long names and --name=value reach the config");
+    check(parse_line({"--bench", "--bench-batches", "64,1,1048576"}, &cfg, &err, line, sizeof(line)) &&
+              cfg.mode == MODE_BENCH && cfg.num_bench_batches == 3 && cfg.bench_batches[0] == 64 &&
+              cfg.bench_batches[1] == 1 && cfg.bench_batches[2] == MAX_BATCH, "--bench-batches 64,1,1048576");
+    check(parse_line({"--bench"}, &cfg, &err, line, sizeof(line)) && cfg.num_bench_batches == 4 &&
+              cfg.bench_batches[3] == 10000 && !(cfg.given & OPT_BIT(OPT_PRECISION)),
+          "--bench alone: 1024, 2048, 4096, 10000 in both precisions");
+    check(parse_line({"--image", "a.pgm", "--image", "b.pgm", "--invert"}, &cfg, &err, line, sizeof(line)) &&
+              cfg.num_image_files == 2 && !strcmp(cfg.image_paths[1], "b.pgm") && cfg.invert, "--image repeats");
+    check(!parse_line({"-s", "18446744073709551616"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "outside"),
+          "a seed past 2^64 - 1 is out of range: %s", err.msg);
+    check(!parse_line({"--batch-size=0"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "--batch-size 0"),
+          "a message names the flag as it was spelled: %s", err.msg);
+    check(!parse_line({"--iwae", "8", "-b", "5"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "-b") &&
+              strstr(err.msg, "HINT"), "a flag a mode does not read is refused, not ignored: %s", err.msg);
+    check(!gpu_supported("Tesla T4", 7, 5, &err) && strstr(err.msg, "Tesla T4") && strstr(err.msg, "7.5") &&
+              strstr(err.msg, "8.0"), "a GPU below sm_80 is refused with its name and capability: %s", err.msg);
+    check(gpu_supported("A100", 8, 0, &err) && gpu_supported("H200", 9, 0, &err) && gpu_supported("B200", 10, 0, &err),
+          "sm_80, sm_90 and sm_100 GPUs are accepted");
 
     // Through ./vae: each of these must end it before the GPU is touched, with one line naming
     // the problem and exit status 1 (the cases that need a GPU are in dev/sanitize.sh).
     if (vae_bin == NULL) return; // reported as skipped by scratch_open
-    char one_more[32], one_more_flag[48], out_dir[128], csv[160];
+    char one_more[32], one_more_flag[48], out_dir[128], csv[160], deep_dir[160], no_file[160];
     snprintf(one_more, sizeof(one_more), "%d", num_images + 1);
     snprintf(one_more_flag, sizeof(one_more_flag), "-n %d", num_images + 1);
     snprintf(out_dir, sizeof(out_dir), "%s/out", scratch);
     snprintf(csv, sizeof(csv), "%s/no-such-folder/x.csv", scratch);
+    snprintf(deep_dir, sizeof(deep_dir), "%s/no/such/folder", scratch);
+    snprintf(no_file, sizeof(no_file), "%s/no-such.pgm", scratch);
     struct {
         std::initializer_list<const char*> args;
         const char* mention;
@@ -794,19 +991,133 @@ static void test_cli(int num_images) {
         {{"-n", "5", "-b"}, "-b needs a value"},
         {{"-w"}, "-w needs a value"},
         {{"-b", "0"}, "-b 0"},
+        {{"--batch-size=0"}, "--batch-size 0"},
         {{"-b", "1048577"}, "-b 1048577"},
         {{"-b", "-n", "5"}, "'-n'"},
         {{"--precision", "fp16"}, "fp16"},
+        {{"-s", "18446744073709551616"}, "is outside 0..18446744073709551615"},
         {{"-n", one_more, "-o", out_dir}, one_more_flag}, // one more image than the test set holds
         {{"-n", "2147483647", "-o", out_dir}, "-n 2147483647"},
         {{"-o", "data/vae_weights.bin"}, "not a folder"},
+        {{"-o", deep_dir}, "cannot create the folder"},
         {{"--csv", csv, "-o", out_dir}, csv},
+        {{"--csv", scratch, "-o", out_dir}, "a folder"},
+        {{"--bench", "-n", "100"}, "--bench-batches"},
+        {{"--bench", "--bench-batches", "64,101", "-n", "100"}, "101"},
+        {{"--bench", "--csv", "x.csv"}, "--csv does not apply to --bench"},
+        {{"--interp", "1001"}, "--interp 1001"},
+        {{"--image", no_file, "-o", out_dir}, no_file},
+        {{"--image", no_file, "-d", "data"}, "-d does not apply to --image"},
     };
     for (auto& r : runs) {
-        char line[256] = "./vae", why[256];
-        for (const char* a : r.args) snprintf(line + strlen(line), sizeof(line) - strlen(line), " %s", a);
-        check(vae_refuses(r.args, r.mention, why, sizeof(why)), "%s -> %s", line, why);
+        char text[256] = "./vae", why[256];
+        for (const char* a : r.args) snprintf(text + strlen(text), sizeof(text) - strlen(text), " %s", a);
+        check(vae_refuses(r.args, r.mention, why, sizeof(why)), "%s -> %s", text, why);
     }
+    VaeRun v = run_vae({"--version"});
+    check(v.status == 0 && !strncmp(v.out, "vae.cu " VAE_VERSION " (commit ", 16) && strstr(v.out, "CUDA runtime"),
+          "./vae --version -> %.*s", v.out ? (int)strcspn(v.out, "\n") : 0, v.out ? v.out : "");
+    vae_run_free(&v);
+
+    // A failed run leaves an existing file as it was and creates nothing; a run that succeeds
+    // replaces it whole. Without a GPU the run below fails for that reason alone, after finding
+    // and validating the weights and images: the quick start's only error on such a machine.
+    char results[160], new_out[160];
+    snprintf(results, sizeof(results), "%s/results.csv", scratch);
+    snprintf(new_out, sizeof(new_out), "%s/new_out", scratch);
+    const char* precious = "precious results\n";
+    char why[256];
+    struct stat st;
+    bool ok = write_whole_file(results, (const uint8_t*)precious, strlen(precious));
+    check(ok && vae_refuses({"-w", no_file, "--csv", results, "-o", new_out}, no_file, why, sizeof(why)) &&
+              file_is(results, precious) && stat(new_out, &st) != 0 && files_starting(scratch, "results.csv.") == 0,
+          "a refused run leaves --csv's file untouched and makes no -o folder (%s)", why);
+    v = run_vae({"-n", "64", "--csv", results, "-o", new_out});
+    const bool no_gpu = v.status == 1 && one_error_line(v.err, v.err_size, "no CUDA device");
+    if (no_gpu) {
+        check(v.out_size == 0 && file_is(results, precious) && stat(new_out, &st) != 0 &&
+                  files_starting(scratch, "results.csv.") == 0,
+              "./vae without a GPU: its only error is the GPU; --csv's file untouched, no -o folder (%.*s)",
+              (int)strcspn(v.err, "\n"), v.err);
+    } else {
+        char ppm[192];
+        snprintf(ppm, sizeof(ppm), "%s/interp.ppm", new_out);
+        uint8_t* text = NULL;
+        size_t size = 0;
+        Error e;
+        const bool read = read_file(results, &text, &size, &e);
+        int rows = 0;
+        for (size_t i = 0; read && i < size; i++) rows += text[i] == '\n';
+        check(v.status == 0 && read && !strncmp((const char*)text, "# vae.cu ", 9) &&
+                  strstr((const char*)text, "\nindex,label,bce,kl\n0,7,") && rows == 2 + 64 && stat(ppm, &st) == 0 &&
+                  files_starting(scratch, "results.csv.") == 0 && files_starting(new_out, ".*ppm.") == 0,
+              "./vae -n 64 --csv: replaced whole ('#' line, header, 64 rows), three images, no temporary files "
+              "(exit %d)", v.status);
+        free(text);
+    }
+    vae_run_free(&v);
+
+    // the labels are optional: without them every label is -1 and there is no digit interpolation
+    char no_labels[160], link[192], abs_images[PATH_MAX];
+    snprintf(no_labels, sizeof(no_labels), "%s/no_labels", scratch);
+    snprintf(link, sizeof(link), "%s/t10k-images-idx3-ubyte", no_labels);
+    ok = mkdir(no_labels, 0755) == 0 && realpath("data/t10k-images-idx3-ubyte", abs_images) != NULL &&
+         symlink(abs_images, link) == 0;
+    v = run_vae({"-d", no_labels, "-n", "5", "--csv", "-", "-o", out_dir});
+    if (no_gpu) check(ok && v.status == 1 && one_error_line(v.err, v.err_size, "no CUDA device"),
+                      "-d without a labels file: the images are read and validated; only the GPU is missing");
+    else check(ok && v.status == 0 && strstr(v.out, "\n4,-1,") && strstr(v.err, "skipped interp.ppm"),
+               "-d without a labels file: label -1, interp.ppm skipped (exit %d)", v.status);
+    vae_run_free(&v);
+    if (no_gpu) {
+        skip("./vae runs on a GPU (--csv -, --image, --iwae --image, --bench, --interp)", "no CUDA device");
+        return;
+    }
+
+    // --csv -: the CSV alone on stdout, the summary on stderr
+    v = run_vae({"-n", "3", "--csv", "-", "-o", out_dir});
+    int lines = 0;
+    for (size_t i = 0; i < v.out_size; i++) lines += v.out[i] == '\n';
+    check(v.status == 0 && lines == 5 && v.out[0] == '#' && strstr(v.err, "mean loss"),
+          "--csv -: '#' line, header and 3 rows on stdout, the summary on stderr");
+    vae_run_free(&v);
+
+    // --image: a greymap of test image 0 gives that image's losses (the noise is keyed by the
+    // image's place, 0 in both runs), as P5 and as P2 drawn black on white with --invert
+    if (images == NULL) return;
+    char p5[160], p2[160], expected[128] = "", got[128] = "", got_inverted[128] = "";
+    snprintf(p5, sizeof(p5), "%s/zero.pgm", scratch);
+    snprintf(p2, sizeof(p2), "%s/zero_inverted.pgm", scratch);
+    ok = write_pgm(p5, images->pixels, false, 255, false) && write_pgm(p2, images->pixels, true, 255, true);
+    VaeRun test = run_vae({"-n", "1", "--csv", "-", "-o", out_dir});
+    VaeRun drawn = run_vae({"--image", p5, "--csv", "-", "-o", out_dir});
+    VaeRun inverted = run_vae({"--image", p2, "--invert", "--csv", "-", "-o", out_dir});
+    ok = ok && test.status == 0 && drawn.status == 0 && inverted.status == 0 &&
+         csv_values(test.out, 0, expected, sizeof(expected)) && csv_values(drawn.out, 0, got, sizeof(got)) &&
+         csv_values(inverted.out, 0, got_inverted, sizeof(got_inverted)) && !strcmp(expected, got) &&
+         !strcmp(expected, got_inverted) && strstr(drawn.out, "\n0,-1,") && strstr(drawn.err, "zero.pgm: BCE");
+    check(ok, "--image of test image 0 (P5; P2 black on white with --invert): its BCE, KL %s (test set: %s)", got,
+          expected);
+    vae_run_free(&test), vae_run_free(&drawn), vae_run_free(&inverted);
+    test = run_vae({"--iwae", "16", "-n", "1", "--csv", "-"});
+    drawn = run_vae({"--iwae", "16", "--image", p5, "--csv", "-"});
+    ok = test.status == 0 && drawn.status == 0 && csv_values(test.out, 0, expected, sizeof(expected)) &&
+         csv_values(drawn.out, 0, got, sizeof(got)) && !strcmp(expected, got) && strstr(drawn.err, "log p(x)");
+    check(ok, "--iwae 16 --image: BCE, KL, log p(x) %s as for the test image (%s)", got, expected);
+    vae_run_free(&test), vae_run_free(&drawn);
+
+    v = run_vae({"--bench", "--bench-batches", "64,37", "--precision", "bf16", "-n", "100", "-q"});
+    check(v.status == 0 && strstr(v.out, "| bf16 | 64 |") && strstr(v.out, "| bf16 | 37 |") &&
+              !strstr(v.out, "| fp32 |") && strstr(v.out, "latency us | throughput us"),
+          "--bench --bench-batches 64,37 --precision bf16: two rows, latency and throughput");
+    vae_run_free(&v);
+    char interp_dir[160], interp_ppm[192];
+    snprintf(interp_dir, sizeof(interp_dir), "%s/interp", scratch);
+    snprintf(interp_ppm, sizeof(interp_ppm), "%s/interp.ppm", interp_dir);
+    v = run_vae({"--interp", "12", "-o", interp_dir, "-q"});
+    check(v.status == 0 && strstr(v.out, "66 pairs x 11 steps = 726 decodes") && strstr(v.out, "bitwise identical") &&
+              stat(interp_ppm, &st) == 0, "--interp 12: 66 pairs, batched and one pair per call agree bit for bit");
+    vae_run_free(&v);
 }
 
 static void test_ppm() {
@@ -815,7 +1126,11 @@ static void test_ppm() {
     for (int i = 0; i < 2 * INPUT_DIM; i++) tiles[i] = (i % 29) / 28.0f;
     Error err;
     const char* path = "data/test_grid.ppm";
-    bool ok = write_ppm_grid(path, tiles, 1, 2, &err);
+    remove(path);
+    bool ok = write_ppm_grid(path, "a test grid", tiles, 1, 2, &err);
+    struct stat st;
+    check(ok && stat(path, &st) != 0 && errno == ENOENT, "write_ppm_grid writes nothing at its path before the commit");
+    ok = ok && outputs_commit(&err, NULL);
     uint8_t* buf;
     size_t size;
     ok = ok && read_file(path, &buf, &size, &err);
@@ -824,7 +1139,54 @@ static void test_ppm() {
           "write_ppm_grid writes a valid 59x30 P6 file");
     if (ok) free(buf);
     remove(path);
-    check(!write_ppm_grid("no-such-dir/x.ppm", tiles, 1, 2, &err), "an unwritable path is reported: %s", err.msg);
+    check(!write_ppm_grid("no-such-dir/x.ppm", "a test grid", tiles, 1, 2, &err), "an unwritable path is reported: %s",
+          err.msg);
+}
+
+// The greymap forms a drawn digit may come in all give MNIST's pixels: P5 at maxval 255 and 65535
+// (16-bit samples), P2 with comments, black on white with --invert (main's 255 - p).
+static void test_pgm(const Images* images) {
+    printf("PGM images (--image)\n");
+    const uint8_t* pixels = images->pixels + 7 * INPUT_DIM; // a test image with grey edges
+    struct {
+        bool ascii;
+        int maxval;
+        bool invert;
+        const char* what;
+    } forms[] = {{false, 255, false, "P5, maxval 255"},
+                 {false, 65535, false, "P5, maxval 65535 (two bytes a sample)"},
+                 {true, 255, false, "P2 with comments"},
+                 {true, 65535, false, "P2, maxval 65535"},
+                 {false, 255, true, "P5, black on white, inverted back"}};
+    for (auto& f : forms) {
+        char path[96];
+        snprintf(path, sizeof(path), "%s/form.pgm", scratch);
+        Images im = {};
+        Error err = {};
+        const bool ok = write_pgm(path, pixels, f.ascii, f.maxval, f.invert) && load_file(path, parse_pgm, &im, &err);
+        int differ = 0;
+        for (int i = 0; ok && i < INPUT_DIM; i++) differ += (f.invert ? 255 - im.pixels[i] : im.pixels[i]) != pixels[i];
+        check(ok && im.count == 1 && differ == 0, "%s: the test image's 784 pixels%s%s", f.what, ok ? "" : ": ", err.msg);
+        free(im.pixels);
+        remove(path);
+    }
+    Images im = {};
+    Error err;
+    const char* binary = "P1\n28 28\n";
+    check(!parse_pgm((const uint8_t*)binary, strlen(binary), "digit.png", &im, &err) && strstr(err.msg, "HINT: convert"),
+          "another format is refused with a conversion command: %s", err.msg);
+    char small[64];
+    snprintf(small, sizeof(small), "P5\n32 32\n255\n");
+    check(!parse_pgm((const uint8_t*)small, strlen(small), "big.pgm", &im, &err) && strstr(err.msg, "32x32") &&
+              strstr(err.msg, "28x28!"), "another size is refused with a resize command: %s", err.msg);
+    uint8_t one_bit[16 + INPUT_DIM];
+    const size_t header = (size_t)snprintf((char*)one_bit, 16, "P5 28 28 1\n");
+    for (int i = 0; i < INPUT_DIM; i++) one_bit[header + i] = i % 2;
+    one_bit[header + INPUT_DIM] = '\n'; // a trailing newline is allowed
+    const bool ok = parse_pgm(one_bit, header + INPUT_DIM + 1, "bits.pgm", &im, &err);
+    check(ok && im.pixels[0] == 0 && im.pixels[1] == 255, "maxval 1 scales to 0 and 255; a trailing newline is allowed%s%s",
+          ok ? "" : ": ", ok ? "" : err.msg);
+    free(im.pixels);
 }
 
 // ----------------------------------------------------------------------------
@@ -925,6 +1287,39 @@ static void test_gpu_activations(VAE* m, const uint8_t* d_pixels, const DebugSta
     cudaCheck(cudaFree(d_eps));
     cudaCheck(cudaFree(d_bce));
     cudaCheck(cudaFree(d_kl));
+}
+
+// vae_decode_interpolations (the pictures and --interp) against the float64 CPU model: the means of
+// images 0..3, pairs (0,1), (2,3), (3,0), 11 steps each, decoded in fp32 (both precisions' models
+// encode and decode the pictures in fp32).
+static void test_gpu_interpolation(VAE* m, const HostWeights* w, const Images* images, const uint8_t* d_pixels) {
+    enum { N = 4, PAIRS = 3, ROWS = PAIRS * INTERP_STEPS };
+    const int2 pairs[PAIRS] = {{0, 1}, {2, 3}, {3, 0}};
+    double x[N * INPUT_DIM];
+    float zero_eps[N * LATENT_DIM] = {};
+    for (int i = 0; i < N * INPUT_DIM; i++) x[i] = images->pixels[i] / 255.0;
+    CpuActs a = cpu_forward(w, x, zero_eps, N);
+    double z[ROWS * LATENT_DIM], h3[ROWS * HIDDEN_DIM], logits[ROWS * INPUT_DIM];
+    for (int r = 0; r < ROWS; r++) {
+        const double t = (double)(r % INTERP_STEPS) / (INTERP_STEPS - 1);
+        const int2 p = pairs[r / INTERP_STEPS];
+        for (int j = 0; j < LATENT_DIM; j++)
+            z[r * LATENT_DIM + j] = (1 - t) * a.mu[p.x * LATENT_DIM + j] + t * a.mu[p.y * LATENT_DIM + j];
+    }
+    cpu_linear(h3, z, w->tensor[FC3_W], w->tensor[FC3_B], ROWS, HIDDEN_DIM, LATENT_DIM, true);
+    cpu_linear(logits, h3, w->tensor[FC4_W], w->tensor[FC4_B], ROWS, INPUT_DIM, HIDDEN_DIM, false);
+    for (double& l : logits) l = 1.0 / (1.0 + exp(-l));
+    int2* d_pairs;
+    cudaCheck(cudaMalloc(&d_pairs, sizeof(pairs)));
+    cudaCheck(cudaMemcpy(d_pairs, pairs, sizeof(pairs), cudaMemcpyHostToDevice));
+    static float tiles[ROWS * INPUT_DIM];
+    poison(m->recon, (size_t)ROWS * INPUT_DIM * sizeof(float));
+    vae_encode(m, d_pixels, N);
+    vae_decode_interpolations(m, d_pairs, PAIRS, INTERP_STEPS, tiles);
+    check_diff("interp", diff(tiles, logits, ROWS * INPUT_DIM), TOL_FP32,
+               "  (3 pairs x 11 steps between latent means, vs float64)");
+    cudaCheck(cudaFree(d_pairs));
+    cpu_free(&a);
 }
 
 // Per-image BCE and KL of images 0..count-1 evaluated in batches of `batch` with generated eps.
@@ -1300,9 +1695,9 @@ int main(int argc, char** argv) {
     uint8_t* iwae_buf = NULL;
     size_t iwae_size;
     printf("loading inputs\n");
-    bool loaded = check(load_weights(weights_path, &weights, &err), "load %s", weights_path) &&
-                  check(load_images(images_path, &images, &err), "load %s", images_path) &&
-                  check(load_labels(labels_path, &labels, &err), "load %s", labels_path) &&
+    bool loaded = check(load_file(weights_path, parse_weights, &weights, &err), "load %s", weights_path) &&
+                  check(load_file(images_path, parse_idx_images, &images, &err), "load %s", images_path) &&
+                  check(load_file(labels_path, parse_idx_labels, &labels, &err), "load %s", labels_path) &&
                   check(read_file(debug_path, &debug_buf, &debug_size, &err) &&
                             parse_debug_state(debug_buf, debug_size, debug_path, images.count, &ds, &err),
                         "load %s (its cases lie inside the test set)", debug_path) &&
@@ -1317,11 +1712,15 @@ int main(int argc, char** argv) {
         if (loaded) {
             test_cpu_forward(&weights, &images, &ds);
             test_cpu_iwae(&weights, &images, &iwae);
-            const char* paths[NUM_READERS] = {weights_path, images_path, labels_path, debug_path, iwae_path};
+            char pgm_path[96];
+            snprintf(pgm_path, sizeof(pgm_path), "%s/first.pgm", scratch);
+            check(have_scratch && write_pgm(pgm_path, images.pixels, false, 255, false), "write %s", pgm_path);
+            const char* paths[NUM_READERS] = {weights_path, images_path, labels_path, debug_path, iwae_path, pgm_path};
             test_corrupt_files(paths, images.count);
+            test_pgm(&images);
         }
         test_generator();
-        test_cli(loaded ? images.count : 10000);
+        test_cli(loaded ? images.count : 10000, loaded ? &images : NULL);
         test_ppm();
     }
 
@@ -1348,6 +1747,7 @@ int main(int argc, char** argv) {
                                                                    : NULL;
         if (why != NULL) {
             for (int i = 0; i < num_what; i++) skip(what[i], why);
+            if (precision == PRECISION_FP32) skip("GPU interpolation decodes (the pictures, --interp)", why);
             continue;
         }
         cudaDeviceProp prop;
@@ -1364,6 +1764,7 @@ int main(int argc, char** argv) {
         test_gpu_activations(&m, d_pixels, &ds);
         test_gpu_invariance(&m, d_pixels, invariance_images, quick ? QUICK_SMALL_BATCH : 1);
         test_gpu_generator_keying(&m, d_pixels);
+        if (precision == PRECISION_FP32) test_gpu_interpolation(&m, &weights, &images, d_pixels);
         if (quick) skip(what[3], "--quick");
         else test_gpu_test_set(&m, d_pixels, images.count);
         test_gpu_iwae(&m, &weights, d_pixels, &iwae, quick ? 0 : images.count);

@@ -339,8 +339,8 @@ static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images*
 template <typename T>
 static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, const char*, T*, Error*), T* out,
                       Error* err) {
-    uint8_t* buf;
-    size_t size;
+    uint8_t* buf = NULL;
+    size_t size = 0;
     if (!read_file(path, &buf, &size, err)) return false;
     bool ok = parse(buf, size, path, out, err);
     free(buf);
@@ -2087,6 +2087,14 @@ static void vae_decode(VAE* m, const float* z, int B) {
     sigmoid(m->recon, m->logits, B * INPUT_DIM, m->stream);
 }
 
+// Decodes `steps` points on the line between the means of each pair of images (pairs index the
+// images' [mu | logvar] rows in m->mulv) into tiles[pairs * steps][784], in one batch.
+static void vae_decode_interpolations(VAE* m, const int2* d_pairs, int num_pairs, int steps, float* tiles) {
+    interp_latents(m->z, m->mulv, d_pairs, 0, num_pairs * steps, steps, m->stream);
+    vae_decode(m, m->z, num_pairs * steps);
+    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)num_pairs * steps * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
 // The whole forward pass and loss for images first_image .. first_image+B-1, whose pixels are
 // at `pixels` on the device, in the model's precision. Writes per-image BCE and KL to the device
 // arrays bce[B], kl[B]. Asynchronous on m->stream; nothing is allocated or copied.
@@ -2608,14 +2616,6 @@ static void first_of_each_digit(const Labels* labels, int count, int first[10]) 
     for (int i = count - 1; i >= 0 && labels->labels != NULL; i--) first[labels->labels[i]] = i;
 }
 
-// Decodes `steps` points on the line between the means of each pair of images (pairs index the
-// images' [mu | logvar] rows in m->mulv) into tiles[pairs * steps][784], in one batch.
-static void decode_interpolations(VAE* m, const int2* d_pairs, int num_pairs, int steps, float* tiles) {
-    interp_latents(m->z, m->mulv, d_pairs, 0, num_pairs * steps, steps, m->stream);
-    vae_decode(m, m->z, num_pairs * steps);
-    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)num_pairs * steps * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
-}
-
 // The three picture files: reconstructions, prior samples, latent interpolations.
 enum { RECON_COLS = 16, SAMPLE_SIDE = 8, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
 static_assert(SAMPLE_SIDE * SAMPLE_SIDE <= IMAGE_TILES_MAX && 2 * RECON_COLS <= IMAGE_TILES_MAX, "image batches fit");
@@ -2678,7 +2678,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
         cudaCheck(cudaMalloc(&d_pairs, sizeof(pairs)));
         cudaCheck(cudaMemcpy(d_pairs, pairs, sizeof(pairs), cudaMemcpyHostToDevice));
         vae_encode(m, d_pair_pixels, 2 * rows);
-        decode_interpolations(m, d_pairs, rows, INTERP_STEPS, tiles);
+        vae_decode_interpolations(m, d_pairs, rows, INTERP_STEPS, tiles);
         snprintf(path, sizeof(path), "%s/interp.ppm", cfg->out_dir);
         if (!write_ppm_grid(path, "row d: latent mean of a test 'd' to one of a 'd+1'", tiles, rows, INTERP_STEPS, &err))
             fail("%s", err.msg);
@@ -2936,7 +2936,7 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     int2* d_pairs = (int2*)device_alloc((size_t)num_pairs * sizeof(int2), "the pairs", num_pairs);
     cudaCheck(cudaMemcpy(d_pairs, pairs, (size_t)num_pairs * sizeof(int2), cudaMemcpyHostToDevice));
     vae_encode(&m, d_pixels, n); // m.mulv holds the N means from here on; decoding leaves it alone
-    decode_interpolations(&m, d_pairs, 1, INTERP_STEPS, tiles); // untimed: module loading stays out
+    vae_decode_interpolations(&m, d_pairs, 1, INTERP_STEPS, tiles); // untimed: module loading stays out
 
     cudaEvent_t start, stop;
     cudaCheck(cudaEventCreate(&start));
@@ -2982,7 +2982,7 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     if (!same) fail("--interp: the batched and the one-pair decodes differ. HINT: this is a bug; please report it");
 
     const int rows = num_pairs < 10 ? num_pairs : 10;
-    decode_interpolations(&m, d_pairs, rows, INTERP_STEPS, tiles);
+    vae_decode_interpolations(&m, d_pairs, rows, INTERP_STEPS, tiles);
     make_output_dir(cfg->out_dir);
     char path[MAX_PATH], what[96];
     Error err;

@@ -74,7 +74,8 @@ int main() {
     char weights_path[64], images_path[64];
     snprintf(weights_path, sizeof(weights_path), "%s/vae_weights.bin", dir);
     snprintf(images_path, sizeof(images_path), "%s/t10k-images-idx3-ubyte", dir);
-    if (!load_weights(weights_path, &weights, &err) || !load_images(images_path, &images, &err)) {
+    if (!load_file(weights_path, parse_weights, &weights, &err) ||
+        !load_file(images_path, parse_idx_images, &images, &err)) {
         fprintf(stderr, "%s\n", err.msg);
         return 1;
     }

@@ -1,4 +1,4 @@
-// The five file readers of vae.cu and test_vae.cu, built for libFuzzer (see fuzz/README.md).
+// The six file readers of vae.cu and test_vae.cu, built for libFuzzer (see fuzz/README.md).
 // vae.cu and test_vae.cu are included unchanged; only test_vae's main() is left out.
 #define TEST_VAE_NO_MAIN
 #include "../test_vae.cu"
@@ -12,7 +12,7 @@ static volatile double sink;
 
 // The reader's index (R_WEIGHTS ...) from its name in the Makefile's FUZZ_READERS.
 int fuzz_reader_index(const char* name) {
-    static const char* names[NUM_READERS] = {"weights", "idx_images", "idx_labels", "debug_state", "iwae_state"};
+    static const char* names[NUM_READERS] = {"weights", "idx_images", "idx_labels", "debug_state", "iwae_state", "pgm"};
     for (int r = 0; r < NUM_READERS; r++)
         if (!strcmp(name, names[r])) return r;
     fprintf(stderr, "fuzz: no reader named '%s'\n", name);
@@ -52,6 +52,15 @@ int fuzz_one(int reader, const uint8_t* data, size_t size) {
             free(lb.labels);
         } else {
             PROMISE(err.msg[0] != '\0' && lb.labels == NULL);
+        }
+    } else if (reader == R_PGM) {
+        Images im = {};
+        if (parse_pgm(data, size, "fuzz", &im, &err)) {
+            PROMISE(im.count == 1 && size >= 8 && data[0] == 'P' && (data[1] == '5' || data[1] == '2'));
+            for (int i = 0; i < INPUT_DIM; i++) sum += im.pixels[i];
+            free(im.pixels);
+        } else {
+            PROMISE(err.msg[0] != '\0' && im.pixels == NULL);
         }
     } else if (reader == R_IWAE) {
         // parse_iwae_state keeps pointers into its buffer: give it an exactly sized copy

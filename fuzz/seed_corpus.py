@@ -84,6 +84,12 @@ def main():
     write(out, "iwae_state", "real", iwae)
     write(out, "iwae_state", "header", iwae[:HEADER])
     write(out, "iwae_state", "one_image", small_iwae_state(iwae))
+    # greymaps of test image 0: binary, 16-bit, and ASCII with a comment
+    pixels = images[16:16 + 784]
+    write(out, "pgm", "p5", b"P5\n28 28\n255\n" + pixels)
+    write(out, "pgm", "p5_16bit", b"P5\n28 28\n65535\n" + b"".join(struct.pack(">H", p * 257) for p in pixels))
+    rows = [" ".join(str(p) for p in pixels[r * 28:(r + 1) * 28]) for r in range(28)]
+    write(out, "pgm", "p2", ("P2\n# a digit\n28 28\n255\n" + "\n".join(rows) + "\n").encode())
 
 
 if __name__ == "__main__":
