@@ -62,7 +62,7 @@ test_vae: test_vae.cu vae.cu
 	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $< -o $@
 
 # the CUDA tests, the converter's tests (against torch.load when PyTorch is there), the Makefile's
-test: test_vae $(DATA)
+test: vae test_vae $(DATA)
 	./test_vae
 	$(or $(PYTHON_TORCH),$(PYTHON)) test_prepare_weights.py $(if $(DATA_SRC),--src $(DATA_SRC))
 	bash test_build.sh

@@ -73,11 +73,12 @@ static inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 #define PREPARE_HINT "HINT: run 'make data' (python3 prepare_weights.py --src ../shared/data, or without --src to download)"
 #define MAX_FILE_BYTES (1ull << 30) // no input of this model comes near 1 GiB
 
-// Reads a whole regular file into a malloc'd buffer.
-static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err) {
+// Reads a whole regular file into a malloc'd buffer. `missing_hint` ends the message for a file that
+// is not there (the program's own data files are made by 'make data'; a user's image is not).
+static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err,
+                      const char* missing_hint = PREPARE_HINT) {
     struct stat st;
-    if (stat(path, &st) != 0)
-        return set_error(err, "%s: %s. " PREPARE_HINT, path, strerror(errno));
+    if (stat(path, &st) != 0) return set_error(err, "%s: %s. %s", path, strerror(errno), missing_hint);
     if (!S_ISREG(st.st_mode))
         return set_error(err, "%s: not a regular file. HINT: pass the path of the file itself", path);
     if ((unsigned long long)st.st_size > MAX_FILE_BYTES)
@@ -338,10 +339,10 @@ static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images*
 // Reads a whole file and hands it to one of the parsers above, which never touch the disk.
 template <typename T>
 static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, const char*, T*, Error*), T* out,
-                      Error* err) {
+                      Error* err, const char* missing_hint = PREPARE_HINT) {
     uint8_t* buf = NULL;
     size_t size = 0;
-    if (!read_file(path, &buf, &size, err)) return false;
+    if (!read_file(path, &buf, &size, err, missing_hint)) return false;
     bool ok = parse(buf, size, path, out, err);
     free(buf);
     return ok;
@@ -3006,7 +3007,7 @@ static void load_image_files(const Config* cfg, Images* images) {
     for (int i = 0; i < images->count; i++) {
         Images one = {};
         Error err;
-        if (!load_file(cfg->image_paths[i], parse_pgm, &one, &err)) fail("%s", err.msg);
+        if (!load_file(cfg->image_paths[i], parse_pgm, &one, &err, "HINT: check the --image path")) fail("%s", err.msg);
         for (int p = 0; p < INPUT_DIM; p++)
             images->pixels[(size_t)i * INPUT_DIM + p] = cfg->invert ? 255 - one.pixels[p] : one.pixels[p];
         free(one.pixels);

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the tests, the program, and the dev drivers.
 # Logs and images go to $OUT (default /tmp/vae_out). Usage: bash dev/gpu_check.sh [sections...]
-# sections: test vae break bench pytorch iwae sanitize profile dev (default: all of them)
+# sections: test vae image interp break bench pytorch iwae sanitize profile dev (default: all of them)
 set -uo pipefail
 OUT=${OUT:-/tmp/vae_out}
 mkdir -p "$OUT"
-sections=${*:-test vae break bench pytorch iwae sanitize profile dev}
+sections=${*:-test vae image interp break bench pytorch iwae sanitize profile dev}
 status=0
 has() { [[ " $sections " == *" $1 "* ]]; }
 run() { echo "== $*"; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
@@ -13,9 +13,10 @@ run() { echo "== $*"; "$@" || { echo "FAILED ($?): $*"; status=1; }; }
 nvidia-smi --query-gpu=name,compute_cap,driver_version,clocks.sm,clocks.mem --format=csv
 run make vae test_vae
 if has test; then
-    ./test_vae > "$OUT/test.log" 2>&1; rc=$?
+    # make test: test_vae, test_prepare_weights.py, test_build.sh, each ending in its own tally
+    make test > "$OUT/test.log" 2>&1; rc=$?
     grep -E "NOT OK|^GPU|^ case|passed,|skip" "$OUT/test.log"; grep -A12 "^GPU fp32" "$OUT/test.log" | head -14
-    [ $rc -eq 0 ] || { echo "FAILED: test_vae rc=$rc"; status=1; }
+    [ $rc -eq 0 ] || { echo "FAILED: make test rc=$rc"; status=1; }
 fi
 if has vae; then
     run bash -c "./vae -o out 2>&1 | tee $OUT/vae.log"
@@ -27,6 +28,20 @@ for n in ('recon', 'samples', 'interp'):
     im.save('$OUT/' + n + '.png')
 print('PPM files parse as valid images')
 " || status=1
+fi
+if has image; then
+    # a drawn digit: test image 0 as a PGM file, white on black, then black on white with --invert
+    python3 -c "
+import numpy as np
+px = np.fromfile('data/t10k-images-idx3-ubyte', dtype=np.uint8)[16:16 + 784].reshape(28, 28)
+open('$OUT/digit.pgm', 'wb').write(b'P5\\n28 28\\n255\\n' + px.tobytes())
+open('$OUT/digit_black_on_white.pgm', 'wb').write(b'P5\\n28 28\\n255\\n' + (255 - px).tobytes())
+" || status=1
+    run bash -c "./vae --image $OUT/digit.pgm --image $OUT/digit_black_on_white.pgm -o out_image 2>&1 | tail -7 | tee $OUT/image.log"
+    run bash -c "./vae --image $OUT/digit_black_on_white.pgm --invert --iwae 5000 2>&1 | tail -5 | tee -a $OUT/image.log"
+fi
+if has interp; then
+    run bash -c "./vae --interp 1000 -o out_interp 2>&1 | tail -6 | tee $OUT/interp.log"
 fi
 if has break; then
     # deliberately drop the bias of every layer: the tests must catch it
