@@ -950,8 +950,9 @@ static void test_cli(int num_images, const Images* images) {
     check(parse_line({"--batch-size=37", "--count", "1023", "--seed=18446744073709551615", "--precision=bf16", "-q",
                       "--weights", "w.bin", "--data=d", "--out", "o", "--csv=-"}, &cfg, &err, line, sizeof(line)) &&
               cfg.batch == 37 && cfg.count == 1023 && cfg.seed == UINT64_MAX && cfg.precision == PRECISION_BF16 &&
-              cfg.quiet && !strcmp(cfg.weights_path, "w.bin") && !strcmp(cfg.data_dir, "d") && !strcmp(cfg.out_dir, "o") &&
-              !strcmp(cfg.csv_path, "-"), "long names and --name=value reach the config");
+              cfg.quiet && !strcmp(cfg.weights_path, "w.bin") && !strcmp(cfg.data_dir, "d") &&
+              !strcmp(cfg.out_dir, "o") && !strcmp(cfg.csv_path, "-"),
+          "long names and --name=value reach the config");
     check(parse_line({"--bench", "--bench-batches", "64,1,1048576"}, &cfg, &err, line, sizeof(line)) &&
               cfg.mode == MODE_BENCH && cfg.num_bench_batches == 3 && cfg.bench_batches[0] == 64 &&
               cfg.bench_batches[1] == 1 && cfg.bench_batches[2] == MAX_BATCH, "--bench-batches 64,1,1048576");
@@ -1166,14 +1167,16 @@ static void test_pgm(const Images* images) {
         const bool ok = write_pgm(path, pixels, f.ascii, f.maxval, f.invert) && load_file(path, parse_pgm, &im, &err);
         int differ = 0;
         for (int i = 0; ok && i < INPUT_DIM; i++) differ += (f.invert ? 255 - im.pixels[i] : im.pixels[i]) != pixels[i];
-        check(ok && im.count == 1 && differ == 0, "%s: the test image's 784 pixels%s%s", f.what, ok ? "" : ": ", err.msg);
+        check(ok && im.count == 1 && differ == 0, "%s: the test image's 784 pixels%s%s", f.what, ok ? "" : ": ",
+              err.msg);
         free(im.pixels);
         remove(path);
     }
     Images im = {};
     Error err;
     const char* binary = "P1\n28 28\n";
-    check(!parse_pgm((const uint8_t*)binary, strlen(binary), "digit.png", &im, &err) && strstr(err.msg, "HINT: convert"),
+    check(!parse_pgm((const uint8_t*)binary, strlen(binary), "digit.png", &im, &err) &&
+              strstr(err.msg, "HINT: convert"),
           "another format is refused with a conversion command: %s", err.msg);
     char small[64];
     snprintf(small, sizeof(small), "P5\n32 32\n255\n");
@@ -1184,8 +1187,8 @@ static void test_pgm(const Images* images) {
     for (int i = 0; i < INPUT_DIM; i++) one_bit[header + i] = i % 2;
     one_bit[header + INPUT_DIM] = '\n'; // a trailing newline is allowed
     const bool ok = parse_pgm(one_bit, header + INPUT_DIM + 1, "bits.pgm", &im, &err);
-    check(ok && im.pixels[0] == 0 && im.pixels[1] == 255, "maxval 1 scales to 0 and 255; a trailing newline is allowed%s%s",
-          ok ? "" : ": ", ok ? "" : err.msg);
+    check(ok && im.pixels[0] == 0 && im.pixels[1] == 255,
+          "maxval 1 scales to 0 and 255; a trailing newline is allowed%s%s", ok ? "" : ": ", ok ? "" : err.msg);
     free(im.pixels);
 }
 

@@ -278,7 +278,8 @@ static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, 
 // starts a comment that runs to the end of its line; then width x height samples, row by row: in
 // P5 after exactly one whitespace byte, one byte each (two, big-endian, when maxval > 255); in P2
 // as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
-#define PGM_HINT "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
+#define PGM_HINT \
+    "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
 
 // The next header number at *pos, after whitespace and comments; at most `max`.
 static bool pgm_number(const uint8_t* buf, size_t size, size_t* pos, uint32_t max, uint32_t* out) {
@@ -322,13 +323,15 @@ static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images*
         } else {
             v = bytes_per_sample == 2 ? (uint32_t)buf[pos] << 8 | buf[pos + 1] : buf[pos];
             pos += bytes_per_sample;
-            if (v > maxval) return set_error(err, "%s: sample %d is %u, above maxval %u. " PGM_HINT, name, i, v, maxval);
+            if (v > maxval)
+                return set_error(err, "%s: sample %d is %u, above maxval %u. " PGM_HINT, name, i, v, maxval);
         }
         pixels[i] = (uint8_t)((v * 255 + maxval / 2) / maxval);
     }
     for (; pos < size; pos++) // a trailing newline is common; anything else is not one 28x28 image
         if (!isspace(buf[pos]))
-            return set_error(err, "%s: %zu bytes after the 28x28 image. HINT: pass one image per file", name, size - pos);
+            return set_error(err, "%s: %zu bytes after the 28x28 image. HINT: pass one image per file", name,
+                             size - pos);
     out->count = 1;
     out->pixels = (uint8_t*)malloc(INPUT_DIM);
     if (out->pixels == NULL) return set_error(err, "%s: out of host memory", name);
@@ -2093,7 +2096,8 @@ static void vae_decode(VAE* m, const float* z, int B) {
 static void vae_decode_interpolations(VAE* m, const int2* d_pairs, int num_pairs, int steps, float* tiles) {
     interp_latents(m->z, m->mulv, d_pairs, 0, num_pairs * steps, steps, m->stream);
     vae_decode(m, m->z, num_pairs * steps);
-    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)num_pairs * steps * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)num_pairs * steps * INPUT_DIM * sizeof(float),
+                         cudaMemcpyDeviceToHost));
 }
 
 // The whole forward pass and loss for images first_image .. first_image+B-1, whose pixels are
@@ -2199,7 +2203,8 @@ static bool write_ppm_grid(const char* path, const char* what, const float* tile
     const int saved_errno = errno;
     free(rgb);
     if (!ok)
-        return set_error(err, "%s: cannot write (%s). HINT: pass -o with a writable folder", path, strerror(saved_errno));
+        return set_error(err, "%s: cannot write (%s). HINT: pass -o with a writable folder", path,
+                         strerror(saved_errno));
     return true;
 }
 
@@ -2315,7 +2320,8 @@ static const char* USAGE =
 // A whole number in min..max. Digits only: "0x10", "1e3", " 5" and "+5" are refused.
 static bool parse_number(const char* flag, const char* text, unsigned long long min, unsigned long long max,
                          unsigned long long* out, Error* err) {
-    if (text == NULL || text[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
+    if (text == NULL || text[0] == '\0')
+        return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
     const char* digits = text[0] == '-' ? text + 1 : text;
     bool whole = digits[0] != '\0';
     for (const char* p = digits; *p != '\0'; p++) whole = whole && isdigit((unsigned char)*p);
@@ -2355,7 +2361,8 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
     case OPT_CSV: return parse_path(flag, value, &cfg->csv_path, err);
     case OPT_IMAGE:
         if (cfg->num_image_files == MAX_IMAGE_FILES)
-            return set_error(err, "%s: more than %d images. HINT: evaluate them in several runs", flag, MAX_IMAGE_FILES);
+            return set_error(err, "%s: more than %d images. HINT: evaluate them in several runs", flag,
+                             MAX_IMAGE_FILES);
         return parse_path(flag, value, &cfg->image_paths[cfg->num_image_files++], err);
     case OPT_INVERT: cfg->invert = true; return true;
     case OPT_ZMU: cfg->z_is_mu = true; return true;
@@ -2453,7 +2460,8 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
             if (o < 0) return set_error(err, "internal: getopt code %d", optopt);
             spell(o, flag, sizeof(flag));
             if (code == ':') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
-            return set_error(err, "%s takes no value, got '%s'. HINT: vae -h lists the options", flag, argv[optind - 1]);
+            return set_error(err, "%s takes no value, got '%s'. HINT: vae -h lists the options", flag,
+                             argv[optind - 1]);
         }
         if (code == '?') {
             if (optopt != 0) return set_error(err, "unknown option '-%c'. HINT: vae -h lists the options", optopt);
@@ -2476,7 +2484,8 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     for (int a : modes)
         for (int b : modes)
             if (a < b && (cfg->given & OPT_BIT(a)) && (cfg->given & OPT_BIT(b)))
-                return set_error(err, "%s and %s are separate runs. HINT: pass one of them", cfg->flag[a], cfg->flag[b]);
+                return set_error(err, "%s and %s are separate runs. HINT: pass one of them", cfg->flag[a],
+                                 cfg->flag[b]);
     const char* mode_flag = cfg->mode == MODE_IWAE    ? cfg->flag[OPT_IWAE]
                           : cfg->mode == MODE_BENCH   ? cfg->flag[OPT_BENCH]
                           : cfg->mode == MODE_INTERP ? cfg->flag[OPT_INTERP]
@@ -2526,8 +2535,10 @@ static void print_version() {
 #define VAE_STRING(...) #__VA_ARGS__
 #define VAE_EXPAND(...) VAE_STRING(__VA_ARGS__)
     printf("built for");
-    for (const char* arch = VAE_EXPAND(__CUDA_ARCH_LIST__); *arch != '\0'; arch += strcspn(arch, ","), arch += *arch == ',')
+    for (const char* arch = VAE_EXPAND(__CUDA_ARCH_LIST__); *arch != '\0'; arch += *arch == ',') {
         printf(" sm_%d", atoi(arch) / 10);
+        arch += strcspn(arch, ",");
+    }
     printf("\n");
 #endif
 }
@@ -2554,7 +2565,8 @@ static void check_output_dir(const char* flag, const char* dir) {
     if (stat(dir, &st) == 0) {
         if (!S_ISDIR(st.st_mode)) fail("%s %s: not a folder. HINT: pass %s with a writable folder", flag, dir, flag);
         if (access(dir, W_OK) != 0)
-            fail("%s %s: cannot write there (%s). HINT: pass %s with a writable folder", flag, dir, strerror(errno), flag);
+            fail("%s %s: cannot write there (%s). HINT: pass %s with a writable folder", flag, dir, strerror(errno),
+                 flag);
         return;
     }
     const int missing = errno == ENOENT;
@@ -2681,8 +2693,8 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
         vae_encode(m, d_pair_pixels, 2 * rows);
         vae_decode_interpolations(m, d_pairs, rows, INTERP_STEPS, tiles);
         snprintf(path, sizeof(path), "%s/interp.ppm", cfg->out_dir);
-        if (!write_ppm_grid(path, "row d: latent mean of a test 'd' to one of a 'd+1'", tiles, rows, INTERP_STEPS, &err))
-            fail("%s", err.msg);
+        const char* what = "row d: latent mean of a test 'd' to one of a 'd+1'";
+        if (!write_ppm_grid(path, what, tiles, rows, INTERP_STEPS, &err)) fail("%s", err.msg);
         cudaCheck(cudaFree(d_pairs));
     }
     cudaCheck(cudaFree(d_pair_pixels));
@@ -2723,7 +2735,8 @@ static void write_csv(const Config* cfg, const Inputs* in, const float* bce, con
     if (f == NULL) fail("--csv %s: cannot write (%s). HINT: pass a writable path", cfg->csv_path, strerror(errno));
     bool ok = fprintf(f, "# vae.cu %s (commit %s): mode %s, precision %s, seed %llu, z %s, weights %s, images %s\n",
                       VAE_VERSION, VAE_GIT_COMMIT, MODE_NAMES[cfg->mode], PRECISION_NAMES[cfg->precision],
-                      (unsigned long long)cfg->seed, cfg->z_is_mu ? "mu" : "sampled", cfg->weights_path, in->images) > 0;
+                      (unsigned long long)cfg->seed, cfg->z_is_mu ? "mu" : "sampled", cfg->weights_path,
+                      in->images) > 0;
     ok = ok && fprintf(f, "index,label,bce,kl%s\n", log_px != NULL ? ",log_px" : "") > 0;
     for (int i = 0; i < in->count && ok; i++) {
         ok = fprintf(f, "%d,%d,%.6f,%.6f", i, label_of(in->labels, i), bce[i], kl[i]) > 0;
@@ -3081,7 +3094,8 @@ int main(int argc, char** argv) {
         print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
     if (cfg.mode != MODE_INTERP) print_row("seed", "%llu", (unsigned long long)cfg.seed);
     if (cfg.mode == MODE_IWAE) print_row("iwae", "K = %d importance samples per image", cfg.iwae_k);
-    if (cfg.mode == MODE_INTERP) print_row("interp", "all pairs of %d images, %d steps each", cfg.interp_n, INTERP_STEPS);
+    if (cfg.mode == MODE_INTERP)
+        print_row("interp", "all pairs of %d images, %d steps each", cfg.interp_n, INTERP_STEPS);
     print_separator();
 
     // the images stay on the device as uint8 for the whole run: no copies in the batch loop
