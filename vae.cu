@@ -2843,8 +2843,11 @@ static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pi
     fprintf(console, "IWAE, K = %d samples per image, %d images (%s)\n", K, count, PRECISION_NAMES[cfg->precision]);
     fprintf(console, "mean -ELBO %10.4f   (BCE + KL, one sample; the bound IWAE tightens)\n",
             mean_of(bce, count) + mean_of(kl, count));
-    fprintf(console, "mean NLL   %10.4f   (-log p(x), nats; standard error %.4f)\n", -mean,
-            sqrt(fmax(var, 0.0) / count));
+    if (count > 1)
+        fprintf(console, "mean NLL   %10.4f   (-log p(x), nats; standard error %.4f)\n", -mean,
+                sqrt(fmax(var, 0.0) / count));
+    else
+        fprintf(console, "mean NLL   %10.4f   (-log p(x), nats; one image: no standard error)\n", -mean);
     fprintf(console, "time       %10.2f ms (%.3g decoder passes/s, progress reports included)\n", ms,
             (double)count * K / (ms * 1e-3));
     if (cfg->csv_path != NULL) write_csv(cfg, in, bce, kl, log_px);
