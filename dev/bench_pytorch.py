@@ -71,7 +71,6 @@ import warnings
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 BATCHES = [1024, 2048, 4096, 10000]
@@ -94,14 +93,11 @@ MODE_PRECISION = {key: prec for key, _, prec in MODES}
 IWAE_MODES = ["eager-fp32", "eager-bf16", "compiled-fp32", "compiled-bf16"]
 
 
-class VAE(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(784, 400)
-        self.fc21 = nn.Linear(400, 20)
-        self.fc22 = nn.Linear(400, 20)
-        self.fc3 = nn.Linear(20, 400)
-        self.fc4 = nn.Linear(400, 784)
+# the model as it was trained: one definition, prepare_weights.py's
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from prepare_weights import vae_class  # noqa: E402
+
+VAE = vae_class()
 
 
 def load_weights(path):
