@@ -1142,6 +1142,14 @@ static void test_ppm() {
     remove(path);
     check(!write_ppm_grid("no-such-dir/x.ppm", "a test grid", tiles, 1, 2, &err), "an unwritable path is reported: %s",
           err.msg);
+    // what an exit before the commit does (fail() and cudaCheck reach it through atexit)
+    char dir[96], in_dir[128];
+    snprintf(dir, sizeof(dir), "%s/made_by_the_run", scratch);
+    snprintf(in_dir, sizeof(in_dir), "%s/x.ppm", dir);
+    ok = output_dir_make(dir, &err) && write_ppm_grid(in_dir, "a test grid", tiles, 1, 2, &err) && stat(dir, &st) == 0;
+    outputs_discard();
+    check(ok && stat(dir, &st) != 0 && errno == ENOENT,
+          "an exit before the commit removes the temporary file and the folder the run made");
 }
 
 // The greymap forms a drawn digit may come in all give MNIST's pixels: P5 at maxval 255 and 65535

@@ -122,11 +122,25 @@ static void outputs_discard() {
     created_dir[0] = '\0';
 }
 
+static void discard_outputs_at_exit() {
+    static bool registered = false;
+    if (!registered) registered = atexit(outputs_discard) == 0;
+}
+
+// Makes the output folder if it is missing; an exit before the commit removes it again.
+static bool output_dir_make(const char* dir, Error* err) {
+    discard_outputs_at_exit();
+    if (mkdir(dir, 0777) == 0) snprintf(created_dir, sizeof(created_dir), "%s", dir);
+    else if (errno != EEXIST)
+        return set_error(err, "%s: cannot create the folder (%s). HINT: pass -o with a writable folder", dir,
+                         strerror(errno));
+    return true;
+}
+
 // A new temporary file beside `path` (path.XXXXXX, with the mode fopen would give), or NULL with
 // errno set. Its contents reach `path` at outputs_commit(); `what` describes it there.
 static FILE* output_open(const char* path, const char* what) {
-    static bool registered = false;
-    if (!registered) registered = atexit(outputs_discard) == 0;
+    discard_outputs_at_exit();
     if (num_pending_outputs == MAX_OUTPUTS || strlen(path) >= MAX_PATH) {
         errno = ENAMETOOLONG;
         return NULL;
@@ -2587,12 +2601,6 @@ static void check_output_file(const char* flag, const char* path) {
              is_folder ? "a folder" : "its folder is missing or not writable");
 }
 
-static void make_output_dir(const char* dir) {
-    if (mkdir(dir, 0777) == 0) snprintf(created_dir, sizeof(created_dir), "%s", dir);
-    else if (errno != EEXIST) fail("-o %s: cannot create the folder (%s). HINT: pass -o with a writable folder", dir,
-                                   strerror(errno));
-}
-
 // The start-up table: one "| key | value |" row each.
 static void print_separator() { say("+-----------+------------------------------------------------+\n"); }
 static void print_row(const char* key, const char* fmt, ...) {
@@ -2642,7 +2650,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     float *d_z, *d_loss;
     cudaCheck(cudaMalloc(&d_z, (size_t)IMAGE_TILES_MAX * LATENT_DIM * sizeof(float)));
     cudaCheck(cudaMalloc(&d_loss, 2 * RECON_COLS * sizeof(float)));
-    make_output_dir(cfg->out_dir);
+    if (!output_dir_make(cfg->out_dir, &err)) fail("%s", err.msg);
 
     // recon.ppm: the first images over their reconstructions
     const int n_recon = count < RECON_COLS ? count : RECON_COLS;
@@ -3004,9 +3012,9 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
 
     const int rows = num_pairs < 10 ? num_pairs : 10;
     vae_decode_interpolations(&m, d_pairs, rows, INTERP_STEPS, tiles);
-    make_output_dir(cfg->out_dir);
     char path[MAX_PATH], what[96];
     Error err;
+    if (!output_dir_make(cfg->out_dir, &err)) fail("%s", err.msg);
     snprintf(path, sizeof(path), "%s/interp.ppm", cfg->out_dir);
     snprintf(what, sizeof(what), "the first %d pairs, t = 0, 0.1, ..., 1", rows);
     if (!write_ppm_grid(path, what, tiles, rows, INTERP_STEPS, &err)) fail("%s", err.msg);
