@@ -73,7 +73,7 @@ if [ -x vae ] && command -v cuobjdump > /dev/null; then
     [ -n "$want" ] && [ "$want" = "$have" ]
     check "./vae holds the code its nvcc line promises: $(echo $want)" $? "holds $(echo $have)"
     if echo "$line" | grep -q compute_80; then
-        cuobjdump --list-ptx vae 2>&1 | grep -q compute_80
+        cuobjdump --list-ptx vae 2>&1 | grep -qE '(sm|compute)_80\.ptx' # cuobjdump names it vae.sm_80.ptx
         check "./vae (portable) carries compute_80 PTX for GPUs newer than its code" $?
     fi
 else
