@@ -9,7 +9,7 @@ The model (Kingma & Welling, as in the PyTorch examples), PyTorch Linear layout 
               logits = fc4 h3, recon = sigmoid(logits)   400 -> 784
     loss      BCE(recon, x) summed over pixels + KL(q(z|x) || N(0, I)), per image
 
-Build and run (prepare_weights.py writes data/ first):
+Build and run (make vae also prepares data/ when it is missing):
     make vae && ./vae                 evaluate the MNIST test set, write three images
     ./vae -h                          all options
 

@@ -2,6 +2,9 @@
 # One device call: build everything, run the tests, the program, and the dev drivers.
 # Logs and images go to $OUT (default /tmp/vae_out). Usage: bash dev/gpu_check.sh [sections...]
 # sections: test vae image interp break bench pytorch iwae sanitize profile dev (default: all of them)
+# make test reads the checkpoint and MNIST .gz files from DATA_SRC (default ../shared/data): on a machine
+# without that folder, copy them into the tree and pass DATA_SRC=that/folder. With a cold Inductor cache the
+# pytorch section compiles for ~9 minutes: run it in a call of its own (or with --batches) the first time.
 set -uo pipefail
 OUT=${OUT:-/tmp/vae_out}
 mkdir -p "$OUT"
