@@ -920,7 +920,7 @@ static void test_cli(int num_images, const Images* images) {
         {{"--interp", "1"}, false},
         {{"--interp", "1001"}, false},
         {{"--interp", "5", "--csv", "x.csv"}, false},
-        {{"--interp", "5", "--precision", "bf16"}, false},
+        {{"--interp", "5", "--precision", "bf16"}, true},
         {{"--interp", "5", "-s", "3"}, false},
         {{"--interp", "5", "--iwae", "3"}, false},
         // --image
@@ -1206,33 +1206,21 @@ static void test_pgm(const Images* images) {
 static void poison(void* p, size_t bytes) { cudaCheck(cudaMemset(p, 0xff, bytes)); } // 0xffffffff is a NaN
 
 static void poison_activations(VAE* m) {
-    const size_t B = (size_t)m->max_batch;
-    poison(m->h1, B * HIDDEN_DIM * 4), poison(m->mulv, B * 2 * LATENT_DIM * 4), poison(m->z, B * LATENT_DIM * 4);
-    poison(m->h3, B * HIDDEN_DIM * 4), poison(m->logits, B * INPUT_DIM * 4), poison(m->recon, B * INPUT_DIM * 4);
+    const size_t B = (size_t)m->max_batch, R = (size_t)m->decoder_rows;
+    if (m->h1) poison(m->h1, B * HIDDEN_DIM * 4), poison(m->h3, B * HIDDEN_DIM * 4); // fp32 only
+    poison(m->mulv, B * MULV_DIM * 4), poison(m->z, B * LATENT_DIM * 4);
+    poison(m->logits, B * INPUT_DIM * 4), poison(m->recon, B * INPUT_DIM * 4);
+    poison(m->row_bce, R * 4), poison(m->row_log_ratio, R * 4);
     if (m->precision == PRECISION_BF16) { // 0xffff is a bf16 NaN too
-        poison(m->h1_16, B * HIDDEN_DIM * 2), poison(m->h3_16, B * HIDDEN_DIM * 2);
-        poison(m->bce_partial, B * FC4_COL_BLOCKS * 4);
-        if (m->iwae_bce_parts) { // the fused IWAE decoder's outputs
-            poison(m->iwae_bce_parts, (size_t)m->iwae_rows * IWAE_COL_BLOCKS * 4);
-            poison(m->iwae_log_ratio, (size_t)m->iwae_rows * 4);
-            poison(m->iwae_z_frag, (size_t)m->iwae_rows * 4 * sizeof(uint4));
-            poison(m->iwae_x, B * INPUT_DIM * 4);
-        }
+        poison(m->z_rows, R * 4 * sizeof(uint4));
+        poison(m->enc_partials, B * ENC_SLICES * MULV_DIM * 4);
+        poison(m->bce_parts, R * DEC_COL_BLOCKS * 4);
     }
 }
 
 static float* to_host(const float* d, size_t n) {
     float* h = (float*)malloc(n * sizeof(float));
     cudaCheck(cudaMemcpy(h, d, n * sizeof(float), cudaMemcpyDeviceToHost));
-    return h;
-}
-
-static float* to_host(const bf16* d, size_t n) {
-    bf16* raw = (bf16*)malloc(n * sizeof(bf16));
-    cudaCheck(cudaMemcpy(raw, d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-    float* h = (float*)malloc(n * sizeof(float));
-    for (size_t i = 0; i < n; i++) h[i] = __bfloat162float(raw[i]);
-    free(raw);
     return h;
 }
 
@@ -1255,26 +1243,29 @@ static void test_gpu_activations(VAE* m, const uint8_t* d_pixels, const DebugSta
         const ForwardOptions opt = {0, false, d_eps, true, true};
         vae_forward(m, d_pixels + (size_t)dc->first_image * INPUT_DIM, B, dc->first_image, &opt, d_bce, d_kl);
         cudaCheck(cudaDeviceSynchronize());
-        float* h1 = bf16_path ? to_host(m->h1_16, (size_t)B * HIDDEN_DIM) : to_host(m->h1, (size_t)B * HIDDEN_DIM);
+        // the bf16 path keeps h1 and h3 on chip: mu, logvar and the logits show their errors
+        float* h1 = bf16_path ? NULL : to_host(m->h1, (size_t)B * HIDDEN_DIM);
         float* mulv = to_host(m->mulv, (size_t)B * 2 * LATENT_DIM);
         float* z = to_host(m->z, (size_t)B * LATENT_DIM);
-        float* h3 = bf16_path ? to_host(m->h3_16, (size_t)B * HIDDEN_DIM) : to_host(m->h3, (size_t)B * HIDDEN_DIM);
+        float* h3 = bf16_path ? NULL : to_host(m->h3, (size_t)B * HIDDEN_DIM);
         float* logits = to_host(m->logits, (size_t)B * INPUT_DIM);
         float* recon = to_host(m->recon, (size_t)B * INPUT_DIM);
         float* bce = to_host(d_bce, B);
         float* kl = to_host(d_kl, B);
+        const Diff none = {};
         const Diff d[] = {
-            diff(h1, dc->t64[T_H1], (size_t)B * HIDDEN_DIM),
+            h1 ? diff(h1, dc->t64[T_H1], (size_t)B * HIDDEN_DIM) : none,
             diff(mulv, dc->t64[T_MU], (size_t)B * LATENT_DIM, 2 * LATENT_DIM, LATENT_DIM),
             diff(mulv + LATENT_DIM, dc->t64[T_LOGVAR], (size_t)B * LATENT_DIM, 2 * LATENT_DIM, LATENT_DIM),
             diff(z, dc->t64[T_Z], (size_t)B * LATENT_DIM),
-            diff(h3, dc->t64[T_H3], (size_t)B * HIDDEN_DIM),
+            h3 ? diff(h3, dc->t64[T_H3], (size_t)B * HIDDEN_DIM) : none,
             diff(logits, dc->t64[T_LOGITS], (size_t)B * INPUT_DIM),
             diff(recon, dc->t64[T_RECON], (size_t)B * INPUT_DIM),
             diff(bce, dc->t64[T_BCE], B),
             diff(kl, dc->t64[T_KL], B),
         };
         for (int t = T_H1; t < NUM_DEBUG_TENSORS; t++) {
+            if (bf16_path && (t == T_H1 || t == T_H3)) continue;
             const size_t n = (size_t)B * DEBUG_WIDTH[t];
             char extra[64];
             snprintf(extra, sizeof(extra), "  [PyTorch fp32 rel %.2e]", diff(dc->t32[t], dc->t64[t], n).rel);
@@ -1283,15 +1274,14 @@ static void test_gpu_activations(VAE* m, const uint8_t* d_pixels, const DebugSta
         float* all[] = {h1, mulv, z, h3, logits, recon, bce, kl};
         for (float* p : all) free(p);
 
-        if (bf16_path) continue;
-        // the fp32 decoder alone (used for samples and interpolations), fed PyTorch's z
+        // the decoder alone (the pictures and --interp), fed PyTorch's z
         float* z_ref = (float*)malloc((size_t)B * LATENT_DIM * 4);
         for (int i = 0; i < B * LATENT_DIM; i++) z_ref[i] = (float)dc->t64[T_Z][i];
         cudaCheck(cudaMemcpy(d_eps, z_ref, (size_t)B * LATENT_DIM * 4, cudaMemcpyHostToDevice));
         poison_activations(m);
         vae_decode(m, d_eps, B);
         recon = to_host(m->recon, (size_t)B * INPUT_DIM);
-        check_diff("decode", diff(recon, dc->t64[T_RECON], (size_t)B * INPUT_DIM), TOL_FP32, "  (vae_decode of PyTorch's z)");
+        check_diff("decode", diff(recon, dc->t64[T_RECON], (size_t)B * INPUT_DIM), tol, "  (vae_decode of PyTorch's z)");
         free(recon);
         free(z_ref);
     }
@@ -1301,8 +1291,7 @@ static void test_gpu_activations(VAE* m, const uint8_t* d_pixels, const DebugSta
 }
 
 // vae_decode_interpolations (the pictures and --interp) against the float64 CPU model: the means of
-// images 0..3, pairs (0,1), (2,3), (3,0), 11 steps each, decoded in fp32 (both precisions' models
-// encode and decode the pictures in fp32).
+// images 0..3, pairs (0,1), (2,3), (3,0), 11 steps each, in the model's precision.
 static void test_gpu_interpolation(VAE* m, const HostWeights* w, const Images* images, const uint8_t* d_pixels) {
     enum { N = 4, PAIRS = 3, ROWS = PAIRS * INTERP_STEPS };
     const int2 pairs[PAIRS] = {{0, 1}, {2, 3}, {3, 0}};
@@ -1327,7 +1316,7 @@ static void test_gpu_interpolation(VAE* m, const HostWeights* w, const Images* i
     poison(m->recon, (size_t)ROWS * INPUT_DIM * sizeof(float));
     vae_encode(m, d_pixels, N);
     vae_decode_interpolations(m, d_pairs, PAIRS, INTERP_STEPS, tiles);
-    check_diff("interp", diff(tiles, logits, ROWS * INPUT_DIM), TOL_FP32,
+    check_diff("interp", diff(tiles, logits, ROWS * INPUT_DIM), TOLERANCE[m->precision],
                "  (3 pairs x 11 steps between latent means, vs float64)");
     cudaCheck(cudaFree(d_pairs));
     cpu_free(&a);
@@ -1412,14 +1401,15 @@ static void test_gpu_generator_keying(VAE* m, const uint8_t* d_pixels) {
 static void gpu_iwae(VAE* m, const uint8_t* d_pixels, int first, int n, int K, uint64_t seed, const float* d_eps,
                      float* log_px);
 
-// On Hopper the bf16 path runs fc4 + BCE on the wgmma kernel; the mma.sync kernel that other GPUs
-// run gets the same checks here (forced through m->fc4_wgmma), and the two must agree: up to
-// fp32 summation order in the logits and the row sums, far below bf16's error.
-static void test_gpu_fc4_fallback(VAE* m, const uint8_t* d_pixels, const DebugState* ds, int count, int small) {
-    printf("GPU bf16 with fc4 on mma.sync (the kernels of GPUs without wgmma)\n");
+// On Hopper the bf16 decoder is the wgmma kernel; the mma.sync kernel that other GPUs run gets
+// the same checks here (forced through m->wgmma), and the two must agree: they differ in fp32
+// summation order and, where that moves an h3 value across a bf16 rounding boundary, in that
+// value's last bit: far below bf16's error. The encoder is the same kernel on both.
+static void test_gpu_decoder_engines(VAE* m, const uint8_t* d_pixels, const DebugState* ds, int count, int small) {
+    printf("GPU bf16 with the decoder on mma.sync (the kernel of GPUs without wgmma)\n");
     float *bce[2], *kl[2];
     for (int wgmma = 0; wgmma < 2; wgmma++) {
-        m->fc4_wgmma = wgmma;
+        m->wgmma = wgmma;
         bce[wgmma] = (float*)malloc((size_t)count * 4), kl[wgmma] = (float*)malloc((size_t)count * 4);
         gpu_losses(m, d_pixels, count, count, 7, false, bce[wgmma], kl[wgmma]);
     }
@@ -1430,24 +1420,21 @@ static void test_gpu_fc4_fallback(VAE* m, const uint8_t* d_pixels, const DebugSt
           1e-4, worst);
     for (int k = 0; k < 2; k++) free(bce[k]), free(kl[k]);
 
-    // --iwae: the fused Hopper decoder against the two-kernel path (sampling + fc3, then fc4 +
-    // BCE on mma.sync) on the same draws. They differ in fp32 summation order and, where that
-    // moves an h3 value across a bf16 rounding boundary, in that value's last bit: far below bf16's error.
-    const int B = 37, K = 37, first = 1000;
+    const int B = 37, K = 37, first = 1000; // --iwae: K rows per image through both decoders
     float log_px[2][B];
     for (int wgmma = 0; wgmma < 2; wgmma++) {
-        m->fc4_wgmma = wgmma;
+        m->wgmma = wgmma;
         poison_activations(m);
         gpu_iwae(m, d_pixels, first, B, K, 5, NULL, log_px[wgmma]);
     }
     worst = 0.0;
     for (int i = 0; i < B; i++) worst = fmax(worst, fabs((double)log_px[0][i] - log_px[1][i]) / fabs((double)log_px[1][i]));
-    check(worst < 1e-4, "IWAE K=%d: fused wgmma decoder and the two-kernel mma.sync path, log p(x) of %d images within "
-          "%.1e relative (max %.2e)", K, B, 1e-4, worst);
-    m->fc4_wgmma = false;
+    check(worst < 1e-4, "IWAE K=%d: wgmma and mma.sync decoders, log p(x) of %d images within %.1e relative (max %.2e)",
+          K, B, 1e-4, worst);
+    m->wgmma = false;
     test_gpu_activations(m, d_pixels, ds);
     test_gpu_invariance(m, d_pixels, count, small);
-    m->fc4_wgmma = true;
+    m->wgmma = true;
 }
 
 static double fp32_mean_bce_zmu = NAN; // set by the fp32 run, compared against by bf16
@@ -1750,15 +1737,15 @@ int main(int argc, char** argv) {
         snprintf(what[2], sizeof(what[2]), "GPU %s generator keying", name);
         snprintf(what[3], sizeof(what[3]), "GPU %s full test set losses", name);
         snprintf(what[4], sizeof(what[4]), "GPU %s IWAE", name);
-        snprintf(what[5], sizeof(what[5]), "GPU %s fc4 on mma.sync against wgmma", name);
-        const int num_what = precision == PRECISION_BF16 ? 6 : 5; // the fc4 kernels are bf16 only
+        snprintf(what[5], sizeof(what[5]), "GPU %s decoder on mma.sync against wgmma", name);
+        const int num_what = precision == PRECISION_BF16 ? 6 : 5; // the two decoders are bf16 only
         const char* why = !loaded                                  ? "inputs did not load"
                         : status != cudaSuccess || devices == 0    ? "no CUDA device"
                         : !run_precision[precision]                ? "--precision"
                                                                    : NULL;
         if (why != NULL) {
             for (int i = 0; i < num_what; i++) skip(what[i], why);
-            if (precision == PRECISION_FP32) skip("GPU interpolation decodes (the pictures, --interp)", why);
+            skip("GPU interpolation decodes (the pictures, --interp)", why);
             continue;
         }
         cudaDeviceProp prop;
@@ -1775,12 +1762,12 @@ int main(int argc, char** argv) {
         test_gpu_activations(&m, d_pixels, &ds);
         test_gpu_invariance(&m, d_pixels, invariance_images, quick ? QUICK_SMALL_BATCH : 1);
         test_gpu_generator_keying(&m, d_pixels);
-        if (precision == PRECISION_FP32) test_gpu_interpolation(&m, &weights, &images, d_pixels);
+        test_gpu_interpolation(&m, &weights, &images, d_pixels);
         if (quick) skip(what[3], "--quick");
         else test_gpu_test_set(&m, d_pixels, images.count);
         test_gpu_iwae(&m, &weights, d_pixels, &iwae, quick ? 0 : images.count);
-        if (precision == PRECISION_BF16 && m.fc4_wgmma)
-            test_gpu_fc4_fallback(&m, d_pixels, &ds, invariance_images, quick ? QUICK_SMALL_BATCH : 1);
+        if (precision == PRECISION_BF16 && m.wgmma)
+            test_gpu_decoder_engines(&m, d_pixels, &ds, invariance_images, quick ? QUICK_SMALL_BATCH : 1);
         else if (precision == PRECISION_BF16)
             skip(what[5], "this GPU and build have no wgmma: mma.sync was the kernel tested above");
         vae_free(&m);

@@ -68,7 +68,7 @@ static bool set_error(Error* err, const char* fmt, ...) {
     exit(EXIT_FAILURE);
 }
 
-static inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 #define PREPARE_HINT "HINT: run 'make data' (python3 prepare_weights.py --src ../shared/data, or without --src to download)"
 #define MAX_FILE_BYTES (1ull << 30) // no input of this model comes near 1 GiB
@@ -585,15 +585,22 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 }
 
 // ----------------------------------------------------------------------------
-// kernels: bf16 tensor cores (--precision bf16)
+
+// ----------------------------------------------------------------------------
+// kernels: bf16 tensor cores (--precision bf16): one encoder kernel, one decoder kernel
 //
-// The same network with bf16 operands and fp32 accumulation, on the tensor cores through the
-// warp-level mma.sync.m16n8k16 instruction, in four launches:
-//   linear_bf16_kernel    fc1: uint8 pixels -> h1 (bf16), bias + ReLU fused
-//   latent_bf16_kernel    fc21+fc22, sampling, KL and fc3 fused: h1 -> h3 (bf16)
-//   fc4_bce_bf16_kernel   fc4 with the BCE in its epilogue: the logits never reach memory
-//                         (on Hopper, fc4_bce_wgmma_kernel instead: same results, wgmma + TMA)
-//   bce_finalize_kernel   the per-tile BCE sums of each image added in a fixed order
+// The same network with bf16 operands and fp32 accumulation, in two launches per forward pass:
+//   encoder_kernel   uint8 pixels -> fc1 + ReLU -> fc21/fc22 -> z (the generator) and KL. h1
+//                    stays in shared memory; z leaves as a "z row" (bf16, in the order the
+//                    decoder's fragments load it: 64 bytes an image)
+//   decoder          z rows -> fc3 + ReLU -> fc4 -> per-row BCE; logits and recon only when
+//                    asked for. h3 never leaves the registers, the logits never reach memory
+// Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from
+// iwae_z_rows_kernel), the pictures and --interp (rows of chosen latents, no pixels: recon).
+// The decoder is one design on two instruction sets: decoder_mma_kernel (mma.sync, any GPU
+// from sm_80) and decoder_wgmma_kernel (Hopper's wgmma + TMA); the tests check they agree.
+// Its interface is rows of z in, per-row results out: a backward pass w.r.t. z fits the same
+// shape (x - sigmoid(logits) formed in the epilogue's registers).
 
 typedef __nv_bfloat16 bf16;
 
@@ -602,7 +609,7 @@ typedef __nv_bfloat16 bf16;
 //   a[0] = A[g][2t..]  a[1] = A[g+8][2t..]  a[2] = A[g][2t+8..]  a[3] = A[g+8][2t+8..]
 //   b[0] = B[2t..][g]  b[1] = B[2t+8..][g]       (B[k][n] = W[n][k]: rows of W are columns of B)
 //   d[0], d[1] = D[g][2t], D[g][2t+1]    d[2], d[3] = D[g+8][2t], D[g+8][2t+1]
-__device__ inline void mma_bf16_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+__device__ inline void mma_bf16_m16n8k16(float* d, const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -788,264 +795,403 @@ __device__ inline void for_each_acc_pair(const float (&acc)[Tile::MT][Tile::NT][
                   acc[mt][nt][2 * half + 1]);
 }
 
-// Y = act(scale * X W^T + b) with Y in bf16. Used for fc1 on raw pixels with scale = 1/255.
-template <typename Tile, Activation ACT>
-__global__ void __launch_bounds__(Tile::THREADS)
-    linear_bf16_kernel(bf16* __restrict__ Y, const typename Tile::InputType* __restrict__ X,
-                       const bf16* __restrict__ W, const float* __restrict__ bias, int M, int N, int K, float scale) {
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    typename Tile::Smem& sm = *reinterpret_cast<typename Tile::Smem*>(smem_raw);
-    const int row0 = blockIdx.y * Tile::BM, col0 = blockIdx.x * Tile::BN;
-    float acc[Tile::MT][Tile::NT][4] = {};
-    mma_mainloop<Tile>(acc, sm, X, W, M, N, K, row0, col0);
-    for_each_acc_pair<Tile>(acc, [&](int, int, int r, int c, float v0, float v1) {
-        r += row0, c += col0;
-        if (r >= M || c >= N) return; // N is even, so c < N means c + 1 < N
-        v0 = v0 * scale + bias[c], v1 = v1 * scale + bias[c + 1];
-        if (ACT == ACT_RELU) v0 = fmaxf(v0, 0.0f), v1 = fmaxf(v1, 0.0f);
-        *reinterpret_cast<__nv_bfloat162*>(&Y[(size_t)r * N + c]) = __floats2bfloat162_rn(v0, v1);
-    });
+// fp32 -> bf16, once at load. Copies a rows x cols matrix into rows x dst_cols, zero-filling
+// the extra columns.
+__global__ void to_bf16_kernel(bf16* dst, const float* src, int rows, int cols, int dst_cols) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * dst_cols) return;
+    const int r = i / dst_cols, c = i % dst_cols;
+    dst[i] = __float2bfloat16(c < cols ? src[(size_t)r * cols + c] : 0.0f);
 }
 
-// fc21+fc22, sampling and fc3 in one launch. A block of 4 warps takes BM = 32 images through
-//   [mu | logvar] = h1 Wenc^T + b     tensor cores (2 warps; N = 40), kept in shared memory
-//   z, KL                             all threads, one Philox call per 4 latents of an image;
-//                                     each image's KL summed in a fixed order
-//   h3 = ReLU(z W3^T + b3)            tensor cores (4 warps), K = 20 zero-padded to 32, N = 400
-// fc3's weights (25 KB) are copied into shared memory while the first GEMM runs, so the second
-// GEMM never waits on global memory. mu, logvar and z reach memory only when asked for (tests).
-typedef MmaTile<bf16, 2, 1, 1, 5, 3, 32, 128> LatentTile; // 32 images x 40 outputs, 2 MMA warps of 4
-enum { FC3_K_PADDED = 32, FC3_PITCH = FC3_K_PADDED + 8 }; // pitch: 80-byte rows, conflict-free fragments
-struct LatentSmem {
-    LatentTile::Smem mma;
-    bf16 fc3_w[HIDDEN_DIM][FC3_PITCH];
+// The decoder's shapes. fc4's 784 logits are cut into 4 column blocks of 200 (one m64n200
+// wgmma; the last block starts at 584 and leaves its first 16 to block 2); fc3's 400 hidden
+// units are taken in chunks of 80 = 5 k16 steps of fc4. Both layers carry their bias in the K
+// padding: 1 in z's K = 20..22 and in an extra k16 step of fc4, the weights there hold the bias
+// split into three bf16 parts (~fp32 exact), so the tensor cores add it and the epilogue does not.
+enum {
+    DEC_COL_BLOCKS = 4,
+    DEC_BN = 200,
+    DEC_OVERLAP = DEC_COL_BLOCKS * DEC_BN - INPUT_DIM, // 16 columns the last block skips
+    DEC_CHUNK = 80,
+    DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK,
+    DEC_STEPS = DEC_CHUNK / 16,
+    DEC_ROWS = 16,         // rows of one warp's task: the unit of the BCE's cross-block sum
+    BIAS_PARTS = 3,
+    FC3_K_PADDED = 32,     // z's K: 20 latents, 3 bias ones, zeros
+    FC4_K = HIDDEN_DIM + 8, // fc4's K with the bias parts: 816-byte rows, a 16-byte multiple for TMA
+};
+static_assert(LATENT_DIM + BIAS_PARTS <= FC3_K_PADDED && FC4_K - HIDDEN_DIM >= BIAS_PARTS && HIDDEN_DIM % 64 <= 48,
+              "the 3 bias parts fit the K padding, in fc4's k16 step 25");
+static_assert(HIDDEN_DIM % DEC_CHUNK == 0 && DEC_CHUNK % 16 == 0, "chunks are whole k16 steps");
+static_assert(DEC_OVERLAP >= 0 && DEC_OVERLAP % 8 == 0 && INPUT_DIM % 2 == 0, "the overlap is whole n8 blocks");
+
+// A layer's weights for the decoder: bf16 [rows][dst_cols] with the weights in K = 0 .. cols - 1,
+// the bias split into three bf16 parts (high, middle, low: their sum is the fp32 bias to ~2^-24)
+// in K = cols .. cols + 2, zeros after.
+__global__ void weights_with_bias_kernel(bf16* __restrict__ dst, const float* __restrict__ w,
+                                         const float* __restrict__ b, int rows, int cols, int dst_cols) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * dst_cols) return;
+    const int r = i / dst_cols, c = i % dst_cols;
+    float v = 0.0f;
+    if (c < cols) {
+        v = w[(size_t)r * cols + c];
+    } else if (c < cols + BIAS_PARTS) {
+        v = b[r]; // peel off the parts before this one: each remainder is exact in fp32
+        for (int part = 0; part < c - cols; part++) v -= __bfloat162float(__float2bfloat16(v));
+    }
+    dst[i] = __float2bfloat16(v);
+}
+
+__device__ inline uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ inline float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ inline float fast_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// A z row: z in bf16 pairs, word t of the 4 holding what thread t of a quad needs for fc3's A
+// fragments: the pairs at K = (2t, 2t+1), (8+2t, ..), (16+2t, ..), (24+2t, ..), where K = 0..19
+// are the latents, 20..22 hold 1 (times fc3's bias parts) and 23..31 zeros. Two 16-byte loads
+// give a thread both rows (g, g + 8) of its fragments.
+__device__ inline void store_z_row(uint4* row, const float* z) {
+    float k[FC3_K_PADDED];
+    #pragma unroll
+    for (int i = 0; i < FC3_K_PADDED; i++) k[i] = i < LATENT_DIM ? z[i] : i < LATENT_DIM + BIAS_PARTS ? 1.0f : 0.0f;
+    #pragma unroll
+    for (int t = 0; t < 4; t++)
+        row[t] = make_uint4(pack_bf16(k[2 * t], k[2 * t + 1]), pack_bf16(k[8 + 2 * t], k[9 + 2 * t]),
+                            pack_bf16(k[16 + 2 * t], k[17 + 2 * t]), pack_bf16(k[24 + 2 * t], k[25 + 2 * t]));
+}
+
+// z rows of B latents given in fp32 (prior samples, interpolations), one thread per row.
+__global__ void z_rows_kernel(uint4* __restrict__ z_rows, const float* __restrict__ z, int B) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < B) store_z_row(z_rows + (size_t)r * 4, z + (size_t)r * LATENT_DIM);
+}
+
+// encoder_kernel. The 400 hidden units are cut into 5 slices of 80; block (slice s, row tile t)
+// computes h1 for the 64 images of t and the 80 units of s (mma_mainloop over K = 784 pixels),
+// keeps it in shared memory (ReLU, bf16) and multiplies it by the matching 80 columns of
+// [fc21 | fc22]: a partial [mu | logvar] of its 64 images. Five blocks share a row tile, so a
+// batch of 1024 keeps 80 blocks busy where whole rows of h1 per block would give 16. The
+// partials meet in L2: each block stores its 64 x 40 and takes a ticket; the fifth to arrive
+// adds the five in slice order 0..4 (whatever order they arrived in: bitwise reproducible and
+// batch invariant), adds the bias, draws eps (keyed by the image's global index) and writes the
+// z rows and KL. 800 bytes of partials an image; h1 (800 bytes in bf16) never leaves the chip.
+enum { ENC_SLICES = 5, ENC_BN = HIDDEN_DIM / ENC_SLICES, MULV_DIM = 2 * LATENT_DIM, ENC_PITCH = ENC_BN + 8 };
+typedef MmaTile<uint8_t, 2, 2, 2, 5, 3, 64> EncoderTile; // 64 images x 80 units, 4 warps, K in slices of 64
+static_assert(EncoderTile::BN == ENC_BN && HIDDEN_DIM % ENC_SLICES == 0 && ENC_BN % 16 == 0, "slices of k16 steps");
+static_assert(EncoderTile::THREADS / 32 * 16 == EncoderTile::BM, "the partial product: a warp per 16 rows");
+struct EncoderSmem {
+    EncoderTile::Smem mma;
+    bf16 h1[EncoderTile::BM][ENC_PITCH];   // 176-byte rows: an odd number of 16-byte chunks, no bank conflicts
+    bf16 w_enc[MULV_DIM][ENC_PITCH];       // this slice's 80 columns of [fc21 | fc22]
+    float z[EncoderTile::BM][LATENT_DIM];
+    float kl_terms[EncoderTile::BM][LATENT_DIM];
+    bool last;
 };
 
-// h3 = ReLU(z W3^T + b3) for the 32 rows of z_tile (bf16, K zero-padded to 32), by 4 warps:
-// warp w takes rows 16 (w % 2) .. +15 and outputs 200 (w / 2) .. +199, in chunks of 40.
-__device__ inline void fc3_relu_tile(bf16* __restrict__ h3, const bf16 (*z_tile)[FC3_PITCH],
-                                     const bf16 (*fc3_w)[FC3_PITCH], const float* __restrict__ fc3_b, int row0,
-                                     int M) {
-    constexpr int CHUNK = 2 * LATENT_DIM, CHUNKS_PER_WARP = HIDDEN_DIM / CHUNK / 2;
+__global__ void __launch_bounds__(EncoderTile::THREADS)
+    encoder_kernel(uint4* __restrict__ z_rows, float* __restrict__ kl, float* __restrict__ mulv_out,
+                   float* __restrict__ z_out, float* __restrict__ partials, unsigned* __restrict__ tickets,
+                   const uint8_t* __restrict__ pixels, const bf16* __restrict__ fc1_w, const float* __restrict__ fc1_b,
+                   const bf16* __restrict__ enc_w, const float* __restrict__ enc_b, const float* __restrict__ eps_in,
+                   int M, uint32_t first_image, uint64_t seed, bool z_is_mu) {
+    constexpr int BM = EncoderTile::BM, THREADS = EncoderTile::THREADS, GROUPS = LATENT_DIM / 4;
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    EncoderSmem& sm = *reinterpret_cast<EncoderSmem*>(smem_raw);
+    const int slice = blockIdx.x, row0 = blockIdx.y * BM, col0 = slice * ENC_BN;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int rows = (warp % 2) * 16, first_chunk = (warp / 2) * CHUNKS_PER_WARP;
-    uint32_t a[2][4]; // the warp's 16 rows of z as two k16 fragments
-    #pragma unroll
-    for (int kk = 0; kk < 2; kk++) {
-        const bf16* top = &z_tile[rows + g][kk * 16 + 2 * t];
-        const bf16* bottom = top + 8 * FC3_PITCH;
-        a[kk][0] = bf16x2_at(top), a[kk][1] = bf16x2_at(bottom), a[kk][2] = bf16x2_at(top + 8),
-        a[kk][3] = bf16x2_at(bottom + 8);
-    }
-    #pragma unroll
-    for (int chunk = first_chunk; chunk < first_chunk + CHUNKS_PER_WARP; chunk++) {
-        float acc3[5][4] = {};
-        #pragma unroll
-        for (int nt = 0; nt < 5; nt++)
-            #pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                const bf16* w = &fc3_w[chunk * CHUNK + nt * 8 + g][kk * 16 + 2 * t];
-                const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
-                mma_bf16_m16n8k16(acc3[nt], a[kk], b);
-            }
-        #pragma unroll
-        for (int nt = 0; nt < 5; nt++)
-            #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const int r = row0 + rows + g + 8 * half, c = chunk * CHUNK + nt * 8 + 2 * t;
-                if (r >= M) continue;
-                const float v0 = fmaxf(acc3[nt][2 * half] + fc3_b[c], 0.0f);
-                const float v1 = fmaxf(acc3[nt][2 * half + 1] + fc3_b[c + 1], 0.0f);
-                *reinterpret_cast<__nv_bfloat162*>(&h3[(size_t)r * HIDDEN_DIM + c]) = __floats2bfloat162_rn(v0, v1);
-            }
-    }
-}
 
-// Copies fc3's zero-padded bf16 weights into shared memory as one cp.async group.
-__device__ inline void stage_fc3_weights(bf16 (*dst)[FC3_PITCH], const bf16* __restrict__ fc3_w_padded) {
-    constexpr int CHUNKS_PER_ROW = FC3_K_PADDED / 8;
-    for (int c = threadIdx.x; c < HIDDEN_DIM * CHUNKS_PER_ROW; c += blockDim.x) {
-        const int r = c / CHUNKS_PER_ROW, k = (c % CHUNKS_PER_ROW) * 8;
-        cp_async16(&dst[r][k], fc3_w_padded + r * FC3_K_PADDED + k, true);
+    constexpr int W_CHUNKS = ENC_BN / 8; // the oldest cp.async group: the GEMM's first wait covers it
+    for (int c = threadIdx.x; c < MULV_DIM * W_CHUNKS; c += THREADS) {
+        const int r = c / W_CHUNKS, k = (c % W_CHUNKS) * 8;
+        cp_async16(&sm.w_enc[r][k], enc_w + (size_t)r * HIDDEN_DIM + col0 + k, true);
     }
     cp_async_commit();
-}
 
-
-__global__ void __launch_bounds__(LatentTile::THREADS)
-    latent_bf16_kernel(bf16* __restrict__ h3, float* __restrict__ kl, float* __restrict__ mulv_out,
-                       float* __restrict__ z_out, const bf16* __restrict__ h1, const bf16* __restrict__ enc_w,
-                       const float* __restrict__ enc_b, const bf16* __restrict__ fc3_w_padded,
-                       const float* __restrict__ fc3_b, const float* __restrict__ eps_in, int M,
-                       uint32_t first_image, uint64_t seed, bool z_is_mu) {
-    constexpr int BM = LatentTile::BM, MULV = 2 * LATENT_DIM, THREADS = LatentTile::THREADS, GROUPS = LATENT_DIM / 4;
-    static_assert(LatentTile::BN == MULV && LatentTile::WARPS_N == 1, "one block row covers [mu | logvar]");
-    static_assert(BM == 32 && THREADS == 128, "fc3_relu_tile: 4 warps on 32 rows");
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    LatentSmem& sm = *reinterpret_cast<LatentSmem*>(smem_raw);
-    __shared__ float mulv[BM][MULV];
-    __shared__ float kl_terms[BM][LATENT_DIM];
-    __shared__ __align__(16) bf16 z_tile[BM][FC3_PITCH];
-    const int row0 = blockIdx.x * BM;
-
-    stage_fc3_weights(sm.fc3_w, fc3_w_padded); // the oldest cp.async group: the GEMM's first wait covers it
-
-    float acc[1][LatentTile::NT][4] = {};
-    mma_mainloop<LatentTile>(acc, sm.mma, h1, enc_w, M, MULV, HIDDEN_DIM, row0, 0);
-    for_each_acc_pair<LatentTile>(acc, [&](int, int, int r, int c, float v0, float v1) {
-        mulv[r][c] = v0 + enc_b[c], mulv[r][c + 1] = v1 + enc_b[c + 1];
+    float acc[EncoderTile::MT][EncoderTile::NT][4] = {};
+    mma_mainloop<EncoderTile>(acc, sm.mma, pixels, fc1_w, M, HIDDEN_DIM, INPUT_DIM, row0, col0);
+    for_each_acc_pair<EncoderTile>(acc, [&](int, int, int r, int c, float v0, float v1) {
+        v0 = fmaxf(v0 * (1.0f / 255.0f) + fc1_b[col0 + c], 0.0f); // pixels went in as 0..255
+        v1 = fmaxf(v1 * (1.0f / 255.0f) + fc1_b[col0 + c + 1], 0.0f);
+        *reinterpret_cast<__nv_bfloat162*>(&sm.h1[r][c]) = __floats2bfloat162_rn(v0, v1);
     });
     __syncthreads();
 
+    // partial [mu | logvar] = h1 tile [64 x 80] x this slice of [fc21 | fc22]^T: warp w takes rows 16w..
+    float part[MULV_DIM / 8][4] = {};
+    #pragma unroll
+    for (int ks = 0; ks < ENC_BN / 16; ks++) {
+        uint32_t a[4];
+        ldmatrix_x4(a, &sm.h1[warp * 16 + lane % 16][ks * 16 + (lane / 16) * 8]);
+        #pragma unroll
+        for (int nt = 0; nt < MULV_DIM / 8; nt++) {
+            const bf16* w = &sm.w_enc[nt * 8 + g][ks * 16 + 2 * t];
+            const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
+            mma_bf16_m16n8k16(part[nt], a, b);
+        }
+    }
+    #pragma unroll
+    for (int nt = 0; nt < MULV_DIM / 8; nt++)
+        #pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int row = row0 + warp * 16 + g + 8 * half;
+            if (row < M)
+                *reinterpret_cast<float2*>(&partials[((size_t)row * ENC_SLICES + slice) * MULV_DIM + nt * 8 + 2 * t]) =
+                    make_float2(part[nt][2 * half], part[nt][2 * half + 1]);
+        }
+    __threadfence(); // this block's partials are visible to the whole GPU before its ticket is
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        sm.last = atomicAdd(&tickets[blockIdx.y], 1u) == ENC_SLICES - 1;
+        if (sm.last) tickets[blockIdx.y] = 0; // every slice has arrived: ready for the next launch
+    }
+    __syncthreads();
+    if (!sm.last) return;
+    __threadfence();
+
     for (int i = threadIdx.x; i < BM * GROUPS; i += THREADS) {
-        const int r = i / GROUPS, q = i % GROUPS, b = row0 + r;
-        float z[4] = {}, kl_term[4] = {}; // rows past M stay zero
-        if (b < M) {
-            float4 eps = make_float4(0.0f, 0.0f, 0.0f, 0.0f); // z = mu
-            if (!z_is_mu && eps_in) eps = *reinterpret_cast<const float4*>(&eps_in[(size_t)b * LATENT_DIM + 4 * q]);
-            else if (!z_is_mu) eps = gaussian4(seed, STREAM_POSTERIOR, first_image + b, 0, q);
-            const float e[4] = {eps.x, eps.y, eps.z, eps.w};
+        const int r = i / GROUPS, q = i % GROUPS, row = row0 + r;
+        if (row >= M) continue;
+        const float* p = partials + (size_t)row * ENC_SLICES * MULV_DIM;
+        float4 eps = make_float4(0.0f, 0.0f, 0.0f, 0.0f); // z = mu
+        if (!z_is_mu && eps_in) eps = *reinterpret_cast<const float4*>(&eps_in[(size_t)row * LATENT_DIM + 4 * q]);
+        else if (!z_is_mu) eps = gaussian4(seed, STREAM_POSTERIOR, first_image + row, 0, q);
+        const float e[4] = {eps.x, eps.y, eps.z, eps.w};
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int latent = 4 * q + j;
+            float mu = __ldcg(&p[latent]), logvar = __ldcg(&p[LATENT_DIM + latent]); // L2: written by other SMs
             #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int latent = 4 * q + j;
-                z[j] = latent_z(mulv[r][latent], mulv[r][LATENT_DIM + latent], e[j], &kl_term[j]);
-                if (z_out) z_out[(size_t)b * LATENT_DIM + latent] = z[j];
-                if (mulv_out) {
-                    mulv_out[(size_t)b * MULV + latent] = mulv[r][latent];
-                    mulv_out[(size_t)b * MULV + LATENT_DIM + latent] = mulv[r][LATENT_DIM + latent];
+            for (int s = 1; s < ENC_SLICES; s++)
+                mu += __ldcg(&p[s * MULV_DIM + latent]), logvar += __ldcg(&p[s * MULV_DIM + LATENT_DIM + latent]);
+            mu += enc_b[latent], logvar += enc_b[LATENT_DIM + latent];
+            sm.z[r][latent] = latent_z(mu, logvar, e[j], &sm.kl_terms[r][latent]);
+            if (mulv_out) mulv_out[(size_t)row * MULV_DIM + latent] = mu, mulv_out[(size_t)row * MULV_DIM + LATENT_DIM + latent] = logvar;
+            if (z_out) z_out[(size_t)row * LATENT_DIM + latent] = sm.z[r][latent];
+        }
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < BM && row0 + r < M; r += THREADS) {
+        float sum = 0.0f; // each image's KL in a fixed order
+        for (int j = 0; j < LATENT_DIM; j++) sum += sm.kl_terms[r][j];
+        if (kl) kl[row0 + r] = -0.5f * sum;
+        store_z_row(z_rows + (size_t)(row0 + r) * 4, sm.z[r]);
+    }
+}
+
+// bf16 and ReLU of a chunk's fc3 accumulators (ReLU after rounding, on bf16 pairs: the same
+// values, half the instructions), as the A fragments of fc4's 5 k16 steps over the chunk. The
+// m16n8 accumulator layout (h[4j..4j+3] = n8 block j, rows g and g + 8) is already mma's A
+// layout: a[s] = blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..). Both decoders use it.
+__device__ inline void fc3_to_a(uint32_t (&a)[DEC_STEPS][4], const float (&h)[2 * DEC_CHUNK / 4]) {
+    #pragma unroll
+    for (int s = 0; s < DEC_STEPS; s++)
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const __nv_bfloat162 v = __hmax2(__floats2bfloat162_rn(h[8 * s + 2 * i], h[8 * s + 2 * i + 1]),
+                                             __float2bfloat162_rn(0.0f));
+            a[s][i] = *reinterpret_cast<const uint32_t*>(&v);
+        }
+}
+
+// fc3's A fragments of rows row16 + g and + 8 (zeros past the rows): two 16-byte loads.
+__device__ inline void load_z_fragments(uint32_t (&z_a)[2][4], const uint4* __restrict__ z_rows, int row16, int rows) {
+    const int lane = threadIdx.x % 32, row = row16 + lane / 4, t = lane % 4;
+    const uint4 top = row < rows ? z_rows[(size_t)row * 4 + t] : make_uint4(0, 0, 0, 0);
+    const uint4 bottom = row + 8 < rows ? z_rows[(size_t)(row + 8) * 4 + t] : make_uint4(0, 0, 0, 0);
+    z_a[0][0] = top.x, z_a[0][1] = bottom.x, z_a[0][2] = top.y, z_a[0][3] = bottom.y;
+    z_a[1][0] = top.z, z_a[1][1] = bottom.z, z_a[1][2] = top.w, z_a[1][3] = bottom.w;
+}
+
+// What a decoder pass reads and writes. With pixels, row r is compared with image
+// r / rows_per_image (1 for the ELBO, K for --iwae) and its BCE lands in bce[r]; without, the
+// pass only decodes. logits and recon are written when given (tests, pictures).
+struct DecoderIO {
+    const uint4* z_rows;   // [rows][4]
+    const uint8_t* pixels; // [rows / rows_per_image][784] or NULL
+    int rows, rows_per_image;
+    float* bce;            // [rows]
+    float* parts;          // [rows][4]: each column block's share of a row's BCE
+    unsigned* tickets;     // [rows / 16 rounded up]: column blocks done with 16 rows (zero between passes)
+    float *logits, *recon; // [rows][784] or NULL
+};
+
+// The epilogue of both decoders, for one warp's 16 rows x 200 logits of column block cb, held in
+// the m16n8 layout (logit[4j..4j+3] = n8 block j, rows g and g + 8). A row's BCE terms
+// max(l, 0) - x l + log(1 + e^-|l|) are summed as (1/2 - x) l + |l| / 2 + log(1 + e^-|l|)
+// with one log per row and thread: the 25 factors 1 + e^-|l| (each in (1, 2]) multiplied in two
+// products, log2 taken once. The 4 lanes of a quad share a row. Each row's share goes to
+// parts[row][cb]; the column block that completes the 16 rows (a ticket per 16 rows) adds their 4
+// shares in order 0..3, the same sum whichever block is last: bitwise reproducible, batch invariant.
+__device__ inline void decoder_epilogue(const float (&logit)[DEC_BN / 2], int row16, int cb, const DecoderIO& io) {
+    if (row16 >= io.rows) return; // the whole warp
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
+    const int skip = cb < DEC_COL_BLOCKS - 1 ? 0 : DEC_OVERLAP / 8; // n8 blocks left to block 2
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int row = row16 + g + 8 * half;
+        const bool live = row < io.rows; // rows past the end run along (whole-warp shuffles), write nothing
+        if (live && (io.logits || io.recon)) {
+            const size_t at = (size_t)row * INPUT_DIM + col0;
+            #pragma unroll
+            for (int j = 0; j < DEC_BN / 8; j++) {
+                if (j < skip) continue;
+                const int c = 8 * j + 2 * t;
+                const float l0 = logit[4 * j + 2 * half], l1 = logit[4 * j + 2 * half + 1];
+                if (io.logits) *reinterpret_cast<float2*>(&io.logits[at + c]) = make_float2(l0, l1);
+                if (io.recon)
+                    *reinterpret_cast<float2*>(&io.recon[at + c]) =
+                        make_float2(1.0f / (1.0f + expf(-l0)), 1.0f / (1.0f + expf(-l1)));
+            }
+        }
+        if (io.pixels == NULL) continue;
+        const uint8_t* x = io.pixels + (size_t)((live ? row : 0) / io.rows_per_image) * INPUT_DIM + col0;
+        float dot = 0.0f, abs_sum = 0.0f, prod0 = 1.0f, prod1 = 1.0f; // sum (1/2 - x) l; sum |l|; prod 1 + e^-|l|
+        #pragma unroll
+        for (int j = 0; j < DEC_BN / 8; j++) {
+            if (j < skip) continue;
+            const int c = 8 * j + 2 * t;
+            const uint32_t px = *reinterpret_cast<const uint16_t*>(&x[c]); // two pixels
+            const float l0 = logit[4 * j + 2 * half], l1 = logit[4 * j + 2 * half + 1];
+            dot = fmaf(fmaf(byte_as_float(px, 0), -1.0f / 255.0f, 0.5f), l0, dot);
+            dot = fmaf(fmaf(byte_as_float(px, 1), -1.0f / 255.0f, 0.5f), l1, dot);
+            abs_sum += fabsf(l0) + fabsf(l1);
+            prod0 = fmaf(prod0, fast_exp2(-fabsf(l0) * 1.4426950409f), prod0);
+            prod1 = fmaf(prod1, fast_exp2(-fabsf(l1) * 1.4426950409f), prod1);
+        }
+        float sum = dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (live && t == 0) io.parts[(size_t)row * DEC_COL_BLOCKS + cb] = sum;
+    }
+    if (io.pixels == NULL) return;
+    __threadfence(); // this warp's shares are visible to the whole GPU before its ticket is
+    __syncwarp();
+    unsigned arrived = 0;
+    if (lane == 0) arrived = atomicAdd(&io.tickets[row16 / DEC_ROWS], 1u);
+    if (__shfl_sync(0xffffffffu, arrived, 0) != DEC_COL_BLOCKS - 1) return;
+    __threadfence();
+    const int row = row16 + lane;
+    if (lane < DEC_ROWS && row < io.rows) {
+        const float4 p = __ldcg(reinterpret_cast<const float4*>(&io.parts[(size_t)row * DEC_COL_BLOCKS]));
+        io.bce[row] = ((p.x + p.y) + p.z) + p.w;
+    }
+    if (lane == 0) io.tickets[row16 / DEC_ROWS] = 0; // every column block has arrived: ready for the next pass
+}
+
+// decoder_mma_kernel: the decoder on mma.sync (any GPU from sm_80). A block owns one column
+// block: its 200 rows of fc4 (163 KB) and all of fc3 (32 KB) are copied into shared memory once,
+// and its 8 warps then walk 16-row tasks g, g + 8 * copies, ... on their own (no block-wide
+// barrier after the copy). Per task a warp runs fc3 in chunks of 80 hidden units (10 n8 blocks,
+// K = 32), turns each chunk's accumulators into fc4's A fragments in registers (fc3_to_a), and
+// multiplies them by fc4's rows through ldmatrix: the same dataflow as the wgmma kernel, 16 rows
+// at a time instead of 64. Rows of 816 bytes (51 x 16) put the 8 rows an ldmatrix phase reads in
+// 8 different bank groups.
+enum { DEC_MMA_WARPS = 8, FC3_PITCH = FC3_K_PADDED + 8 }; // fc3 rows of 80 bytes: conflict-free fragment loads
+struct DecoderMmaSmem {
+    bf16 w4[DEC_BN][FC4_K];
+    bf16 w3[HIDDEN_DIM][FC3_PITCH];
+};
+__global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
+    decoder_mma_kernel(const bf16* __restrict__ fc4_wb, const bf16* __restrict__ fc3_wb, const DecoderIO io) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    DecoderMmaSmem& sm = *reinterpret_cast<DecoderMmaSmem*>(smem_raw);
+    const int cb = blockIdx.x % DEC_COL_BLOCKS, col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
+    constexpr int W4_CHUNKS = FC4_K / 8, W3_CHUNKS = FC3_K_PADDED / 8; // 16-byte chunks per row
+    for (int c = threadIdx.x; c < DEC_BN * W4_CHUNKS; c += blockDim.x) {
+        const int r = c / W4_CHUNKS, k = (c % W4_CHUNKS) * 8;
+        cp_async16(&sm.w4[r][k], fc4_wb + (size_t)(col0 + r) * FC4_K + k, true);
+    }
+    for (int c = threadIdx.x; c < HIDDEN_DIM * W3_CHUNKS; c += blockDim.x) {
+        const int r = c / W3_CHUNKS, k = (c % W3_CHUNKS) * 8;
+        cp_async16(&sm.w3[r][k], fc3_wb + r * FC3_K_PADDED + k, true);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
+    const uint32_t ones = t == 0 ? 0x3F803F80u : t == 1 ? 0x00003F80u : 0u; // bf16 1s at K = 400..402
+    const uint32_t a_bias[4] = {ones, ones, 0u, 0u};
+    const int tasks = ceil_div(io.rows, DEC_ROWS), stride = gridDim.x / DEC_COL_BLOCKS * DEC_MMA_WARPS;
+    for (int task = blockIdx.x / DEC_COL_BLOCKS * DEC_MMA_WARPS + warp; task < tasks; task += stride) {
+        uint32_t z_a[2][4];
+        load_z_fragments(z_a, io.z_rows, task * DEC_ROWS, io.rows);
+        float logit[DEC_BN / 2] = {};
+        #pragma unroll 1
+        for (int c = 0; c < DEC_CHUNKS; c++) {
+            float h[2 * DEC_CHUNK / 4] = {};
+            #pragma unroll
+            for (int nt = 0; nt < DEC_CHUNK / 8; nt++)
+                #pragma unroll
+                for (int kk = 0; kk < 2; kk++) {
+                    const bf16* w = &sm.w3[c * DEC_CHUNK + nt * 8 + g][kk * 16 + 2 * t];
+                    const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
+                    mma_bf16_m16n8k16(&h[4 * nt], z_a[kk], b);
+                }
+            uint32_t a[DEC_STEPS][4];
+            fc3_to_a(a, h);
+            #pragma unroll
+            for (int s = 0; s < DEC_STEPS; s++) {
+                const int k = (c * DEC_STEPS + s) * 16;
+                #pragma unroll
+                for (int nt = 0; nt < DEC_BN / 8; nt += 2) {
+                    const bf16* row = &sm.w4[nt * 8 + b_row][k + b_k];
+                    if (nt + 1 < DEC_BN / 8) {
+                        uint32_t r[4];
+                        ldmatrix_x4(r, row);
+                        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                        mma_bf16_m16n8k16(&logit[4 * nt], a[s], b0);
+                        mma_bf16_m16n8k16(&logit[4 * nt + 4], a[s], b1);
+                    } else { // 25 blocks: the last alone; lanes 16-31 pass (unused) in-bounds addresses
+                        uint32_t b[2];
+                        ldmatrix_x2(b[0], b[1], row - (lane / 16) * 8 * FC4_K);
+                        mma_bf16_m16n8k16(&logit[4 * nt], a[s], b);
+                    }
                 }
             }
         }
         #pragma unroll
-        for (int j = 0; j < 4; j++) z_tile[r][4 * q + j] = __float2bfloat16(z[j]), kl_terms[r][4 * q + j] = kl_term[j];
-    }
-    constexpr int PAD = FC3_K_PADDED - LATENT_DIM;
-    for (int i = threadIdx.x; i < BM * PAD; i += THREADS) z_tile[i / PAD][LATENT_DIM + i % PAD] = __float2bfloat16(0.0f);
-    __syncthreads();
-    if (threadIdx.x < BM && row0 + (int)threadIdx.x < M) {
-        float sum = 0.0f;
-        for (int j = 0; j < LATENT_DIM; j++) sum += kl_terms[threadIdx.x][j];
-        kl[row0 + threadIdx.x] = -0.5f * sum;
-    }
-
-    fc3_relu_tile(h3, z_tile, sm.fc3_w, fc3_b, row0, M);
-}
-
-// bce_term with the hardware exp2/log2 approximations (__expf, __logf: a few instructions instead
-// of the accurate library calls). Their error (~1e-7 absolute per pixel) is far below bf16's.
-__device__ inline float bce_term_fast(float logit, uint8_t pixel) {
-    return fmaxf(logit, 0.0f) - (float)pixel * (1.0f / 255.0f) * logit + __logf(1.0f + __expf(-fabsf(logit)));
-}
-
-// fc4 with the loss in its epilogue: each thread turns its logits into BCE terms against the
-// pixels, the 4 threads sharing a row add theirs with shuffles, the warps sharing a row through
-// shared memory, and each block writes one partial sum per row for its 112 columns. No atomics:
-// the finalize kernel adds the 7 partials in a fixed order, so results are reproducible bit for bit.
-// The block's 128 x 112 pixels are copied into shared memory while the GEMM runs, so the epilogue
-// reads them without a round trip to global memory. Row r is compared with image
-// r / rows_per_image (1 for the ELBO; K when the rows are K importance samples of each image). Logits and recon are written only when asked
-// for (tests, images).
-// Two kernels compute it: this one (mma.sync, any GPU from sm_80) and fc4_bce_wgmma_kernel below
-// (Hopper's wgmma + TMA, used when the GPU and the build have them). Both cut the 784 pixels
-// into the same FC4_COL_BLOCKS column blocks, so bce_partial and the finalize are shared.
-enum { FC4_BN = 112, FC4_COL_BLOCKS = INPUT_DIM / FC4_BN };
-static_assert(INPUT_DIM % FC4_BN == 0, "column blocks tile the 784 pixels exactly");
-static_assert(INPUT_DIM % 16 == 0 && FC4_BN % 16 == 0, "pixel tiles are whole 16-byte chunks");
-typedef MmaTile<bf16, 4, 2, 2, 7, 2, 64> Fc4Tile; // 128 images x 112 pixels, 8 warps, K in slices of 64
-static_assert(Fc4Tile::BN == FC4_BN, "one column block per block tile");
-struct Fc4Smem {
-    Fc4Tile::Smem mma;
-    uint8_t pixels[Fc4Tile::BM][Fc4Tile::BN];
-};
-
-__global__ void __launch_bounds__(Fc4Tile::THREADS)
-    fc4_bce_bf16_kernel(float* __restrict__ bce_partial, float* __restrict__ logits_out, float* __restrict__ recon_out,
-                        const bf16* __restrict__ h3, const bf16* __restrict__ W, const float* __restrict__ bias,
-                        const uint8_t* __restrict__ pixels, int M, int rows_per_image) {
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    Fc4Smem& sm = *reinterpret_cast<Fc4Smem*>(smem_raw);
-    __shared__ float row_sums[Fc4Tile::WARPS_N][Fc4Tile::BM];
-    const int row0 = blockIdx.y * Fc4Tile::BM, col0 = blockIdx.x * Fc4Tile::BN;
-
-    constexpr int PX_CHUNKS_PER_ROW = Fc4Tile::BN / 16; // the oldest cp.async group: lands first
-    for (int c = threadIdx.x; c < Fc4Tile::BM * PX_CHUNKS_PER_ROW; c += Fc4Tile::THREADS) {
-        const int r = c / PX_CHUNKS_PER_ROW, k = (c % PX_CHUNKS_PER_ROW) * 16;
-        const bool valid = row0 + r < M;
-        const uint8_t* src = pixels + (size_t)((row0 + r) / rows_per_image) * INPUT_DIM + col0 + k;
-        cp_async16(&sm.pixels[r][k], valid ? src : pixels, valid);
-    }
-    cp_async_commit();
-
-    float acc[Fc4Tile::MT][Fc4Tile::NT][4] = {};
-    mma_mainloop<Fc4Tile>(acc, sm.mma, h3, W, M, INPUT_DIM, HIDDEN_DIM, row0, col0);
-
-    float sums[Fc4Tile::MT][2] = {}; // [mt][half]: this thread's part of its rows' BCE
-    for_each_acc_pair<Fc4Tile>(acc, [&](int mt, int half, int r, int c, float v0, float v1) {
-        const uint8_t x0 = sm.pixels[r][c], x1 = sm.pixels[r][c + 1];
-        r += row0, c += col0;
-        if (r >= M) return;
-        const size_t at = (size_t)r * INPUT_DIM + c;
-        const float l0 = v0 + bias[c], l1 = v1 + bias[c + 1];
-        sums[mt][half] += bce_term_fast(l0, x0) + bce_term_fast(l1, x1);
-        if (logits_out) logits_out[at] = l0, logits_out[at + 1] = l1;
-        if (recon_out) recon_out[at] = 1.0f / (1.0f + expf(-l0)), recon_out[at + 1] = 1.0f / (1.0f + expf(-l1));
-    });
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    #pragma unroll
-    for (int mt = 0; mt < Fc4Tile::MT; mt++)
-        #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            float v = sums[mt][half];
-            v += __shfl_xor_sync(0xffffffffu, v, 1); // the 4 lanes of a quad share rows
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            if (lane % 4 == 0)
-                row_sums[warp % Fc4Tile::WARPS_N][(warp / Fc4Tile::WARPS_N) * Fc4Tile::MT * 16 + mt * 16 + lane / 4 +
-                                                  8 * half] = v;
+        for (int nt = 0; nt < DEC_BN / 8; nt++) { // k16 step 25: the bias; B's K = 408..415 (past the rows) as zeros
+            const uint32_t b[2] = {bf16x2_at(&sm.w4[nt * 8 + g][HIDDEN_DIM + 2 * t]), 0u};
+            mma_bf16_m16n8k16(&logit[4 * nt], a_bias, b);
         }
-    __syncthreads();
-    for (int i = threadIdx.x; i < Fc4Tile::BM; i += Fc4Tile::THREADS) {
-        if (row0 + i >= M) break;
-        float total = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < Fc4Tile::WARPS_N; w++) total += row_sums[w][i];
-        bce_partial[(size_t)(row0 + i) * FC4_COL_BLOCKS + blockIdx.x] = total;
+        decoder_epilogue(logit, task * DEC_ROWS, cb, io);
     }
-}
-
-__global__ void bce_finalize_kernel(float* __restrict__ bce, const float* __restrict__ bce_partial, int M) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= M) return;
-    float total = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < FC4_COL_BLOCKS; j++) total += bce_partial[(size_t)r * FC4_COL_BLOCKS + j];
-    bce[r] = total;
 }
 
 // ----------------------------------------------------------------------------
-// kernels: fc4 + BCE on Hopper (wgmma, TMA, mbarriers; sm_90a)
+// kernels: the decoder on Hopper (wgmma, TMA, mbarriers; sm_90a)
 //
-// mma.sync is a warp-wide 16x8x16 product: every one costs a dozen more instructions of
-// ldmatrix, address arithmetic and pipeline bookkeeping, and the tensor cores wait on that issue
-// slot. Hopper's own path removes them:
-//   wgmma.mma_async   one instruction per warpgroup (4 warps) multiplies 64 x 112 x 16, reading
-//                     both operands straight from shared memory through 64-bit descriptors; it
-//                     runs asynchronously, so a warpgroup issues a whole K slice and waits once
-//   TMA               cp.async.bulk.tensor: one thread copies a whole 2-D box global -> shared,
-//                     in the 128-byte swizzled layout wgmma reads without bank conflicts; boxes
-//                     hanging past the matrix are zero-filled by the hardware, so rows past M and
-//                     the ragged end of K = 400 need no code
-//   mbarriers         a ring of STAGES slices: "full" barriers count the bytes TMA has landed,
-//                     "empty" barriers count the consumer warps done with a slice
-//   persistence       one tile per block leaves the tensor cores idle while the ring first fills
-//                     and during the epilogue; instead each block walks tiles b, b + gridDim.x,
-//                     ... and the producer runs on into the next tile while the consumers
-//                     finish the last one (IWAE's 50 million rows: 1.9x faster than one tile per
-//                     block; the same time for a single wave of tiles)
-// One producer warp feeds the ring; two consumer warpgroups own 64 rows each of a 128 x 112
-// tile. The epilogue is the mma.sync kernel's: BCE per row against the pixels (read straight
-// from global memory, where the 7 column blocks of a row tile find them in cache), one partial
-// sum per row and column block, logits and recon only when asked for. Each output is summed in
-// the same K order by whichever block computes its tile, so results stay batch invariant.
+// mma.sync is a warp-wide 16x8x16 product: every one costs more instructions of ldmatrix and
+// address arithmetic, and the tensor cores wait on that issue slot. Hopper's own path:
+//   wgmma.mma_async   one instruction per warpgroup (4 warps) multiplies 64 x 200 x 16, B
+//                     straight from shared memory through a 64-bit descriptor, A (h3) from
+//                     registers; it runs asynchronously, so fc3 of the next chunk, the bf16
+//                     conversion and the other warpgroup's epilogue overlap it
+//   TMA               cp.async.bulk.tensor: one thread copies a block's weights global ->
+//                     shared in the swizzled layouts wgmma reads without bank conflicts
+//   mbarriers         the weights' arrival (and, in the wait, a trap instead of a hang)
+// A block owns one column block and keeps its slice of fc4 (179 KB) and all of fc3 (25 KB) in
+// shared memory for the whole pass, loaded once. Its two warpgroups take 64-row tiles in turns
+// at the tensor cores, handing over by named barriers: while one issues a tile's MMAs the other
+// runs its epilogue (decoder_epilogue, shared with the mma.sync kernel), so the BCE and the
+// matrix work overlap. One block per SM (205 KB of shared memory, ~235 registers a thread).
+// --iwae's 50 million rows at K = 5000 run at 77-79% of the bf16 floor (dev/README.md, IWAE).
 
 // mbarriers: init, arrive, and a wait that cannot hang (a pipeline bug traps after ~1 s, so the
 // launch fails loudly).
@@ -1108,361 +1254,6 @@ __device__ inline void fence_accumulators(float (&d)[R]) {
     for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D[64 x 112] += A[64 x 16] B[16 x 112], A and B K-major in shared memory, fp32 accumulators.
-// Warp w of the warpgroup owns rows 16w .. 16w+15 in mma.sync's m16n8 layout, repeated along N:
-// with g = lane / 4, t = lane % 4, d[4j], d[4j+1] = D[16w+g][8j+2t, +1], d[4j+2..3] = row +8.
-__device__ inline void wgmma_m64n112k16(float (&d)[56], uint64_t desc_a, uint64_t desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
-        "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55"
-        "}, %56, %57, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
-        : "l"(desc_a), "l"(desc_b)
-        : "memory");
-}
-
-// The first STEPS k16 steps of one 64-wide K slice as one wgmma group. A slice that is partly
-// past K runs only its real steps (K = 400 leaves 16 of the last 64); the condition sits around
-// whole fence..commit groups, never around single wgmmas, which would make ptxas serialise them.
-template <int STEPS>
-__device__ inline void wgmma_k_slice(float (&d)[56], uint32_t a_tile, uint32_t b_tile) {
-    wgmma_fence(); // the accumulators were last written by earlier wgmmas
-    const uint64_t da = smem_desc_128b(a_tile), db = smem_desc_128b(b_tile);
-    #pragma unroll
-    for (int kk = 0; kk < STEPS; kk++) wgmma_m64n112k16(d, da + 2 * kk, db + 2 * kk); // +32 bytes = +2
-    wgmma_commit();
-}
-
-// 128 x 112 tiles (two consumer warpgroups of 64 rows) and a 3-deep ring of 64-wide K slices:
-// 91 KB of shared memory, so two blocks share an SM and one's epilogue overlaps the other's
-// mainloop (measured faster than one block per SM with a 6-deep ring).
-enum {
-    FC4_WG_CONSUMERS = 2,
-    FC4_WG_BM = 64 * FC4_WG_CONSUMERS,
-    FC4_WG_BK = 64, // bf16 per 128-byte swizzle row
-    FC4_WG_STAGES = 3,
-    FC4_WG_SLICES = (HIDDEN_DIM + FC4_WG_BK - 1) / FC4_WG_BK,
-    FC4_WG_LAST_STEPS = (HIDDEN_DIM - (FC4_WG_SLICES - 1) * FC4_WG_BK + 15) / 16,
-    FC4_WG_THREADS = FC4_WG_CONSUMERS * 128 + 32, // + one producer warp
-};
-static_assert(HIDDEN_DIM % 16 == 0, "K is whole k16 steps");
-struct Fc4WgmmaSmem { // every operand tile starts 1024-byte aligned (the swizzle repeats every 1024 bytes)
-    bf16 a[FC4_WG_STAGES][FC4_WG_BM][FC4_WG_BK];
-    bf16 b[FC4_WG_STAGES][FC4_BN][FC4_WG_BK];
-    uint64_t full[FC4_WG_STAGES], empty[FC4_WG_STAGES];
-};
-static_assert(sizeof(bf16) * FC4_WG_BM * FC4_WG_BK % 1024 == 0 && sizeof(bf16) * FC4_BN * FC4_WG_BK % 1024 == 0,
-              "operand tiles stay 1024-byte aligned");
-enum { FC4_WG_SMEM = sizeof(Fc4WgmmaSmem) + 1024 }; // + room to align the dynamic shared memory
-
-__global__ void __launch_bounds__(FC4_WG_THREADS, 2)
-    fc4_bce_wgmma_kernel(const __grid_constant__ CUtensorMap h3_map, const __grid_constant__ CUtensorMap w_map,
-                         float* __restrict__ bce_partial, float* __restrict__ logits_out,
-                         float* __restrict__ recon_out, const float* __restrict__ bias,
-                         const uint8_t* __restrict__ pixels, int M, int rows_per_image) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
-    constexpr int BM = FC4_WG_BM, BN = FC4_BN, STAGES = FC4_WG_STAGES, SLICES = FC4_WG_SLICES;
-    constexpr uint32_t STAGE_BYTES = sizeof(bf16) * (BM + BN) * FC4_WG_BK;
-    extern __shared__ uint8_t smem_raw[];
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
-    Fc4WgmmaSmem& sm = *reinterpret_cast<Fc4WgmmaSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
-    auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // Tile t covers rows (t / 7) * 128 .. and column block t % 7; block b takes b, b + gridDim.x, ...
-    const int tiles = FC4_COL_BLOCKS * ((M + BM - 1) / BM);
-
-    if (threadIdx.x == 0) {
-        // start fetching the descriptors now; the first TMA would otherwise wait for them
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(&h3_map) : "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(&w_map) : "memory");
-        for (int s = 0; s < STAGES; s++) {
-            mbar_init(addr(&sm.full[s]), 1);                     // the producer's arrive.expect_tx
-            mbar_init(addr(&sm.empty[s]), FC4_WG_CONSUMERS * 4); // lane 0 of every consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-
-    if (warp == FC4_WG_CONSUMERS * 4) {
-        // Producer: one thread walks the block's tiles and their K slices as one stream; slice i
-        // goes to stage i % STAGES once every consumer warp released that stage's previous use.
-        if (lane == 0) {
-            int i = 0;
-            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
-                for (int kt = 0; kt < SLICES; kt++, i++) {
-                    const int s = i % STAGES;
-                    if (i >= STAGES) mbar_wait(addr(&sm.empty[s]), (i / STAGES - 1) & 1);
-                    const uint32_t full = addr(&sm.full[s]);
-                    mbar_arrive_expect_tx(full, STAGE_BYTES); // whole boxes count, zero-filled parts included
-                    tma_load_2d(addr(&sm.a[s][0][0]), &h3_map, full, kt * FC4_WG_BK, (tile / FC4_COL_BLOCKS) * BM);
-                    tma_load_2d(addr(&sm.b[s][0][0]), &w_map, full, kt * FC4_WG_BK, (tile % FC4_COL_BLOCKS) * BN);
-                }
-        }
-        return;
-    }
-
-    // Consumers: warpgroup wg multiplies rows 64 wg .. 64 wg + 63 of each tile. One wgmma group
-    // stays in flight: slice i - 1 is released once slice i's group is issued and i - 1's done.
-    const int wg = threadIdx.x / 128, g = lane / 4, t = lane % 4;
-    int i = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int row0 = (tile / FC4_COL_BLOCKS) * BM, col0 = (tile % FC4_COL_BLOCKS) * BN;
-        float d[56];
-        #pragma unroll
-        for (int k = 0; k < 56; k++) d[k] = 0.0f;
-        fence_accumulators(d);
-        #pragma unroll
-        for (int kt = 0; kt < SLICES; kt++, i++) {
-            const int s = i % STAGES;
-            mbar_wait(addr(&sm.full[s]), (i / STAGES) & 1);
-            const uint32_t a_tile = addr(&sm.a[s][wg * 64][0]), b_tile = addr(&sm.b[s][0][0]);
-            if (kt < SLICES - 1) wgmma_k_slice<FC4_WG_BK / 16>(d, a_tile, b_tile);
-            else wgmma_k_slice<FC4_WG_LAST_STEPS>(d, a_tile, b_tile);
-            wgmma_wait<1>();
-            if (kt > 0 && lane == 0) mbar_arrive(addr(&sm.empty[(i - 1) % STAGES]));
-        }
-        wgmma_wait<0>();
-        fence_accumulators(d);
-        if (lane == 0) mbar_arrive(addr(&sm.empty[(i - 1) % STAGES])); // the tile's last slice
-        // (the producer is already loading the next tile's first slices while this epilogue runs)
-
-        // Epilogue. A warp holds all 112 columns of its 16 rows, so the 4 lanes sharing a row add
-        // their BCE terms with two shuffles and the sum is the row's whole partial for this block.
-        // Row r is compared with image r / rows_per_image; rows past M (zeros from TMA) are skipped.
-        #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            const int row = row0 + wg * 64 + (warp % 4) * 16 + g + 8 * half;
-            const bool live = row < M; // rows past M run along (whole-warp shuffles) but write nothing
-            const uint8_t* x = pixels + (size_t)((live ? row : 0) / rows_per_image) * INPUT_DIM + col0;
-            float sum = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                const int c = j * 8 + 2 * t;
-                const uint32_t px = *reinterpret_cast<const uint16_t*>(&x[c]); // two pixels
-                const float l0 = d[4 * j + 2 * half] + bias[col0 + c], l1 = d[4 * j + 2 * half + 1] + bias[col0 + c + 1];
-                sum += bce_term_fast(l0, (uint8_t)(px & 0xff)) + bce_term_fast(l1, (uint8_t)(px >> 8));
-                if (!live) continue;
-                const size_t at = (size_t)row * INPUT_DIM + col0 + c;
-                if (logits_out) *reinterpret_cast<float2*>(&logits_out[at]) = make_float2(l0, l1);
-                if (recon_out)
-                    *reinterpret_cast<float2*>(&recon_out[at]) =
-                        make_float2(1.0f / (1.0f + expf(-l0)), 1.0f / (1.0f + expf(-l1)));
-            }
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            if (live && t == 0) bce_partial[(size_t)row * FC4_COL_BLOCKS + col0 / BN] = sum;
-        }
-    }
-#endif
-}
-
-// Writes 1 when the code loaded for this GPU was built for sm_90a (wgmma and TMA available),
-// else 0: the host picks the fc4 kernel from what actually runs, not from what the GPU could run.
-__global__ void has_wgmma_kernel(int* out) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    *out = 1;
-#else
-    *out = 0;
-#endif
-}
-
-// fp32 -> bf16, once at load. Copies a rows x cols matrix into rows x dst_cols, zero-filling
-// the extra columns (fc3's K = 20 becomes 32 so it fits whole mma tiles).
-__global__ void to_bf16_kernel(bf16* dst, const float* src, int rows, int cols, int dst_cols) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * dst_cols) return;
-    const int r = i / dst_cols, c = i % dst_cols;
-    dst[i] = __float2bfloat16(c < cols ? src[(size_t)r * cols + c] : 0.0f);
-}
-
-// ----------------------------------------------------------------------------
-// kernels: importance-weighted log-likelihood (--iwae K)
-//
-// log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
-// (Burda et al., "Importance Weighted Autoencoders"). The K samples of an image are K rows of a
-// batch: row r is sample r % K of image r / K, its eps keyed by (seed, image, sample = k, latent),
-// so sample 0 is the ELBO path's draw. log p(x|z) = -BCE. With z = mu + sigma eps, the Gaussian
-// terms log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel.
-
-// One row's z and its log p(z) - log q(z|x), from the image's [mu | logvar]; the 4 latents of
-// group q share one Philox call.
-__device__ inline float iwae_sample_group(float (&z)[4], const float* mulv_row, const float* eps_row, int q,
-                                          uint32_t image, uint32_t sample, uint64_t seed) {
-    const float4 eps4 = eps_row ? *reinterpret_cast<const float4*>(&eps_row[4 * q])
-                                : gaussian4(seed, STREAM_POSTERIOR, image, sample, q);
-    const float eps[4] = {eps4.x, eps4.y, eps4.z, eps4.w};
-    float sum = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const float logvar = mulv_row[LATENT_DIM + 4 * q + j];
-        float unused_kl_term;
-        z[j] = latent_z(mulv_row[4 * q + j], logvar, eps[j], &unused_kl_term);
-        sum += eps[j] * eps[j] + logvar - z[j] * z[j];
-    }
-    return 0.5f * sum;
-}
-
-// fp32: one thread per row writes z (for the fp32 decoder) and the row's log-density ratio.
-__global__ void iwae_sample_kernel(float* __restrict__ z, float* __restrict__ log_ratio,
-                                   const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
-                                   uint32_t first_image, uint64_t seed) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows) return;
-    const int image = r / K, sample = r % K;
-    float ratio = 0.0f;
-    for (int q = 0; q < LATENT_DIM / 4; q++) {
-        float zq[4];
-        ratio += iwae_sample_group(zq, mulv + (size_t)image * 2 * LATENT_DIM,
-                                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image, sample,
-                                   seed);
-        *reinterpret_cast<float4*>(&z[(size_t)r * LATENT_DIM + 4 * q]) = make_float4(zq[0], zq[1], zq[2], zq[3]);
-    }
-    log_ratio[r] = ratio;
-}
-
-// bf16: a block of 4 warps samples 32 rows at a time into a bf16 z tile and runs fc3 on the
-// tensor cores (as latent_bf16_kernel does after its encoder GEMM), so z never reaches memory.
-// Each block takes IWAE_TILES such tiles, so fc3's 25 KB of weights are staged once per 128 rows.
-enum { IWAE_TILE = 32, IWAE_TILES = 4 };
-__global__ void __launch_bounds__(128)
-    iwae_latent_bf16_kernel(bf16* __restrict__ h3, float* __restrict__ log_ratio, const float* __restrict__ mulv,
-                            const float* __restrict__ eps_in, const bf16* __restrict__ fc3_w_padded,
-                            const float* __restrict__ fc3_b, int rows, int K, uint32_t first_image, uint64_t seed) {
-    constexpr int BM = IWAE_TILE, GROUPS = LATENT_DIM / 4;
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    bf16(*fc3_w)[FC3_PITCH] = reinterpret_cast<bf16(*)[FC3_PITCH]>(smem_raw);
-    __shared__ __align__(16) bf16 z_tile[BM][FC3_PITCH];
-    __shared__ float ratio_terms[BM][GROUPS];
-    stage_fc3_weights(fc3_w, fc3_w_padded);
-
-    for (int tile = 0; tile < IWAE_TILES; tile++) {
-        const int row0 = (blockIdx.x * IWAE_TILES + tile) * BM;
-        if (row0 >= rows) break; // the same for the whole block
-        for (int i = threadIdx.x; i < BM * FC3_K_PADDED / 4; i += blockDim.x) { // z, and zeros in the K padding
-            const int r = i / (FC3_K_PADDED / 4), q = i % (FC3_K_PADDED / 4), row = row0 + r;
-            float z[4] = {};
-            if (q < GROUPS && row < rows) {
-                const int image = row / K;
-                ratio_terms[r][q] = iwae_sample_group(z, mulv + (size_t)image * 2 * LATENT_DIM,
-                                                      eps_in ? eps_in + (size_t)row * LATENT_DIM : NULL, q,
-                                                      first_image + image, row % K, seed);
-            }
-            #pragma unroll
-            for (int j = 0; j < 4; j++) z_tile[r][4 * q + j] = __float2bfloat16(z[j]);
-        }
-        cp_async_wait<0>(); // fc3's weights (only the first tile waits)
-        __syncthreads();
-        if (threadIdx.x < BM && row0 + (int)threadIdx.x < rows) {
-            float ratio = 0.0f;
-            for (int q = 0; q < GROUPS; q++) ratio += ratio_terms[threadIdx.x][q];
-            log_ratio[row0 + threadIdx.x] = ratio;
-        }
-        fc3_relu_tile(h3, z_tile, fc3_w, fc3_b, row0, rows);
-        __syncthreads(); // z_tile and ratio_terms are refilled by the next tile
-    }
-}
-
-// log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k (BCE_k given as `parts`
-// partial sums, added in order), combined by a running
-// (max, sum of exp) so no exp overflows. One block per image: thread t takes k = t, t + 256, ...,
-// then the warps merge by a shuffle tree and the 8 warp results in order, the same on every run.
-__device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
-    const float top = fmaxf(m, m2);
-    if (top == -INFINITY) return; // both empty
-    s = s * expf(m - top) + s2 * expf(m2 - top);
-    m = top;
-}
-enum { LSE_THREADS = 256 };
-__global__ void __launch_bounds__(LSE_THREADS)
-    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce_parts, int parts,
-                          const float* __restrict__ log_ratio, int K) {
-    __shared__ float warp_m[LSE_THREADS / 32], warp_s[LSE_THREADS / 32];
-    const int image = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float m = -INFINITY, s = 0.0f;
-    for (int k = threadIdx.x; k < K; k += LSE_THREADS) {
-        const size_t r = (size_t)image * K + k;
-        float bce = 0.0f; // a row's BCE: its parts (column blocks) in order
-        for (int p = 0; p < parts; p++) bce += bce_parts[r * parts + p];
-        logsumexp_merge(m, s, log_ratio[r] - bce, 1.0f);
-    }
-    for (int offset = 16; offset > 0; offset /= 2) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
-        logsumexp_merge(m, s, m2, s2);
-    }
-    if (lane == 0) warp_m[warp] = m, warp_s[warp] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < LSE_THREADS / 32; w++) logsumexp_merge(m, s, warp_m[w], warp_s[w]);
-        log_px[image] = m + logf(s) - logf((float)K);
-    }
-}
-
-// ----------------------------------------------------------------------------
-// kernels: IWAE's decoder on Hopper, one fused kernel (wgmma, TMA; sm_90a)
-//
-// --iwae spends nearly all its time in the decoder: 50 million rows of fc3 + fc4 + BCE at
-// K = 5000. Run as two kernels (h3 written by the sampling block, then fc4 + BCE) every pass
-// writes 52 MB of h3 and reads it back seven times, once per column block, and fc4's tiles
-// re-read the weights from L2. This kernel keeps everything but the z rows on chip:
-//   weights   a block owns one of 4 column blocks of fc4 (200 logits; the last block starts at
-//             584 and leaves its first 16 to block 2) and keeps that slice of fc4's weights
-//             (179 KB) and all of fc3's (25 KB) in shared memory for a whole pass of up to 2M
-//             rows, loaded once by TMA in the swizzled layouts wgmma reads
-//   h3        never leaves the registers: a warpgroup multiplies 64 z rows by fc3 in chunks of
-//             80 hidden units; each chunk's accumulators (ReLU, rounded to bf16) are already in
-//             the layout of wgmma's A operand from registers, so they feed fc4's next 5 k16
-//             steps directly. fc3 for chunk c + 1 runs while fc4 takes chunk c.
-//   biases    ride in the K padding: z's K = 20..22 and an extra k16 step of fc4 hold 1, the
-//             weights there hold the bias split into three bf16 parts (~fp32 exact), so the
-//             tensor cores add them and the epilogue does not
-//   z         the sampling kernel stores each row's z (K = 32 with the bias ones and zeros) as
-//             bf16 pairs in the order a thread's A fragments need them: two 16-byte loads a row
-//   loss      fc4's 64 x 200 accumulators become BCE terms in registers, max(l, 0) - x l +
-//             log(1 + e^-|l|) written as (1/2 - x) l + |l| / 2 + log(1 + e^-|l|) (pixels come
-//             as 1/2 - x) with one log2 per row, of the product of the 1 + e^-|l|; one partial
-//             per row and column block; the logsumexp kernel adds the 4 in a fixed order, so
-//             results are bitwise reproducible and batch invariant (each row's sums run in the
-//             same order wherever it sits)
-// Two warpgroups per block (one block per SM: 205 KB of shared memory, 235 registers a thread)
-// take turns at the tensor cores, handing over by named barriers: while one issues a tile's
-// MMAs the other runs its epilogue, so BCE and matrix work overlap (dev/README.md, IWAE).
-
-enum {
-    IWAE_COL_BLOCKS = 4,
-    IWAE_BN = 200,                                 // logits per column block: one m64n200 wgmma
-    IWAE_OVERLAP = IWAE_COL_BLOCKS * IWAE_BN - INPUT_DIM, // 16 columns the last block skips
-    IWAE_CHUNK = 80,                               // fc3 units per chunk = 5 k16 steps of fc4
-    IWAE_CHUNKS = HIDDEN_DIM / IWAE_CHUNK,
-    IWAE_STEPS = IWAE_CHUNK / 16,
-    IWAE_SLICES = (HIDDEN_DIM + 63) / 64,          // fc4's K in 64-wide 128-byte swizzle rows
-    IWAE_DEC_THREADS = 256,                        // two warpgroups
-    BIAS_PARTS = 3,                                // bf16 parts of a bias in the K padding (weights_with_bias_kernel)
-    IWAE_FC4_K = HIDDEN_DIM + 8,                   // fc4's K with the bias parts (rows of 16-byte multiples for TMA)
-};
-static_assert(LATENT_DIM + BIAS_PARTS <= FC3_K_PADDED && IWAE_FC4_K - HIDDEN_DIM >= BIAS_PARTS &&
-                  IWAE_FC4_K <= IWAE_SLICES * 64 &&
-                  HIDDEN_DIM % 64 <= 48, "the 3 bias parts fit the K padding, in fc4's k16 step 25");
-static_assert(HIDDEN_DIM % IWAE_CHUNK == 0 && IWAE_CHUNK % 16 == 0, "chunks are whole k16 steps");
-static_assert(IWAE_OVERLAP >= 0 && IWAE_OVERLAP % 8 == 0 && INPUT_DIM % 2 == 0, "the overlap is whole n8 blocks");
-static_assert(FC3_K_PADDED == 32, "z rows are two k16 steps");
-struct IwaeDecoderSmem {
-    bf16 w4[IWAE_SLICES][IWAE_BN][64];  // fc4's weights for this block's 200 logits, bias in K = 400..402, K-major
-    bf16 w3[HIDDEN_DIM][FC3_K_PADDED];  // fc3's with its bias in K = 20..22; K-major, 64-byte rows (64-byte swizzle)
-    uint64_t loaded;
-};
-static_assert(sizeof(bf16) * IWAE_BN * 64 % 1024 == 0 && sizeof(bf16) * IWAE_SLICES * IWAE_BN * 64 % 1024 == 0,
-              "every weight tile starts 1024-byte aligned");
-enum { IWAE_DEC_SMEM = sizeof(IwaeDecoderSmem) + 1024 };
-
 // wgmma descriptor of a K-major tile of 64-byte rows in the 64-byte swizzle layout: stride 512
 // bytes between 8-row groups, layout type 2; the tile starts 512-byte aligned.
 __device__ inline uint64_t smem_desc_64b(uint32_t addr) {
@@ -1517,74 +1308,6 @@ __device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4]
         : "memory");
 }
 
-// 1/2 - x for pixels x = p / 255: what the --iwae decoder's BCE multiplies the logits by (it
-// reads them as float2 pairs).
-__global__ void half_minus_pixels_kernel(float* __restrict__ out, const uint8_t* __restrict__ pixels, size_t n) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = 0.5f - (float)pixels[i] * (1.0f / 255.0f);
-}
-
-// A layer's weights for the --iwae decoder, whose wgmmas add the bias themselves: bf16
-// [rows][dst_cols] with the weights in K = 0 .. cols - 1, the bias split into three bf16 parts
-// (high, middle, low: their sum is the fp32 bias to ~2^-24) in K = cols .. cols + 2, zeros after.
-// The A operand holds 1 in those three K.
-__global__ void weights_with_bias_kernel(bf16* __restrict__ dst, const float* __restrict__ w,
-                                         const float* __restrict__ b, int rows, int cols, int dst_cols) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * dst_cols) return;
-    const int r = i / dst_cols, c = i % dst_cols;
-    float v = 0.0f;
-    if (c < cols) {
-        v = w[(size_t)r * cols + c];
-    } else if (c < cols + BIAS_PARTS) {
-        v = b[r]; // peel off the parts before this one: each remainder is exact in fp32
-        for (int part = 0; part < c - cols; part++) v -= __bfloat162float(__float2bfloat16(v));
-    }
-    dst[i] = __float2bfloat16(v);
-}
-
-__device__ inline uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ inline float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ inline float fast_log2(float x) {
-    float y;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// One thread per row: its z, as bf16 pairs with thread t of a quad's 4 words together
-// (z_frag[r][t] = the pairs at latents 2t, 8+2t, 16+2t, 24+2t; 20..22 are 1, 23..31 zeros),
-// and log p(z) - log q(z|x).
-__global__ void iwae_z_bf16_kernel(uint4* __restrict__ z_frag, float* __restrict__ log_ratio,
-                                   const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
-                                   uint32_t first_image, uint64_t seed) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows) return;
-    const int image = r / K, sample = r % K;
-    float z[FC3_K_PADDED] = {};
-    for (int k = LATENT_DIM; k < LATENT_DIM + BIAS_PARTS; k++) z[k] = 1.0f; // times fc3's bias parts
-    float ratio = 0.0f;
-    for (int q = 0; q < LATENT_DIM / 4; q++) {
-        float zq[4];
-        ratio += iwae_sample_group(zq, mulv + (size_t)image * 2 * LATENT_DIM,
-                                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image, sample,
-                                   seed);
-        for (int j = 0; j < 4; j++) z[4 * q + j] = zq[j];
-    }
-    #pragma unroll
-    for (int t = 0; t < 4; t++)
-        z_frag[(size_t)r * 4 + t] = make_uint4(pack_bf16(z[2 * t], z[2 * t + 1]), pack_bf16(z[8 + 2 * t], z[9 + 2 * t]),
-                                               pack_bf16(z[16 + 2 * t], z[17 + 2 * t]),
-                                               pack_bf16(z[24 + 2 * t], z[25 + 2 * t]));
-    log_ratio[r] = ratio;
-}
-
 // An empty asm "writes" each register: a constant A fragment is then materialised here, before a
 // wgmma.fence, rather than between wgmmas (where ptxas would have to add a fence of its own).
 template <int R>
@@ -1593,18 +1316,6 @@ __device__ inline void pin_registers(uint32_t (&a)[R]) {
     for (int i = 0; i < R; i++) asm volatile("" : "+r"(a[i])::"memory");
 }
 
-// bf16 and ReLU of a chunk's accumulators (ReLU after rounding, on bf16 pairs: the same values,
-// half the instructions), as the A fragments of its 5 k16 steps.
-__device__ inline void fc3_to_a(uint32_t (&a)[IWAE_STEPS][4], const float (&h)[2 * IWAE_CHUNK / 4]) {
-    #pragma unroll
-    for (int s = 0; s < IWAE_STEPS; s++)
-        #pragma unroll
-        for (int i = 0; i < 4; i++) { // n8 blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..); rows g, g + 8
-            const __nv_bfloat162 v = __hmax2(__floats2bfloat162_rn(h[8 * s + 2 * i], h[8 * s + 2 * i + 1]),
-                                             __float2bfloat162_rn(0.0f));
-            a[s][i] = *reinterpret_cast<const uint32_t*>(&v);
-        }
-}
 
 // Named barriers (0 is __syncthreads): the two warpgroups' turns at the tensor cores.
 enum { BAR_TURN = 1 };
@@ -1615,25 +1326,37 @@ __device__ inline void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-__global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
-    iwae_decoder_wgmma_kernel(const __grid_constant__ CUtensorMap w4_map, const __grid_constant__ CUtensorMap w3_map,
-                              float* __restrict__ bce_parts, const uint4* __restrict__ z_frag,
-                              const float* __restrict__ half_minus_x, int rows, int K) {
+enum {
+    DEC_WG_SLICES = (HIDDEN_DIM + 63) / 64, // fc4's K in 64-wide 128-byte swizzle rows
+    DEC_WG_THREADS = 256,                   // two warpgroups
+};
+static_assert(FC4_K <= DEC_WG_SLICES * 64, "the bias parts fit the last slice");
+struct DecoderWgmmaSmem {
+    bf16 w4[DEC_WG_SLICES][DEC_BN][64];  // fc4's weights for this block's 200 logits, bias in K = 400..402, K-major
+    bf16 w3[HIDDEN_DIM][FC3_K_PADDED];   // fc3's with its bias in K = 20..22; K-major, 64-byte rows (64-byte swizzle)
+    uint64_t loaded;
+};
+static_assert(sizeof(bf16) * DEC_BN * 64 % 1024 == 0 && sizeof(bf16) * DEC_WG_SLICES * DEC_BN * 64 % 1024 == 0,
+              "every weight tile starts 1024-byte aligned");
+enum { DEC_WG_SMEM = sizeof(DecoderWgmmaSmem) + 1024 }; // + room to align the dynamic shared memory
+
+__global__ void __launch_bounds__(DEC_WG_THREADS, 1)
+    decoder_wgmma_kernel(const __grid_constant__ CUtensorMap w4_map, const __grid_constant__ CUtensorMap w3_map,
+                         const DecoderIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
-    IwaeDecoderSmem& sm = *reinterpret_cast<IwaeDecoderSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
+    DecoderWgmmaSmem& sm = *reinterpret_cast<DecoderWgmmaSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
     auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
-    const int cb = blockIdx.x % IWAE_COL_BLOCKS;
-    const int col0 = cb < IWAE_COL_BLOCKS - 1 ? cb * IWAE_BN : INPUT_DIM - IWAE_BN;
-    const int skip = cb < IWAE_COL_BLOCKS - 1 ? 0 : IWAE_OVERLAP / 8; // n8 blocks left to block 2
+    const int cb = blockIdx.x % DEC_COL_BLOCKS;
+    const int col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
 
     if (threadIdx.x == 0) {
         const uint32_t bar = addr(&sm.loaded);
         mbar_init(bar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         mbar_arrive_expect_tx(bar, sizeof(sm.w4) + sizeof(sm.w3));
-        for (int s = 0; s < IWAE_SLICES; s++) tma_load_2d(addr(&sm.w4[s][0][0]), &w4_map, bar, 64 * s, col0);
+        for (int s = 0; s < DEC_WG_SLICES; s++) tma_load_2d(addr(&sm.w4[s][0][0]), &w4_map, bar, 64 * s, col0);
         tma_load_2d(addr(&sm.w3[0][0]), &w3_map, bar, 0, 0);
         tma_load_2d(addr(&sm.w3[HIDDEN_DIM / 2][0]), &w3_map, bar, 0, HIDDEN_DIM / 2);
     }
@@ -1643,42 +1366,33 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
     // The blocks of one column block share the row tiles in pairs: warpgroup w of the block's
     // p-th copy takes tile 2 pair + w of pairs p, p + copies, ... Both warpgroups run the same
     // number of turns (a tile past the rows does no work) so their turn barriers stay matched.
-    const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
-              t = lane % 4;
-    const int tiles = (rows + 63) / 64, pairs = (tiles + 1) / 2, copies = gridDim.x / IWAE_COL_BLOCKS;
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, t = lane % 4;
+    const int tiles = (io.rows + 63) / 64, pairs = (tiles + 1) / 2, copies = gridDim.x / DEC_COL_BLOCKS;
     const uint32_t w3_tile = addr(&sm.w3[0][0]), w4_tile = addr(&sm.w4[0][0][0]);
-    // z rows g and g + 8 of this warp's 16 in tile `tile` (zeros past the rows): the A fragments
-    // of fc3's two k16 steps.
-    uint32_t z_a[2][4];
-    auto load_z = [&](int tile) {
-        const int row = tile * 64 + warp * 16 + g;
-        const uint4 top = row < rows ? z_frag[(size_t)row * 4 + t] : make_uint4(0, 0, 0, 0);
-        const uint4 bottom = row + 8 < rows ? z_frag[(size_t)(row + 8) * 4 + t] : make_uint4(0, 0, 0, 0);
-        z_a[0][0] = top.x, z_a[0][1] = bottom.x, z_a[0][2] = top.y, z_a[0][3] = bottom.y;
-        z_a[1][0] = top.z, z_a[1][1] = bottom.z, z_a[1][2] = top.w, z_a[1][3] = bottom.w;
-    };
+    uint32_t z_a[2][4]; // fc3's A fragments: z rows g and g + 8 of this warp's 16 in a tile
+    auto load_z = [&](int tile) { load_z_fragments(z_a, io.z_rows, tile * 64 + warp * 16, io.rows); };
     // fc3 of chunk c of the tile in z_a into h, as one wgmma group (the bias comes with the
     // product: z's K = 20..22 hold 1).
-    float h[2 * IWAE_CHUNK / 4];
+    float h[2 * DEC_CHUNK / 4];
     auto fc3_chunk = [&](int c) {
         wgmma_fence();
-        const uint64_t desc = smem_desc_64b(w3_tile + c * IWAE_CHUNK * FC3_K_PADDED * sizeof(bf16));
+        const uint64_t desc = smem_desc_64b(w3_tile + c * DEC_CHUNK * FC3_K_PADDED * sizeof(bf16));
         #pragma unroll
         for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], desc + 2 * s, s > 0);
         wgmma_commit();
     };
     // A tile's first fc3 chunk runs before its turn (after the previous tile's MMAs), so a turn
     // starts straight with fc4.
-    uint32_t a[2][IWAE_STEPS][4];
+    uint32_t a[2][DEC_STEPS][4];
     const uint32_t ones = t == 0 ? 0x3F803F80u : t == 1 ? 0x00003F80u : 0u; // bf16 1s at K = 400..402
     uint32_t a_bias[4] = {ones, ones, 0u, 0u};
-    load_z(2 * (blockIdx.x / IWAE_COL_BLOCKS) + wg);
+    load_z(2 * (blockIdx.x / DEC_COL_BLOCKS) + wg);
     fc3_chunk(0);
     wgmma_wait<0>();
     fence_accumulators(h);
     fc3_to_a(a[0], h);
     if (wg == 1) named_bar_arrive(BAR_TURN + 0, 256); // warpgroup 0 takes the first turn
-    for (int pair = blockIdx.x / IWAE_COL_BLOCKS; pair < pairs; pair += copies) {
+    for (int pair = blockIdx.x / DEC_COL_BLOCKS; pair < pairs; pair += copies) {
         const int tile = 2 * pair + wg;
         const bool live_tile = tile < tiles;
 
@@ -1686,29 +1400,29 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
         // (A tile past the rows multiplies zeros and drops the result: a condition around the
         // wgmmas would make ptxas serialise them.)
         named_bar_sync(BAR_TURN + wg, 256);
-        float logit[IWAE_BN / 2];
+        float logit[DEC_BN / 2];
         #pragma unroll
-        for (int c = 0; c < IWAE_CHUNKS; c++) {
-            if (c + 1 < IWAE_CHUNKS) fc3_chunk(c + 1); // this chunk's fc4 runs while its result is converted
-            if (c + 1 == IWAE_CHUNKS) pin_registers(a_bias); // materialised before the fence, not between wgmmas
+        for (int c = 0; c < DEC_CHUNKS; c++) {
+            if (c + 1 < DEC_CHUNKS) fc3_chunk(c + 1); // this chunk's fc4 runs while its result is converted
+            if (c + 1 == DEC_CHUNKS) pin_registers(a_bias); // materialised before the fence, not between wgmmas
             wgmma_fence();
             #pragma unroll
-            for (int s = 0; s < IWAE_STEPS; s++) { // fc4's k16 step c * 5 + s: slice ks / 4, +32 bytes per step
-                const int ks = c * IWAE_STEPS + s;
-                const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * IWAE_BN * 128) + 2 * (ks % 4);
+            for (int s = 0; s < DEC_STEPS; s++) { // fc4's k16 step c * 5 + s: slice ks / 4, +32 bytes per step
+                const int ks = c * DEC_STEPS + s;
+                const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * DEC_BN * 128) + 2 * (ks % 4);
                 wgmma_m64n200k16_rs(logit, a[c % 2][s], desc, ks > 0);
             }
-            if (c + 1 == IWAE_CHUNKS) { // k16 step 25: the bias, times A = 1 in K = 400..402
+            if (c + 1 == DEC_CHUNKS) { // k16 step 25: the bias, times A = 1 in K = 400..402
                 constexpr int ks = HIDDEN_DIM / 16;
-                const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * IWAE_BN * 128) + 2 * (ks % 4);
+                const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * DEC_BN * 128) + 2 * (ks % 4);
                 wgmma_m64n200k16_rs(logit, a_bias, desc, true);
             }
             wgmma_commit();
-            if (c + 1 < IWAE_CHUNKS) { // the next chunk's fc3 is done; this chunk's fc4 may still run
+            if (c + 1 < DEC_CHUNKS) { // the next chunk's fc3 is done; this chunk's fc4 may still run
                 wgmma_wait<1>();
                 fence_accumulators(h);
                 fc3_to_a(a[(c + 1) % 2], h);
-                if (c + 2 == IWAE_CHUNKS) load_z(tile + 2 * copies); // z_a's last reader is done
+                if (c + 2 == DEC_CHUNKS) load_z(tile + 2 * copies); // z_a's last reader is done
             }
         }
         named_bar_arrive(BAR_TURN + 1 - wg, 256); // the other warpgroup's turn
@@ -1719,38 +1433,116 @@ __global__ void __launch_bounds__(IWAE_DEC_THREADS, 1)
         fc3_to_a(a[0], h);
         if (!live_tile) continue;
 
-        // Epilogue: BCE terms of this thread's 2 rows x 50 logits, max(l, 0) - x l + log(1 + e^-|l|)
-        // = (1/2 - x) l + |l| / 2 + log(1 + e^-|l|) (max(l, 0) = (l + |l|) / 2), with one log per
-        // row: the 50 factors 1 + e^-|l| (each in (1, 2]) are multiplied in two products (at most
-        // 2^25 each) and log2 is taken once. The 4 lanes of a quad share rows.
-        #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            const int row = tile * 64 + warp * 16 + g + 8 * half;
-            const bool live = row < rows;
-            const float* hx = half_minus_x + (size_t)((live ? row : 0) / K) * INPUT_DIM + col0;
-            float dot = 0.0f, abs_sum = 0.0f, prod0 = 1.0f, prod1 = 1.0f; // sum (1/2 - x) l; sum |l|; prod 1 + e^-|l|
-            #pragma unroll
-            for (int j = 0; j < IWAE_BN / 8; j++) {
-                if (j < skip) continue;
-                const int c = 8 * j + 2 * t;
-                const float2 hxv = *reinterpret_cast<const float2*>(&hx[c]);
-                const float l0 = logit[4 * j + 2 * half], l1 = logit[4 * j + 2 * half + 1];
-                dot = fmaf(hxv.x, l0, dot);
-                dot = fmaf(hxv.y, l1, dot);
-                abs_sum += fabsf(l0) + fabsf(l1);
-                prod0 = fmaf(prod0, fast_exp2(-fabsf(l0) * 1.4426950409f), prod0);
-                prod1 = fmaf(prod1, fast_exp2(-fabsf(l1) * 1.4426950409f), prod1);
-            }
-            float sum = dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            if (live && t == 0) bce_parts[(size_t)row * IWAE_COL_BLOCKS + cb] = sum;
-        }
+        decoder_epilogue(logit, tile * 64 + warp * 16, cb, io);
     }
     if (wg == 0) named_bar_sync(BAR_TURN + 0, 256); // warpgroup 1's last hand-over
 #endif
 }
 
+// Writes 1 when the code loaded for this GPU was built for sm_90a (wgmma and TMA available),
+// else 0: the host picks the decoder from what actually runs, not from what the GPU could run.
+__global__ void has_wgmma_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    *out = 1;
+#else
+    *out = 0;
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// kernels: importance-weighted log-likelihood (--iwae K)
+//
+// log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
+// (Burda et al., "Importance Weighted Autoencoders"). The K samples of an image are K rows of a
+// batch: row r is sample r % K of image r / K, its eps keyed by (seed, image, sample = k, latent),
+// so sample 0 is the ELBO path's draw. log p(x|z) = -BCE. With z = mu + sigma eps, the Gaussian
+// terms log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel.
+
+// One row's z and its log p(z) - log q(z|x), from the image's [mu | logvar]; the 4 latents of
+// group q share one Philox call.
+__device__ inline float iwae_sample_group(float (&z)[4], const float* mulv_row, const float* eps_row, int q,
+                                          uint32_t image, uint32_t sample, uint64_t seed) {
+    const float4 eps4 = eps_row ? *reinterpret_cast<const float4*>(&eps_row[4 * q])
+                                : gaussian4(seed, STREAM_POSTERIOR, image, sample, q);
+    const float eps[4] = {eps4.x, eps4.y, eps4.z, eps4.w};
+    float sum = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float logvar = mulv_row[LATENT_DIM + 4 * q + j];
+        float unused_kl_term;
+        z[j] = latent_z(mulv_row[4 * q + j], logvar, eps[j], &unused_kl_term);
+        sum += eps[j] * eps[j] + logvar - z[j] * z[j];
+    }
+    return 0.5f * sum;
+}
+
+// fp32: one thread per row writes z (for the fp32 decoder) and the row's log-density ratio.
+__global__ void iwae_sample_kernel(float* __restrict__ z, float* __restrict__ log_ratio,
+                                   const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
+                                   uint32_t first_image, uint64_t seed) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const int image = r / K, sample = r % K;
+    float ratio = 0.0f;
+    for (int q = 0; q < LATENT_DIM / 4; q++) {
+        float zq[4];
+        ratio += iwae_sample_group(zq, mulv + (size_t)image * 2 * LATENT_DIM,
+                                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image, sample,
+                                   seed);
+        *reinterpret_cast<float4*>(&z[(size_t)r * LATENT_DIM + 4 * q]) = make_float4(zq[0], zq[1], zq[2], zq[3]);
+    }
+    log_ratio[r] = ratio;
+}
+
+// bf16: one thread per row writes the row's z row for the decoder and its log p(z) - log q(z|x).
+__global__ void iwae_z_rows_kernel(uint4* __restrict__ z_rows, float* __restrict__ log_ratio,
+                                   const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
+                                   uint32_t first_image, uint64_t seed) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const int image = r / K, sample = r % K;
+    float z[LATENT_DIM], ratio = 0.0f;
+    #pragma unroll
+    for (int q = 0; q < LATENT_DIM / 4; q++)
+        ratio += iwae_sample_group(*reinterpret_cast<float(*)[4]>(&z[4 * q]), mulv + (size_t)image * MULV_DIM,
+                                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image, sample,
+                                   seed);
+    store_z_row(z_rows + (size_t)r * 4, z);
+    log_ratio[r] = ratio;
+}
+
+
+// log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k, combined by a running
+// (max, sum of exp) so no exp overflows. One block per image: thread t takes k = t, t + 256, ...,
+// then the warps merge by a shuffle tree and the 8 warp results in order, the same on every run.
+__device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
+    const float top = fmaxf(m, m2);
+    if (top == -INFINITY) return; // both empty
+    s = s * expf(m - top) + s2 * expf(m2 - top);
+    m = top;
+}
+enum { LSE_THREADS = 256 };
+__global__ void __launch_bounds__(LSE_THREADS)
+    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce, const float* __restrict__ log_ratio,
+                          int K) {
+    __shared__ float warp_m[LSE_THREADS / 32], warp_s[LSE_THREADS / 32];
+    const int image = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float m = -INFINITY, s = 0.0f;
+    for (int k = threadIdx.x; k < K; k += LSE_THREADS) {
+        const size_t r = (size_t)image * K + k;
+        logsumexp_merge(m, s, log_ratio[r] - bce[r], 1.0f);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+        logsumexp_merge(m, s, m2, s2);
+    }
+    if (lane == 0) warp_m[warp] = m, warp_s[warp] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < LSE_THREADS / 32; w++) logsumexp_merge(m, s, warp_m[w], warp_s[w]);
+        log_px[image] = m + logf(s) - logf((float)K);
+    }
+}
 // ----------------------------------------------------------------------------
 // launchers (every launch goes to the model's stream, so a forward pass can be graph-captured)
 
@@ -1790,23 +1582,6 @@ static void interp_latents(float* z, const float* mulv, const int2* pairs, long 
     cudaCheck(cudaGetLastError());
 }
 
-typedef MmaTile<uint8_t, 4, 2, 2, 5, 3, 64> Fc1Tile; // 128 images x 80 hidden units (400 = 5 x 80), 8 warps
-
-static void fc1_bf16(bf16* h1, const uint8_t* pixels, const bf16* W, const float* bias, int B, cudaStream_t stream) {
-    const dim3 grid(ceil_div(HIDDEN_DIM, Fc1Tile::BN), ceil_div(B, Fc1Tile::BM));
-    linear_bf16_kernel<Fc1Tile, ACT_RELU><<<grid, Fc1Tile::THREADS, sizeof(Fc1Tile::Smem), stream>>>(
-        h1, pixels, W, bias, B, HIDDEN_DIM, INPUT_DIM, 1.0f / 255.0f);
-    cudaCheck(cudaGetLastError());
-}
-
-static void latent_bf16(bf16* h3, float* kl, float* mulv_out, float* z_out, const bf16* h1, const bf16* enc_w,
-                        const float* enc_b, const bf16* fc3_w_padded, const float* fc3_b, const float* eps_in, int B,
-                        uint32_t first_image, uint64_t seed, bool z_is_mu, cudaStream_t stream) {
-    latent_bf16_kernel<<<ceil_div(B, LatentTile::BM), LatentTile::THREADS, sizeof(LatentSmem), stream>>>(
-        h3, kl, mulv_out, z_out, h1, enc_w, enc_b, fc3_w_padded, fc3_b, eps_in, B, first_image, seed, z_is_mu);
-    cudaCheck(cudaGetLastError());
-}
-
 // cuTensorMapEncodeTiled is a driver API function; the runtime hands out its address, so the
 // program needs no -lcuda.
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -1840,25 +1615,31 @@ static CUtensorMap bf16_tensor_map(const bf16* base, int rows, int cols, int box
     return map;
 }
 
-// wgmma_blocks > 0: Hopper's kernel with at most that many persistent blocks (what fits on the
-// GPU at once, see vae_init); 0: the mma.sync kernel. The h3 map spans exactly B rows, so the
-// last row tile reads zeros past them, never stale rows of an earlier, larger batch.
-static void fc4_bce_bf16(float* bce, float* bce_partial, float* logits_out, float* recon_out, const bf16* h3,
-                         const bf16* W, const float* bias, const uint8_t* pixels, int B, int rows_per_image,
-                         int wgmma_blocks, cudaStream_t stream) {
-    if (wgmma_blocks > 0) {
-        const CUtensorMap h3_map = bf16_tensor_map(h3, B, HIDDEN_DIM, FC4_WG_BM);
-        const CUtensorMap w_map = bf16_tensor_map(W, INPUT_DIM, HIDDEN_DIM, FC4_BN);
-        const int tiles = FC4_COL_BLOCKS * ceil_div(B, FC4_WG_BM);
-        fc4_bce_wgmma_kernel<<<tiles < wgmma_blocks ? tiles : wgmma_blocks, FC4_WG_THREADS, FC4_WG_SMEM, stream>>>(
-            h3_map, w_map, bce_partial, logits_out, recon_out, bias, pixels, B, rows_per_image);
-    } else {
-        const dim3 grid(FC4_COL_BLOCKS, ceil_div(B, Fc4Tile::BM));
-        fc4_bce_bf16_kernel<<<grid, Fc4Tile::THREADS, sizeof(Fc4Smem), stream>>>(
-            bce_partial, logits_out, recon_out, h3, W, bias, pixels, B, rows_per_image);
-    }
+// The encoder of B images: z rows, KL (when kl is given), and [mu | logvar] and z in fp32 when
+// asked for (tests, --iwae, the pictures). Five blocks per 64-image row tile.
+static void encoder_bf16(uint4* z_rows, float* kl, float* mulv_out, float* z_out, float* partials, unsigned* tickets,
+                         const uint8_t* pixels, const bf16* fc1_w, const float* fc1_b, const bf16* enc_w,
+                         const float* enc_b, const float* eps, int B, uint32_t first_image, uint64_t seed,
+                         bool z_is_mu, cudaStream_t stream) {
+    const dim3 grid(ENC_SLICES, ceil_div(B, EncoderTile::BM));
+    encoder_kernel<<<grid, EncoderTile::THREADS, sizeof(EncoderSmem), stream>>>(
+        z_rows, kl, mulv_out, z_out, partials, tickets, pixels, fc1_w, fc1_b, enc_w, enc_b, eps, B, first_image, seed,
+        z_is_mu);
     cudaCheck(cudaGetLastError());
-    bce_finalize_kernel<<<ceil_div(B, 256), 256, 0, stream>>>(bce, bce_partial, B);
+}
+
+// The decoder over io.rows z rows: Hopper's wgmma kernel when `wgmma`, else the mma.sync one.
+// Blocks come in groups of the 4 column blocks, at most `blocks` (one per SM) and no more than
+// the rows need (a wgmma block takes 128 rows a turn, an mma.sync block 16 per warp).
+static void decoder_bf16(const DecoderIO& io, const bf16* fc4_wb, const bf16* fc3_wb, const CUtensorMap& w4_map,
+                         const CUtensorMap& w3_map, bool wgmma, int blocks, cudaStream_t stream) {
+    const int copies_needed = ceil_div(io.rows, wgmma ? 128 : DEC_MMA_WARPS * DEC_ROWS);
+    const int copies = blocks / DEC_COL_BLOCKS < copies_needed ? blocks / DEC_COL_BLOCKS : copies_needed;
+    if (wgmma)
+        decoder_wgmma_kernel<<<DEC_COL_BLOCKS * copies, DEC_WG_THREADS, DEC_WG_SMEM, stream>>>(w4_map, w3_map, io);
+    else
+        decoder_mma_kernel<<<DEC_COL_BLOCKS * copies, DEC_MMA_WARPS * 32, sizeof(DecoderMmaSmem), stream>>>(
+            fc4_wb, fc3_wb, io);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1868,12 +1649,16 @@ static void iwae_sample(float* z, float* log_ratio, const float* mulv, const flo
     cudaCheck(cudaGetLastError());
 }
 
-static void iwae_latent_bf16(bf16* h3, float* log_ratio, const float* mulv, const float* eps_in, const bf16* fc3_w_padded,
-                             const float* fc3_b, int rows, int K, uint32_t first_image, uint64_t seed,
-                             cudaStream_t stream) {
-    const size_t smem = sizeof(bf16) * HIDDEN_DIM * FC3_PITCH;
-    iwae_latent_bf16_kernel<<<ceil_div(rows, IWAE_TILE * IWAE_TILES), 128, smem, stream>>>(h3, log_ratio, mulv, eps_in, fc3_w_padded, fc3_b,
-                                                                       rows, K, first_image, seed);
+static void iwae_z_rows(uint4* z_rows, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
+                        uint32_t first_image, uint64_t seed, cudaStream_t stream) {
+    iwae_z_rows_kernel<<<ceil_div(rows, 128), 128, 0, stream>>>(z_rows, log_ratio, mulv, eps_in, rows, K, first_image,
+                                                                seed);
+    cudaCheck(cudaGetLastError());
+}
+
+static void iwae_logsumexp(float* log_px, const float* bce, const float* log_ratio, int images, int K,
+                           cudaStream_t stream) {
+    iwae_logsumexp_kernel<<<images, LSE_THREADS, 0, stream>>>(log_px, bce, log_ratio, K);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1883,55 +1668,12 @@ static void weights_with_bias(bf16* dst, const float* w, const float* b, int row
     cudaCheck(cudaGetLastError());
 }
 
-static void half_minus_pixels(float* out, const uint8_t* pixels, int images, cudaStream_t stream) {
-    const size_t n = (size_t)images * INPUT_DIM;
-    half_minus_pixels_kernel<<<ceil_div((int)n, 256), 256, 0, stream>>>(out, pixels, n);
+static void to_bf16(bf16* dst, const float* src, int rows, int cols, int dst_cols, cudaStream_t stream) {
+    to_bf16_kernel<<<ceil_div(rows * dst_cols, 256), 256, 0, stream>>>(dst, src, rows, cols, dst_cols);
     cudaCheck(cudaGetLastError());
 }
 
-static void iwae_z_bf16(uint4* z_frag, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
-                        uint32_t first_image, uint64_t seed, cudaStream_t stream) {
-    iwae_z_bf16_kernel<<<ceil_div(rows, 128), 128, 0, stream>>>(z_frag, log_ratio, mulv, eps_in, rows, K, first_image,
-                                                                seed);
-    cudaCheck(cudaGetLastError());
-}
-
-// Hopper's fused decoder: fc3 + fc4 + BCE of `rows` z rows (K per image) into bce_parts[rows][4].
-// Blocks come in multiples of the 4 column blocks, at most `blocks` (one per SM) and no more
-// than the row tiles need (two 64-row tiles a turn).
-static void iwae_decoder_wgmma(float* bce_parts, const uint4* z_frag, const CUtensorMap& w4_map,
-                               const CUtensorMap& w3_map, const float* half_minus_x, int rows, int K, int blocks,
-                               cudaStream_t stream) {
-    const int copies_needed = ceil_div(ceil_div(rows, 64), 2), copies = blocks / IWAE_COL_BLOCKS;
-    const int grid = IWAE_COL_BLOCKS * (copies < copies_needed ? copies : copies_needed);
-    iwae_decoder_wgmma_kernel<<<grid, IWAE_DEC_THREADS, IWAE_DEC_SMEM, stream>>>(w4_map, w3_map, bce_parts, z_frag,
-                                                                                 half_minus_x, rows, K);
-    cudaCheck(cudaGetLastError());
-}
-
-static void iwae_logsumexp(float* log_px, const float* bce_parts, int parts, const float* log_ratio, int images,
-                           int K, cudaStream_t stream) {
-    iwae_logsumexp_kernel<<<images, LSE_THREADS, 0, stream>>>(log_px, bce_parts, parts, log_ratio, K);
-    cudaCheck(cudaGetLastError());
-}
-
-// The bf16 kernels take more than the default 48 KB of dynamic shared memory; allow it once.
-static void bf16_kernels_init() {
-    cudaCheck(cudaFuncSetAttribute(linear_bf16_kernel<Fc1Tile, ACT_RELU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)sizeof(Fc1Tile::Smem)));
-    cudaCheck(cudaFuncSetAttribute(latent_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)sizeof(LatentSmem)));
-    cudaCheck(cudaFuncSetAttribute(fc4_bce_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)sizeof(Fc4Smem)));
-    cudaCheck(cudaFuncSetAttribute(fc4_bce_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, FC4_WG_SMEM));
-    cudaCheck(cudaFuncSetAttribute(iwae_decoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   IWAE_DEC_SMEM));
-    // two blocks per SM need nearly all of the unified L1 / shared memory as shared memory
-    cudaCheck(cudaFuncSetAttribute(fc4_bce_wgmma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                   cudaSharedmemCarveoutMaxShared));
-}
-
-// Whether the code loaded for the current GPU has fc4_bce_wgmma_kernel's body (an sm_90a build
+// Whether the code loaded for the current GPU has decoder_wgmma_kernel's body (an sm_90a build
 // on an sm_90 GPU); asks the GPU once.
 static bool gpu_has_wgmma() {
     int* d_flag = NULL;
@@ -1942,11 +1684,6 @@ static bool gpu_has_wgmma() {
     cudaCheck(cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost));
     cudaCheck(cudaFree(d_flag));
     return flag == 1;
-}
-
-static void to_bf16(bf16* dst, const float* src, int rows, int cols, int dst_cols, cudaStream_t stream) {
-    to_bf16_kernel<<<ceil_div(rows * dst_cols, 256), 256, 0, stream>>>(dst, src, rows, cols, dst_cols);
-    cudaCheck(cudaGetLastError());
 }
 
 // ----------------------------------------------------------------------------
@@ -1963,28 +1700,24 @@ typedef struct {
     const float *fc1_w, *fc1_b;
     const float *enc_w, *enc_b; // fc21 then fc22 stacked: one GEMM yields [mu | logvar]
     const float *fc3_w, *fc3_b, *fc4_w, *fc4_b;
-    // fp32 activations for up to max_batch images, row-major [image][feature]; the bf16 path
-    // writes mulv, z, logits and recon here only when asked to keep them
+    // fp32 activations for up to max_batch images, row-major [image][feature]. The bf16 path has
+    // no h1 or h3 (they stay on chip) and writes mulv, z, logits and recon only when asked to.
     float *h1, *mulv, *z, *h3, *logits, *recon;
-    // bf16 path only: weights converted once at load (biases stay fp32), bf16 activations
-    bf16* params_bf16;
-    const bf16 *fc1_w16, *enc_w16, *fc3_w16, *fc4_w16; // fc3_w16 is [400][32], K zero-padded
-    bf16 *h1_16, *h3_16;
-    float* bce_partial; // [max_batch][FC4_COL_BLOCKS]
-    bool fc4_wgmma;       // fc4 + BCE on Hopper's wgmma kernel, and --iwae on the fused decoder (set at
-                          // init; tests turn it off to check the kernels other GPUs run)
-    int fc4_wgmma_blocks; // its persistent blocks: as many as fit on the GPU at once
-    // --iwae: per-row BCE and log p(z) - log q(z|x) of the importance samples
+    // per-row BCE and log p(z) - log q(z|x) of --iwae's rows (decoder_rows of them)
+    int decoder_rows;
     float *row_bce, *row_log_ratio;
-    // --iwae in bf16 on Hopper: the fused decoder's passes of up to iwae_rows rows, its outputs,
-    // weight maps and blocks
-    int iwae_rows;
-    uint4* iwae_z_frag;                     // [iwae_rows][4]: z rows as the decoder loads them
-    float* iwae_x;                          // [max_batch][784]: 1/2 - pixel / 255
-    bf16 *iwae_fc3_w16, *iwae_fc4_w16;      // [400][32], [784][408]: weights and bias (weights_with_bias_kernel)
-    float *iwae_bce_parts, *iwae_log_ratio; // [iwae_rows][4], [iwae_rows]
-    CUtensorMap iwae_w4_map, iwae_w3_map;
-    int iwae_blocks;
+    // bf16 path: weights converted once at load, the encoder's and decoder's buffers
+    bf16* params_bf16;
+    const bf16 *fc1_w16, *enc_w16;     // [400][784], [40][400]
+    const bf16 *fc3_wb, *fc4_wb;       // [400][32], [784][408]: weights and bias parts (weights_with_bias_kernel)
+    uint4* z_rows;                     // [decoder_rows][4]
+    float* enc_partials;               // [max_batch][5][40]
+    float* bce_parts;                  // [decoder_rows][4]
+    unsigned *enc_tickets, *dec_tickets; // per 64-image tile, per 16 decoder rows; zero between launches
+    bool wgmma;         // the decoder on Hopper's wgmma kernel (set at init; tests turn it off to check the
+                        // kernel other GPUs run)
+    int decoder_blocks; // the decoder's persistent blocks: one per SM, whole groups of 4 column blocks
+    CUtensorMap w4_map, w3_map;
 } VAE;
 
 // How one forward pass draws z and what it keeps.
@@ -2006,9 +1739,9 @@ static void* device_alloc(size_t bytes, const char* what, int batch) {
 }
 
 // max_batch: images per forward pass, and the most samples per image --iwae may take.
-// iwae_rows: rows per --iwae pass of the fused Hopper decoder (at least max_batch; it keeps 84
-// bytes a row, no activations, so its passes can be far longer than the other paths').
-static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, int iwae_rows = 0) {
+// decoder_rows: rows per --iwae decoder pass (at least max_batch). In bf16 a row costs 92 bytes
+// and no activations, so its passes can be far longer than the fp32 path's.
+static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, int decoder_rows = 0) {
     memset(m, 0, sizeof(*m));
     m->max_batch = max_batch;
     m->precision = precision;
@@ -2030,67 +1763,79 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     m->fc4_w = dst[FC4_W], m->fc4_b = dst[FC4_B];
 
     const size_t B = (size_t)max_batch;
-    m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1", max_batch);
-    m->mulv = (float*)device_alloc(B * 2 * LATENT_DIM * sizeof(float), "mu/logvar", max_batch);
+    const bool bf16_path = precision == PRECISION_BF16;
+    m->decoder_rows = bf16_path && decoder_rows > max_batch ? decoder_rows : max_batch;
+    const size_t R = (size_t)m->decoder_rows;
+    if (!bf16_path) {
+        m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1", max_batch);
+        m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3", max_batch);
+    }
+    m->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar", max_batch);
     m->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z", max_batch);
-    m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3", max_batch);
     m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits", max_batch);
     m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
-    m->row_bce = (float*)device_alloc(B * sizeof(float), "per-row BCE", max_batch);
-    m->row_log_ratio = (float*)device_alloc(B * sizeof(float), "per-row log-density ratios", max_batch);
+    m->row_bce = (float*)device_alloc(R * sizeof(float), "per-row BCE", max_batch);
+    m->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios", max_batch);
+    if (!bf16_path) return;
 
-    if (precision == PRECISION_BF16) {
-        bf16_kernels_init();
-        const size_t fc1 = (size_t)HIDDEN_DIM * INPUT_DIM, enc = 2 * LATENT_DIM * HIDDEN_DIM,
-                     fc3 = (size_t)HIDDEN_DIM * FC3_K_PADDED, fc4 = (size_t)INPUT_DIM * HIDDEN_DIM;
-        bf16* p = (bf16*)device_alloc((fc1 + enc + fc3 + fc4) * sizeof(bf16), "the bf16 weights", max_batch);
-        m->params_bf16 = p;
-        to_bf16(p, m->fc1_w, HIDDEN_DIM, INPUT_DIM, INPUT_DIM, m->stream), m->fc1_w16 = p, p += fc1;
-        to_bf16(p, m->enc_w, 2 * LATENT_DIM, HIDDEN_DIM, HIDDEN_DIM, m->stream), m->enc_w16 = p, p += enc;
-        to_bf16(p, m->fc3_w, HIDDEN_DIM, LATENT_DIM, FC3_K_PADDED, m->stream), m->fc3_w16 = p, p += fc3;
-        to_bf16(p, m->fc4_w, INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, m->stream), m->fc4_w16 = p;
-        m->h1_16 = (bf16*)device_alloc(B * HIDDEN_DIM * sizeof(bf16), "h1 (bf16)", max_batch);
-        m->h3_16 = (bf16*)device_alloc(B * HIDDEN_DIM * sizeof(bf16), "h3 (bf16)", max_batch);
-        m->bce_partial = (float*)device_alloc(B * FC4_COL_BLOCKS * sizeof(float), "BCE partial sums", max_batch);
-        m->fc4_wgmma = gpu_has_wgmma();
-        if (m->fc4_wgmma) {
-            int device, sms, per_sm;
-            cudaCheck(cudaGetDevice(&device));
-            cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-            cudaCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fc4_bce_wgmma_kernel, FC4_WG_THREADS,
-                                                                    FC4_WG_SMEM));
-            m->fc4_wgmma_blocks = sms * per_sm;
-            m->iwae_rows = iwae_rows > max_batch ? iwae_rows : max_batch;
-            const size_t P = (size_t)m->iwae_rows;
-            m->iwae_bce_parts = (float*)device_alloc(P * IWAE_COL_BLOCKS * sizeof(float), "IWAE BCE parts", max_batch);
-            m->iwae_log_ratio = (float*)device_alloc(P * sizeof(float), "IWAE log-density ratios", max_batch);
-            m->iwae_z_frag = (uint4*)device_alloc(P * 4 * sizeof(uint4), "IWAE z rows", max_batch);
-            m->iwae_x = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "IWAE pixels", max_batch);
-            m->iwae_fc3_w16 = (bf16*)device_alloc(HIDDEN_DIM * FC3_K_PADDED * sizeof(bf16), "IWAE fc3", max_batch);
-            m->iwae_fc4_w16 = (bf16*)device_alloc((size_t)INPUT_DIM * IWAE_FC4_K * sizeof(bf16), "IWAE fc4", max_batch);
-            weights_with_bias(m->iwae_fc3_w16, m->fc3_w, m->fc3_b, HIDDEN_DIM, LATENT_DIM, FC3_K_PADDED, m->stream);
-            weights_with_bias(m->iwae_fc4_w16, m->fc4_w, m->fc4_b, INPUT_DIM, HIDDEN_DIM, IWAE_FC4_K, m->stream);
-            m->iwae_w4_map = bf16_tensor_map(m->iwae_fc4_w16, INPUT_DIM, IWAE_FC4_K, IWAE_BN);
-            m->iwae_w3_map = bf16_tensor_map(m->iwae_fc3_w16, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
-            m->iwae_blocks = IWAE_COL_BLOCKS * (sms / IWAE_COL_BLOCKS); // one block per SM
-        }
-        cudaCheck(cudaStreamSynchronize(m->stream));
+    const size_t fc1 = (size_t)HIDDEN_DIM * INPUT_DIM, enc = MULV_DIM * HIDDEN_DIM, fc3 = HIDDEN_DIM * FC3_K_PADDED,
+                 fc4 = (size_t)INPUT_DIM * FC4_K;
+    bf16* p = (bf16*)device_alloc((fc1 + enc + fc3 + fc4) * sizeof(bf16), "the bf16 weights", max_batch);
+    m->params_bf16 = p;
+    to_bf16(p, m->fc1_w, HIDDEN_DIM, INPUT_DIM, INPUT_DIM, m->stream), m->fc1_w16 = p, p += fc1;
+    to_bf16(p, m->enc_w, MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, m->stream), m->enc_w16 = p, p += enc;
+    weights_with_bias(p, m->fc3_w, m->fc3_b, HIDDEN_DIM, LATENT_DIM, FC3_K_PADDED, m->stream), m->fc3_wb = p, p += fc3;
+    weights_with_bias(p, m->fc4_w, m->fc4_b, INPUT_DIM, HIDDEN_DIM, FC4_K, m->stream), m->fc4_wb = p;
+    m->z_rows = (uint4*)device_alloc(R * 4 * sizeof(uint4), "z rows", max_batch);
+    m->enc_partials = (float*)device_alloc(B * ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials", max_batch);
+    m->bce_parts = (float*)device_alloc(R * DEC_COL_BLOCKS * sizeof(float), "BCE parts", max_batch);
+    const size_t enc_tickets = ceil_div(max_batch, EncoderTile::BM), dec_tickets = ceil_div(m->decoder_rows, DEC_ROWS);
+    m->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets", max_batch);
+    m->dec_tickets = m->enc_tickets + enc_tickets;
+    cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
+
+    // more than the default 48 KB of dynamic shared memory, allowed once
+    cudaCheck(cudaFuncSetAttribute(encoder_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(EncoderSmem)));
+    cudaCheck(cudaFuncSetAttribute(decoder_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(DecoderMmaSmem)));
+    int device, sms;
+    cudaCheck(cudaGetDevice(&device));
+    cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    m->decoder_blocks = DEC_COL_BLOCKS * (sms / DEC_COL_BLOCKS);
+    m->wgmma = gpu_has_wgmma();
+    if (m->wgmma) {
+        cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DEC_WG_SMEM));
+        m->w4_map = bf16_tensor_map(m->fc4_wb, INPUT_DIM, FC4_K, DEC_BN);
+        m->w3_map = bf16_tensor_map(m->fc3_wb, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
     }
+    cudaCheck(cudaStreamSynchronize(m->stream));
 }
 
 static void vae_free(VAE* m) {
-    void* buffers[] = {m->params,      m->h1,    m->mulv,  m->z,           m->h3,      m->logits,
-                       m->recon,       m->params_bf16, m->h1_16, m->h3_16, m->bce_partial, m->row_bce,
-                       m->row_log_ratio, m->iwae_bce_parts, m->iwae_log_ratio, m->iwae_z_frag, m->iwae_x, m->iwae_fc3_w16, m->iwae_fc4_w16};
+    void* buffers[] = {m->params, m->h1,          m->mulv,         m->z,        m->h3,          m->logits,
+                       m->recon,  m->row_bce,     m->row_log_ratio, m->params_bf16, m->z_rows, m->enc_partials,
+                       m->bce_parts, m->enc_tickets};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
 }
 
-// mulv = [mu | logvar] of B images (device uint8 pixels), in fp32.
+// The bf16 decoder over `rows` z rows in m->z_rows.
+static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,
+                        float* recon) {
+    const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits, recon};
+    decoder_bf16(io, m->fc4_wb, m->fc3_wb, m->w4_map, m->w3_map, m->wgmma, m->decoder_blocks, m->stream);
+}
+
+// mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
 static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
-    linear_fp32(m->h1, pixels, m->fc1_w, m->fc1_b, B, HIDDEN_DIM, INPUT_DIM, ACT_RELU, m->stream);
-    linear_fp32(m->mulv, m->h1, m->enc_w, m->enc_b, B, 2 * LATENT_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
+    if (m->precision == PRECISION_FP32) {
+        linear_fp32(m->h1, pixels, m->fc1_w, m->fc1_b, B, HIDDEN_DIM, INPUT_DIM, ACT_RELU, m->stream);
+        linear_fp32(m->mulv, m->h1, m->enc_w, m->enc_b, B, MULV_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
+    } else {
+        encoder_bf16(m->z_rows, NULL, m->mulv, NULL, m->enc_partials, m->enc_tickets, pixels, m->fc1_w16, m->fc1_b,
+                     m->enc_w16, m->enc_b, NULL, B, 0, 0, true, m->stream);
+    }
 }
 
 // logits of B latents in z (a device pointer, m->z or any other), in fp32.
@@ -2099,10 +1844,16 @@ static void vae_decode_logits(VAE* m, const float* z, int B) {
     linear_fp32(m->logits, m->h3, m->fc4_w, m->fc4_b, B, INPUT_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
 }
 
-// recon = the decoder's images of B latents, in fp32.
+// recon = the decoder's images of B latents given in fp32, in the model's precision.
 static void vae_decode(VAE* m, const float* z, int B) {
-    vae_decode_logits(m, z, B);
-    sigmoid(m->recon, m->logits, B * INPUT_DIM, m->stream);
+    if (m->precision == PRECISION_FP32) {
+        vae_decode_logits(m, z, B);
+        sigmoid(m->recon, m->logits, B * INPUT_DIM, m->stream);
+    } else {
+        z_rows_kernel<<<ceil_div(B, 128), 128, 0, m->stream>>>(m->z_rows, z, B);
+        cudaCheck(cudaGetLastError());
+        vae_decoder(m, NULL, B, 1, NULL, NULL, m->recon);
+    }
 }
 
 // Decodes `steps` points on the line between the means of each pair of images (pairs index the
@@ -2127,75 +1878,50 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
         bce_loss(bce, opt->want_recon ? m->recon : NULL, m->logits, pixels, B, 1, m->stream);
     } else {
         const bool keep = opt->keep_activations;
-        fc1_bf16(m->h1_16, pixels, m->fc1_w16, m->fc1_b, B, m->stream);
-        latent_bf16(m->h3_16, kl, keep ? m->mulv : NULL, keep ? m->z : NULL, m->h1_16, m->enc_w16, m->enc_b,
-                    m->fc3_w16, m->fc3_b, opt->eps, B, first_image, opt->seed, opt->z_is_mu, m->stream);
-        fc4_bce_bf16(bce, m->bce_partial, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL, m->h3_16,
-                     m->fc4_w16, m->fc4_b, pixels, B, 1, m->fc4_wgmma ? m->fc4_wgmma_blocks : 0, m->stream);
+        encoder_bf16(m->z_rows, kl, keep ? m->mulv : NULL, keep ? m->z : NULL, m->enc_partials, m->enc_tickets, pixels,
+                     m->fc1_w16, m->fc1_b, m->enc_w16, m->enc_b, opt->eps, B, first_image, opt->seed, opt->z_is_mu,
+                     m->stream);
+        vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL);
     }
 }
 
-// Whether --iwae runs Hopper's fused decoder (bf16 with wgmma) rather than the other kernels.
-static bool vae_iwae_fused(const VAE* m) { return m->precision == PRECISION_BF16 && m->fc4_wgmma; }
-
-// Images per --iwae pass at K samples each: as many as the pass's rows hold.
-static int vae_iwae_images_per_pass(const VAE* m, int K) {
-    return (vae_iwae_fused(m) ? m->iwae_rows : m->max_batch) / K;
-}
+// Images per --iwae pass at K samples each: as many as the decoder's rows hold.
+static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
 
 // Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels),
-// K samples each, into the device array log_px[n]. The encoder runs once per image in fp32; the
-// n x K decoder passes run in the model's precision, as many images at a time as a pass's rows
-// hold (max_batch; iwae_rows on Hopper's bf16 path, which runs the fused decoder).
+// K samples each, into the device array log_px[n]. The encoder runs once per image, the n x K
+// decoder rows in passes of as many images as m->decoder_rows hold; all in the model's precision.
 // eps: device [n][K][20] noise to use instead of the generator (tests), or NULL.
 // Asynchronous on m->stream.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->max_batch) fail("internal: %d samples per image outside 1..%d", K, m->max_batch);
-    const bool fused = vae_iwae_fused(m);
     const int images_per_pass = vae_iwae_images_per_pass(m, K);
     // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
     // holds few images (13 at K = 5000), far too few to fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
         const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
         vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
-        if (fused) half_minus_pixels(m->iwae_x, pixels + (size_t)group * INPUT_DIM, group_size, m->stream);
         for (int first = group; first < group + group_size; first += images_per_pass) {
             const int left = group + group_size - first, images = left < images_per_pass ? left : images_per_pass;
             const int rows = images * K;
             const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
-            const float* mulv = m->mulv + (size_t)(first - group) * 2 * LATENT_DIM;
+            const float* mulv = m->mulv + (size_t)(first - group) * MULV_DIM;
             const float* eps_rows = eps ? eps + (size_t)first * K * LATENT_DIM : NULL;
             const uint32_t image0 = first_image + (uint32_t)first;
             if (m->precision == PRECISION_FP32) {
                 iwae_sample(m->z, m->row_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
                 vae_decode_logits(m, m->z, rows);
                 bce_loss(m->row_bce, NULL, m->logits, x, rows, K, m->stream);
-                iwae_logsumexp(log_px + first, m->row_bce, 1, m->row_log_ratio, images, K, m->stream);
-            } else if (fused) {
-                iwae_z_bf16(m->iwae_z_frag, m->iwae_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
-                iwae_decoder_wgmma(m->iwae_bce_parts, m->iwae_z_frag, m->iwae_w4_map, m->iwae_w3_map,
-                                   m->iwae_x + (size_t)(first - group) * INPUT_DIM, rows, K, m->iwae_blocks,
-                                   m->stream);
-                iwae_logsumexp(log_px + first, m->iwae_bce_parts, IWAE_COL_BLOCKS, m->iwae_log_ratio, images, K,
-                               m->stream);
             } else {
-                iwae_latent_bf16(m->h3_16, m->row_log_ratio, mulv, eps_rows, m->fc3_w16, m->fc3_b, rows, K, image0,
-                                 seed, m->stream);
-                fc4_bce_bf16(m->row_bce, m->bce_partial, NULL, NULL, m->h3_16, m->fc4_w16, m->fc4_b, x, rows, K, 0,
-                             m->stream);
-                iwae_logsumexp(log_px + first, m->row_bce, 1, m->row_log_ratio, images, K, m->stream);
+                iwae_z_rows(m->z_rows, m->row_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
+                vae_decoder(m, x, rows, K, m->row_bce, NULL, NULL);
             }
+            iwae_logsumexp(log_px + first, m->row_bce, m->row_log_ratio, images, K, m->stream);
         }
     }
 }
 
-// ----------------------------------------------------------------------------
-// image output
-
-// Writes tiles (each 28x28 floats in [0,1]) as a rows x cols grid into a binary PPM (P6), white
-// digits on black, tiles separated by a 1-pixel grey border. The file reaches `path` at
-// outputs_commit(); `what` describes it there.
 static bool write_ppm_grid(const char* path, const char* what, const float* tiles, int rows, int cols, Error* err) {
     const int cell = IMAGE_SIDE + 1, width = cols * cell + 1, height = rows * cell + 1;
     uint8_t* rgb = (uint8_t*)malloc((size_t)width * height * 3);
@@ -2269,8 +1995,9 @@ static const unsigned MODE_OPTIONS[] = {
     // bench: times the test set's first images; prints its table, writes nothing
     OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_COUNT) | OPT_BIT(OPT_SEED) | OPT_BIT(OPT_ZMU) |
         OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_BENCH) | OPT_BIT(OPT_BENCH_BATCHES),
-    // interp: decodes latent means in fp32 (no noise, no precision), writes interp.ppm
-    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_OUT) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_INTERP),
+    // interp: decodes latent means (no noise) in the chosen precision, writes interp.ppm
+    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_OUT) | OPT_BIT(OPT_QUIET) |
+        OPT_BIT(OPT_INTERP),
 };
 
 enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16 };
@@ -2955,7 +2682,7 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     const long long decodes = (long long)num_pairs * INTERP_STEPS;
     const int pass_rows = IWAE_ROWS - IWAE_ROWS % INTERP_STEPS; // whole pairs per pass
     VAE m;
-    vae_init(&m, w, pass_rows, PRECISION_FP32);
+    vae_init(&m, w, pass_rows, cfg->precision);
     int2* pairs = (int2*)malloc((size_t)num_pairs * sizeof(int2));
     float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * INPUT_DIM * sizeof(float));
     float* last = (float*)malloc((size_t)2 * INTERP_STEPS * INPUT_DIM * sizeof(float)); // the last pair, both ways
@@ -3000,8 +2727,8 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     cudaCheck(cudaMemcpy(last + pair_floats, m.recon, pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
     const bool same = !memcmp(last, last + pair_floats, pair_floats * sizeof(float));
 
-    fprintf(console, "interpolation: %d images, %d pairs x %d steps = %lld decodes (fp32)\n", n, num_pairs,
-            INTERP_STEPS, decodes);
+    fprintf(console, "interpolation: %d images, %d pairs x %d steps = %lld decodes (%s)\n", n, num_pairs,
+            INTERP_STEPS, decodes, PRECISION_NAMES[cfg->precision]);
     fprintf(console, "batched          %10.2f ms (%.3g decodes/s, passes of %d)\n", batched_ms,
             decodes / (batched_ms * 1e-3), pass_rows);
     fprintf(console, "one pair a call  %10.2f ms (%.3g decodes/s, %d calls)\n", single_ms, decodes / (single_ms * 1e-3),
@@ -3104,7 +2831,7 @@ int main(int argc, char** argv) {
     print_row("images", "%d from %s", count, images_path);
     if (labels.labels == NULL) print_row("labels", "none (each image's label is -1)");
     if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
-    if (cfg.mode != MODE_INTERP) print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
+    print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
     if (cfg.mode == MODE_ELBO || cfg.mode == MODE_BENCH)
         print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
     if (cfg.mode != MODE_INTERP) print_row("seed", "%llu", (unsigned long long)cfg.seed);
