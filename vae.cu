@@ -879,123 +879,12 @@ __global__ void z_rows_kernel(uint4* __restrict__ z_rows, const float* __restric
     if (r < B) store_z_row(z_rows + (size_t)r * 4, z + (size_t)r * LATENT_DIM);
 }
 
-// encoder_kernel. The 400 hidden units are cut into 5 slices of 80; block (slice s, row tile t)
-// computes h1 for the 64 images of t and the 80 units of s (mma_mainloop over K = 784 pixels),
-// keeps it in shared memory (ReLU, bf16) and multiplies it by the matching 80 columns of
-// [fc21 | fc22]: a partial [mu | logvar] of its 64 images. Five blocks share a row tile, so a
-// batch of 1024 keeps 80 blocks busy where whole rows of h1 per block would give 16. The
-// partials meet in L2: each block stores its 64 x 40 and takes a ticket; the fifth to arrive
-// adds the five in slice order 0..4 (whatever order they arrived in: bitwise reproducible and
-// batch invariant), adds the bias, draws eps (keyed by the image's global index) and writes the
-// z rows and KL. 800 bytes of partials an image; h1 (800 bytes in bf16) never leaves the chip.
-enum { ENC_SLICES = 5, ENC_BN = HIDDEN_DIM / ENC_SLICES, MULV_DIM = 2 * LATENT_DIM, ENC_PITCH = ENC_BN + 8 };
-typedef MmaTile<uint8_t, 2, 2, 2, 5, 3, 64> EncoderTile; // 64 images x 80 units, 4 warps, K in slices of 64
-static_assert(EncoderTile::BN == ENC_BN && HIDDEN_DIM % ENC_SLICES == 0 && ENC_BN % 16 == 0, "slices of k16 steps");
-static_assert(EncoderTile::THREADS / 32 * 16 == EncoderTile::BM, "the partial product: a warp per 16 rows");
-struct EncoderSmem {
-    EncoderTile::Smem mma;
-    bf16 h1[EncoderTile::BM][ENC_PITCH];   // 176-byte rows: an odd number of 16-byte chunks, no bank conflicts
-    bf16 w_enc[MULV_DIM][ENC_PITCH];       // this slice's 80 columns of [fc21 | fc22]
-    float z[EncoderTile::BM][LATENT_DIM];
-    float kl_terms[EncoderTile::BM][LATENT_DIM];
-    bool last;
-};
-
-__global__ void __launch_bounds__(EncoderTile::THREADS)
-    encoder_kernel(uint4* __restrict__ z_rows, float* __restrict__ kl, float* __restrict__ mulv_out,
-                   float* __restrict__ z_out, float* __restrict__ partials, unsigned* __restrict__ tickets,
-                   const uint8_t* __restrict__ pixels, const bf16* __restrict__ fc1_w, const float* __restrict__ fc1_b,
-                   const bf16* __restrict__ enc_w, const float* __restrict__ enc_b, const float* __restrict__ eps_in,
-                   int M, uint32_t first_image, uint64_t seed, bool z_is_mu) {
-    constexpr int BM = EncoderTile::BM, THREADS = EncoderTile::THREADS, GROUPS = LATENT_DIM / 4;
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    EncoderSmem& sm = *reinterpret_cast<EncoderSmem*>(smem_raw);
-    const int slice = blockIdx.x, row0 = blockIdx.y * BM, col0 = slice * ENC_BN;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-
-    constexpr int W_CHUNKS = ENC_BN / 8; // the oldest cp.async group: the GEMM's first wait covers it
-    for (int c = threadIdx.x; c < MULV_DIM * W_CHUNKS; c += THREADS) {
-        const int r = c / W_CHUNKS, k = (c % W_CHUNKS) * 8;
-        cp_async16(&sm.w_enc[r][k], enc_w + (size_t)r * HIDDEN_DIM + col0 + k, true);
-    }
-    cp_async_commit();
-
-    float acc[EncoderTile::MT][EncoderTile::NT][4] = {};
-    mma_mainloop<EncoderTile>(acc, sm.mma, pixels, fc1_w, M, HIDDEN_DIM, INPUT_DIM, row0, col0);
-    for_each_acc_pair<EncoderTile>(acc, [&](int, int, int r, int c, float v0, float v1) {
-        v0 = fmaxf(v0 * (1.0f / 255.0f) + fc1_b[col0 + c], 0.0f); // pixels went in as 0..255
-        v1 = fmaxf(v1 * (1.0f / 255.0f) + fc1_b[col0 + c + 1], 0.0f);
-        *reinterpret_cast<__nv_bfloat162*>(&sm.h1[r][c]) = __floats2bfloat162_rn(v0, v1);
-    });
-    __syncthreads();
-
-    // partial [mu | logvar] = h1 tile [64 x 80] x this slice of [fc21 | fc22]^T: warp w takes rows 16w..
-    float part[MULV_DIM / 8][4] = {};
-    #pragma unroll
-    for (int ks = 0; ks < ENC_BN / 16; ks++) {
-        uint32_t a[4];
-        ldmatrix_x4(a, &sm.h1[warp * 16 + lane % 16][ks * 16 + (lane / 16) * 8]);
-        #pragma unroll
-        for (int nt = 0; nt < MULV_DIM / 8; nt++) {
-            const bf16* w = &sm.w_enc[nt * 8 + g][ks * 16 + 2 * t];
-            const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
-            mma_bf16_m16n8k16(part[nt], a, b);
-        }
-    }
-    #pragma unroll
-    for (int nt = 0; nt < MULV_DIM / 8; nt++)
-        #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            const int row = row0 + warp * 16 + g + 8 * half;
-            if (row < M)
-                *reinterpret_cast<float2*>(&partials[((size_t)row * ENC_SLICES + slice) * MULV_DIM + nt * 8 + 2 * t]) =
-                    make_float2(part[nt][2 * half], part[nt][2 * half + 1]);
-        }
-    __threadfence(); // this block's partials are visible to the whole GPU before its ticket is
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        sm.last = atomicAdd(&tickets[blockIdx.y], 1u) == ENC_SLICES - 1;
-        if (sm.last) tickets[blockIdx.y] = 0; // every slice has arrived: ready for the next launch
-    }
-    __syncthreads();
-    if (!sm.last) return;
-    __threadfence();
-
-    for (int i = threadIdx.x; i < BM * GROUPS; i += THREADS) {
-        const int r = i / GROUPS, q = i % GROUPS, row = row0 + r;
-        if (row >= M) continue;
-        const float* p = partials + (size_t)row * ENC_SLICES * MULV_DIM;
-        float4 eps = make_float4(0.0f, 0.0f, 0.0f, 0.0f); // z = mu
-        if (!z_is_mu && eps_in) eps = *reinterpret_cast<const float4*>(&eps_in[(size_t)row * LATENT_DIM + 4 * q]);
-        else if (!z_is_mu) eps = gaussian4(seed, STREAM_POSTERIOR, first_image + row, 0, q);
-        const float e[4] = {eps.x, eps.y, eps.z, eps.w};
-        #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int latent = 4 * q + j;
-            float mu = __ldcg(&p[latent]), logvar = __ldcg(&p[LATENT_DIM + latent]); // L2: written by other SMs
-            #pragma unroll
-            for (int s = 1; s < ENC_SLICES; s++)
-                mu += __ldcg(&p[s * MULV_DIM + latent]), logvar += __ldcg(&p[s * MULV_DIM + LATENT_DIM + latent]);
-            mu += enc_b[latent], logvar += enc_b[LATENT_DIM + latent];
-            sm.z[r][latent] = latent_z(mu, logvar, e[j], &sm.kl_terms[r][latent]);
-            if (mulv_out) mulv_out[(size_t)row * MULV_DIM + latent] = mu, mulv_out[(size_t)row * MULV_DIM + LATENT_DIM + latent] = logvar;
-            if (z_out) z_out[(size_t)row * LATENT_DIM + latent] = sm.z[r][latent];
-        }
-    }
-    __syncthreads();
-    for (int r = threadIdx.x; r < BM && row0 + r < M; r += THREADS) {
-        float sum = 0.0f; // each image's KL in a fixed order
-        for (int j = 0; j < LATENT_DIM; j++) sum += sm.kl_terms[r][j];
-        if (kl) kl[row0 + r] = -0.5f * sum;
-        store_z_row(z_rows + (size_t)(row0 + r) * 4, sm.z[r]);
-    }
-}
-
-// bf16 and ReLU of a chunk's fc3 accumulators (ReLU after rounding, on bf16 pairs: the same
-// values, half the instructions), as the A fragments of fc4's 5 k16 steps over the chunk. The
-// m16n8 accumulator layout (h[4j..4j+3] = n8 block j, rows g and g + 8) is already mma's A
-// layout: a[s] = blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..). Both decoders use it.
-__device__ inline void fc3_to_a(uint32_t (&a)[DEC_STEPS][4], const float (&h)[2 * DEC_CHUNK / 4]) {
+// bf16 and ReLU of 80 columns of accumulators (ReLU after rounding, on bf16 pairs: the same
+// values, half the instructions), as the A fragments of the next layer's 5 k16 steps over them.
+// The m16n8 accumulator layout (h[4j..4j+3] = n8 block j, rows g and g + 8) is already mma's A
+// layout: a[s] = blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..). h1 -> fc21/fc22 in the encoder and
+// h3 -> fc4 in both decoders go through it without leaving the registers.
+__device__ inline void relu_to_a(uint32_t (&a)[DEC_STEPS][4], const float (&h)[2 * DEC_CHUNK / 4]) {
     #pragma unroll
     for (int s = 0; s < DEC_STEPS; s++)
         #pragma unroll
@@ -1004,6 +893,177 @@ __device__ inline void fc3_to_a(uint32_t (&a)[DEC_STEPS][4], const float (&h)[2 
                                              __float2bfloat162_rn(0.0f));
             a[s][i] = *reinterpret_cast<const uint32_t*>(&v);
         }
+}
+
+// encoder_kernel: the decoder's design turned around. The 400 hidden units are cut into 5
+// slices of 80; a block owns one slice and keeps its rows of fc1 (134 KB) and its 80 columns of
+// [fc21 | fc22] in shared memory, copied once. Its warps then take 16-image tasks on their own:
+//   pixels   straight from global memory into mma's A fragments: thread t of a quad loads 16
+//            bytes of each of its two rows per 64 pixels (one uint4, the next one in flight while
+//            this one is multiplied) and widens them to bf16 (0..255 are exact). That needs fc1's
+//            K in a matching order: k16 step s = 4u + j holds, in the fragment slots (2t, 2t+1)
+//            and (8+2t, 9+2t), pixels 64u + 16t + 4j + (0, 1) and (2, 3); fc1_weights_kernel
+//            stores fc1 permuted that way once, K padded to 832 with zeros
+//   fc1      16 x 80 per warp, K = 832: 10 mma per k16 step, B by ldmatrix from the resident rows
+//   fc21/22  the accumulators (scale 1/255, bias, ReLU, bf16) are the A fragments of the 16 x 40
+//            partial [mu | logvar] of the slice (relu_to_a): h1 never leaves the registers
+//   merge    each warp stores its 16 x 40 partial (L2) and takes a ticket per 16 images; the fifth
+//            slice to arrive adds the five in slice order 0..4 (whatever order they arrived in:
+//            bitwise reproducible and batch invariant), adds the bias, draws eps (keyed by the
+//            image's global index) and writes the z rows and KL
+// Tasks are dealt round-robin over the blocks first, so a batch of 1024 (64 tasks a slice) runs
+// on 130 SMs, a task per warp, not on 40 with 8 each.
+enum {
+    ENC_SLICES = 5, ENC_BN = HIDDEN_DIM / ENC_SLICES, MULV_DIM = 2 * LATENT_DIM,
+    FC1_K = 832,               // 13 blocks of 64 pixels: 784 and zeros
+    FC1_PITCH = FC1_K + 8,     // 1680-byte rows (105 x 16): the 8 rows an ldmatrix phase reads hit 8 bank groups
+    ENC_PITCH = ENC_BN + 8,    // [fc21 | fc22] rows of 176 bytes: conflict-free fragment loads
+    ENC_WARPS = 16,
+};
+static_assert((int)ENC_BN == (int)DEC_CHUNK && FC1_K % 64 == 0 && (int)FC1_K >= (int)INPUT_DIM && INPUT_DIM % 16 == 0,
+              "a slice is one relu_to_a chunk; pixels come in 16-byte loads");
+struct EncoderSmem {
+    bf16 w1[ENC_BN][FC1_PITCH];
+    bf16 w_enc[MULV_DIM][ENC_PITCH];
+    float z[ENC_WARPS][DEC_ROWS][LATENT_DIM], kl_terms[ENC_WARPS][DEC_ROWS][LATENT_DIM]; // a finishing warp's
+};
+
+// fc1's weights in the encoder's K order (above): [400][832] bf16, zeros past pixel 783.
+__global__ void fc1_weights_kernel(bf16* __restrict__ dst, const float* __restrict__ w) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= HIDDEN_DIM * FC1_K) return;
+    const int n = i / FC1_K, k = i % FC1_K, s = k / 16, slot = k % 16, u = s / 4, j = s % 4;
+    const int t = (slot % 8) / 2, pixel = 64 * u + 16 * t + 4 * j + (slot / 8) * 2 + slot % 2;
+    dst[i] = __float2bfloat16(pixel < INPUT_DIM ? w[(size_t)n * INPUT_DIM + pixel] : 0.0f);
+}
+
+__global__ void __launch_bounds__(ENC_WARPS * 32, 1)
+    encoder_kernel(uint4* __restrict__ z_rows, float* __restrict__ kl, float* __restrict__ mulv_out,
+                   float* __restrict__ z_out, float* __restrict__ partials, unsigned* __restrict__ tickets,
+                   const uint8_t* __restrict__ pixels, const bf16* __restrict__ fc1_wp, const float* __restrict__ fc1_b,
+                   const bf16* __restrict__ enc_w, const float* __restrict__ enc_b, const float* __restrict__ eps_in,
+                   int M, uint32_t first_image, uint64_t seed, bool z_is_mu) {
+    constexpr int GROUPS = LATENT_DIM / 4, PIXEL_BLOCKS = FC1_K / 64;
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    EncoderSmem& sm = *reinterpret_cast<EncoderSmem*>(smem_raw);
+    const int slice = blockIdx.x % ENC_SLICES, copies = gridDim.x / ENC_SLICES, col0 = slice * ENC_BN;
+    for (int c = threadIdx.x; c < ENC_BN * (FC1_K / 8); c += blockDim.x) {
+        const int r = c / (FC1_K / 8), k = (c % (FC1_K / 8)) * 8;
+        cp_async16(&sm.w1[r][k], fc1_wp + (size_t)(col0 + r) * FC1_K + k, true);
+    }
+    for (int c = threadIdx.x; c < MULV_DIM * (ENC_BN / 8); c += blockDim.x) {
+        const int r = c / (ENC_BN / 8), k = (c % (ENC_BN / 8)) * 8;
+        cp_async16(&sm.w_enc[r][k], enc_w + (size_t)r * HIDDEN_DIM + col0 + k, true);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
+    const int tasks = ceil_div(M, DEC_ROWS);
+    for (int task = blockIdx.x / ENC_SLICES + copies * warp; task < tasks; task += copies * ENC_WARPS) {
+        const int row16 = task * DEC_ROWS;
+        // this thread's 16 bytes of rows g and g + 8 in pixel block u (zeros past the rows and past 784)
+        const uint4* top = reinterpret_cast<const uint4*>(pixels + (size_t)(row16 + g) * INPUT_DIM);
+        const uint4* bottom = top + 8 * INPUT_DIM / 16;
+        const bool top_live = row16 + g < M, bottom_live = row16 + g + 8 < M;
+        auto load = [&](uint4 (&px)[2], int u) {
+            const bool inside = 64 * u + 16 * t < INPUT_DIM;
+            px[0] = top_live && inside ? top[4 * u + t] : make_uint4(0, 0, 0, 0);
+            px[1] = bottom_live && inside ? bottom[4 * u + t] : make_uint4(0, 0, 0, 0);
+        };
+        float acc[2 * ENC_BN / 4] = {};
+        uint4 px[2], next[2]; // this pixel block, the next one in flight
+        load(px, 0);
+        #pragma unroll 1
+        for (int u = 0; u < PIXEL_BLOCKS; u++) {
+            if (u + 1 < PIXEL_BLOCKS) load(next, u + 1);
+            const uint32_t words[2][4] = {{px[0].x, px[0].y, px[0].z, px[0].w}, {px[1].x, px[1].y, px[1].z, px[1].w}};
+            #pragma unroll
+            for (int j = 0; j < 4; j++) {
+                uint32_t a[4]; // rows g, g + 8 at slots (2t, 2t+1) and (8+2t, 9+2t): bytes 4j .. 4j+3
+                #pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const uint32_t w = words[i % 2][j];
+                    const int b = (i / 2) * 2;
+                    a[i] = pack_bf16(byte_as_float(w, b), byte_as_float(w, b + 1));
+                }
+                const int k = (4 * u + j) * 16;
+                #pragma unroll
+                for (int nt = 0; nt < ENC_BN / 8; nt += 2) {
+                    uint32_t r[4];
+                    ldmatrix_x4(r, &sm.w1[nt * 8 + b_row][k + b_k]);
+                    const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                    mma_bf16_m16n8k16(&acc[4 * nt], a, b0);
+                    mma_bf16_m16n8k16(&acc[4 * nt + 4], a, b1);
+                }
+            }
+            px[0] = next[0], px[1] = next[1];
+        }
+        #pragma unroll
+        for (int nt = 0; nt < ENC_BN / 8; nt++) // h1 = ReLU(x W1^T / 255 + b1), the ReLU in relu_to_a
+            #pragma unroll
+            for (int i = 0; i < 4; i++) acc[4 * nt + i] = acc[4 * nt + i] * (1.0f / 255.0f) + fc1_b[col0 + nt * 8 + 2 * t + i % 2];
+        uint32_t h1[DEC_STEPS][4];
+        relu_to_a(h1, acc);
+        float part[MULV_DIM / 8][4] = {};
+        #pragma unroll
+        for (int s = 0; s < DEC_STEPS; s++)
+            #pragma unroll
+            for (int nt = 0; nt < MULV_DIM / 8; nt++) {
+                const bf16* w = &sm.w_enc[nt * 8 + g][s * 16 + 2 * t];
+                const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
+                mma_bf16_m16n8k16(part[nt], h1[s], b);
+            }
+        #pragma unroll
+        for (int nt = 0; nt < MULV_DIM / 8; nt++)
+            #pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int row = row16 + g + 8 * half;
+                if (row < M)
+                    *reinterpret_cast<float2*>(&partials[((size_t)row * ENC_SLICES + slice) * MULV_DIM + nt * 8 + 2 * t]) =
+                        make_float2(part[nt][2 * half], part[nt][2 * half + 1]);
+            }
+        __threadfence(); // this warp's partials are visible to the whole GPU before its ticket is
+        __syncwarp();
+        unsigned arrived = 0;
+        if (lane == 0) arrived = atomicAdd(&tickets[task], 1u);
+        if (__shfl_sync(0xffffffffu, arrived, 0) != ENC_SLICES - 1) continue;
+        __threadfence();
+        if (lane == 0) tickets[task] = 0; // every slice has arrived: ready for the next launch
+
+        for (int i = lane; i < DEC_ROWS * GROUPS; i += 32) {
+            const int r = i / GROUPS, q = i % GROUPS, row = row16 + r;
+            if (row >= M) continue;
+            const float* p = partials + (size_t)row * ENC_SLICES * MULV_DIM;
+            float4 eps = make_float4(0.0f, 0.0f, 0.0f, 0.0f); // z = mu
+            if (!z_is_mu && eps_in) eps = *reinterpret_cast<const float4*>(&eps_in[(size_t)row * LATENT_DIM + 4 * q]);
+            else if (!z_is_mu) eps = gaussian4(seed, STREAM_POSTERIOR, first_image + row, 0, q);
+            const float e[4] = {eps.x, eps.y, eps.z, eps.w};
+            #pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int latent = 4 * q + j;
+                float mu = __ldcg(&p[latent]), logvar = __ldcg(&p[LATENT_DIM + latent]); // L2: other SMs wrote them
+                #pragma unroll
+                for (int s = 1; s < ENC_SLICES; s++)
+                    mu += __ldcg(&p[s * MULV_DIM + latent]), logvar += __ldcg(&p[s * MULV_DIM + LATENT_DIM + latent]);
+                mu += enc_b[latent], logvar += enc_b[LATENT_DIM + latent];
+                sm.z[warp][r][latent] = latent_z(mu, logvar, e[j], &sm.kl_terms[warp][r][latent]);
+                if (mulv_out)
+                    mulv_out[(size_t)row * MULV_DIM + latent] = mu, mulv_out[(size_t)row * MULV_DIM + LATENT_DIM + latent] = logvar;
+                if (z_out) z_out[(size_t)row * LATENT_DIM + latent] = sm.z[warp][r][latent];
+            }
+        }
+        __syncwarp();
+        if (lane < DEC_ROWS && row16 + lane < M) {
+            float sum = 0.0f; // each image's KL in a fixed order
+            for (int j = 0; j < LATENT_DIM; j++) sum += sm.kl_terms[warp][lane][j];
+            if (kl) kl[row16 + lane] = -0.5f * sum;
+            store_z_row(z_rows + (size_t)(row16 + lane) * 4, sm.z[warp][lane]);
+        }
+        __syncwarp(); // sm.z of this warp is rewritten by its next finishing task
+    }
 }
 
 // fc3's A fragments of rows row16 + g and + 8 (zeros past the rows): two 16-byte loads.
@@ -1094,9 +1154,9 @@ __device__ inline void decoder_epilogue(const float (&logit)[DEC_BN / 2], int ro
 
 // decoder_mma_kernel: the decoder on mma.sync (any GPU from sm_80). A block owns one column
 // block: its 200 rows of fc4 (163 KB) and all of fc3 (32 KB) are copied into shared memory once,
-// and its 8 warps then walk 16-row tasks g, g + 8 * copies, ... on their own (no block-wide
-// barrier after the copy). Per task a warp runs fc3 in chunks of 80 hidden units (10 n8 blocks,
-// K = 32), turns each chunk's accumulators into fc4's A fragments in registers (fc3_to_a), and
+// and its 8 warps then take 16-row tasks, dealt round-robin over the block's copies first, on
+// their own (no block-wide barrier after the copy). Per task a warp runs fc3 in chunks of 80 hidden units (10 n8 blocks,
+// K = 32), turns each chunk's accumulators into fc4's A fragments in registers (relu_to_a), and
 // multiplies them by fc4's rows through ldmatrix: the same dataflow as the wgmma kernel, 16 rows
 // at a time instead of 64. Rows of 816 bytes (51 x 16) put the 8 rows an ldmatrix phase reads in
 // 8 different bank groups.
@@ -1127,8 +1187,8 @@ __global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
     const uint32_t ones = t == 0 ? 0x3F803F80u : t == 1 ? 0x00003F80u : 0u; // bf16 1s at K = 400..402
     const uint32_t a_bias[4] = {ones, ones, 0u, 0u};
-    const int tasks = ceil_div(io.rows, DEC_ROWS), stride = gridDim.x / DEC_COL_BLOCKS * DEC_MMA_WARPS;
-    for (int task = blockIdx.x / DEC_COL_BLOCKS * DEC_MMA_WARPS + warp; task < tasks; task += stride) {
+    const int tasks = ceil_div(io.rows, DEC_ROWS), copies = gridDim.x / DEC_COL_BLOCKS; // tasks dealt round-robin
+    for (int task = blockIdx.x / DEC_COL_BLOCKS + copies * warp; task < tasks; task += copies * DEC_MMA_WARPS) {
         uint32_t z_a[2][4];
         load_z_fragments(z_a, io.z_rows, task * DEC_ROWS, io.rows);
         float logit[DEC_BN / 2] = {};
@@ -1144,7 +1204,7 @@ __global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
                     mma_bf16_m16n8k16(&h[4 * nt], z_a[kk], b);
                 }
             uint32_t a[DEC_STEPS][4];
-            fc3_to_a(a, h);
+            relu_to_a(a, h);
             #pragma unroll
             for (int s = 0; s < DEC_STEPS; s++) {
                 const int k = (c * DEC_STEPS + s) * 16;
@@ -1363,11 +1423,12 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
 
-    // The blocks of one column block share the row tiles in pairs: warpgroup w of the block's
-    // p-th copy takes tile 2 pair + w of pairs p, p + copies, ... Both warpgroups run the same
-    // number of turns (a tile past the rows does no work) so their turn barriers stay matched.
+    // The blocks of one column block (its `copies`) deal the 64-row tiles round-robin: warpgroup w
+    // of copy p takes tiles p + w copies, then + 2 copies, ..., so a small batch still spreads over
+    // all the copies. Both warpgroups run the same number of turns (a tile past the rows does no
+    // work) so their turn barriers stay matched.
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, t = lane % 4;
-    const int tiles = (io.rows + 63) / 64, pairs = (tiles + 1) / 2, copies = gridDim.x / DEC_COL_BLOCKS;
+    const int tiles = (io.rows + 63) / 64, copies = gridDim.x / DEC_COL_BLOCKS;
     const uint32_t w3_tile = addr(&sm.w3[0][0]), w4_tile = addr(&sm.w4[0][0][0]);
     uint32_t z_a[2][4]; // fc3's A fragments: z rows g and g + 8 of this warp's 16 in a tile
     auto load_z = [&](int tile) { load_z_fragments(z_a, io.z_rows, tile * 64 + warp * 16, io.rows); };
@@ -1386,14 +1447,14 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     uint32_t a[2][DEC_STEPS][4];
     const uint32_t ones = t == 0 ? 0x3F803F80u : t == 1 ? 0x00003F80u : 0u; // bf16 1s at K = 400..402
     uint32_t a_bias[4] = {ones, ones, 0u, 0u};
-    load_z(2 * (blockIdx.x / DEC_COL_BLOCKS) + wg);
+    load_z(blockIdx.x / DEC_COL_BLOCKS + wg * copies);
     fc3_chunk(0);
     wgmma_wait<0>();
     fence_accumulators(h);
-    fc3_to_a(a[0], h);
+    relu_to_a(a[0], h);
     if (wg == 1) named_bar_arrive(BAR_TURN + 0, 256); // warpgroup 0 takes the first turn
-    for (int pair = blockIdx.x / DEC_COL_BLOCKS; pair < pairs; pair += copies) {
-        const int tile = 2 * pair + wg;
+    for (int first = blockIdx.x / DEC_COL_BLOCKS; first < tiles; first += 2 * copies) {
+        const int tile = first + wg * copies;
         const bool live_tile = tile < tiles;
 
         // This warpgroup's turn: it issues the tile's MMAs while the other runs its epilogue.
@@ -1421,7 +1482,7 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
             if (c + 1 < DEC_CHUNKS) { // the next chunk's fc3 is done; this chunk's fc4 may still run
                 wgmma_wait<1>();
                 fence_accumulators(h);
-                fc3_to_a(a[(c + 1) % 2], h);
+                relu_to_a(a[(c + 1) % 2], h);
                 if (c + 2 == DEC_CHUNKS) load_z(tile + 2 * copies); // z_a's last reader is done
             }
         }
@@ -1430,7 +1491,7 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
         wgmma_wait<0>();
         fence_accumulators(logit);
         fence_accumulators(h);
-        fc3_to_a(a[0], h);
+        relu_to_a(a[0], h);
         if (!live_tile) continue;
 
         decoder_epilogue(logit, tile * 64 + warp * 16, cb, io);
@@ -1616,24 +1677,24 @@ static CUtensorMap bf16_tensor_map(const bf16* base, int rows, int cols, int box
 }
 
 // The encoder of B images: z rows, KL (when kl is given), and [mu | logvar] and z in fp32 when
-// asked for (tests, --iwae, the pictures). Five blocks per 64-image row tile.
+// asked for (tests, --iwae, the pictures). `blocks`: one per SM, whole groups of the 5 slices.
 static void encoder_bf16(uint4* z_rows, float* kl, float* mulv_out, float* z_out, float* partials, unsigned* tickets,
-                         const uint8_t* pixels, const bf16* fc1_w, const float* fc1_b, const bf16* enc_w,
+                         const uint8_t* pixels, const bf16* fc1_wp, const float* fc1_b, const bf16* enc_w,
                          const float* enc_b, const float* eps, int B, uint32_t first_image, uint64_t seed,
-                         bool z_is_mu, cudaStream_t stream) {
-    const dim3 grid(ENC_SLICES, ceil_div(B, EncoderTile::BM));
-    encoder_kernel<<<grid, EncoderTile::THREADS, sizeof(EncoderSmem), stream>>>(
-        z_rows, kl, mulv_out, z_out, partials, tickets, pixels, fc1_w, fc1_b, enc_w, enc_b, eps, B, first_image, seed,
+                         bool z_is_mu, int blocks, cudaStream_t stream) {
+    const int copies = blocks / ENC_SLICES < ceil_div(B, DEC_ROWS) ? blocks / ENC_SLICES : ceil_div(B, DEC_ROWS);
+    encoder_kernel<<<ENC_SLICES * copies, ENC_WARPS * 32, sizeof(EncoderSmem), stream>>>(
+        z_rows, kl, mulv_out, z_out, partials, tickets, pixels, fc1_wp, fc1_b, enc_w, enc_b, eps, B, first_image, seed,
         z_is_mu);
     cudaCheck(cudaGetLastError());
 }
 
 // The decoder over io.rows z rows: Hopper's wgmma kernel when `wgmma`, else the mma.sync one.
 // Blocks come in groups of the 4 column blocks, at most `blocks` (one per SM) and no more than
-// the rows need (a wgmma block takes 128 rows a turn, an mma.sync block 16 per warp).
+// there are tasks (64-row tiles for wgmma, 16 rows for mma.sync).
 static void decoder_bf16(const DecoderIO& io, const bf16* fc4_wb, const bf16* fc3_wb, const CUtensorMap& w4_map,
                          const CUtensorMap& w3_map, bool wgmma, int blocks, cudaStream_t stream) {
-    const int copies_needed = ceil_div(io.rows, wgmma ? 128 : DEC_MMA_WARPS * DEC_ROWS);
+    const int copies_needed = ceil_div(io.rows, wgmma ? 64 : DEC_ROWS);
     const int copies = blocks / DEC_COL_BLOCKS < copies_needed ? blocks / DEC_COL_BLOCKS : copies_needed;
     if (wgmma)
         decoder_wgmma_kernel<<<DEC_COL_BLOCKS * copies, DEC_WG_THREADS, DEC_WG_SMEM, stream>>>(w4_map, w3_map, io);
@@ -1708,15 +1769,16 @@ typedef struct {
     float *row_bce, *row_log_ratio;
     // bf16 path: weights converted once at load, the encoder's and decoder's buffers
     bf16* params_bf16;
-    const bf16 *fc1_w16, *enc_w16;     // [400][784], [40][400]
+    const bf16 *fc1_wp, *enc_w16;      // [400][832] in the encoder's K order (fc1_weights_kernel), [40][400]
     const bf16 *fc3_wb, *fc4_wb;       // [400][32], [784][408]: weights and bias parts (weights_with_bias_kernel)
     uint4* z_rows;                     // [decoder_rows][4]
     float* enc_partials;               // [max_batch][5][40]
     float* bce_parts;                  // [decoder_rows][4]
-    unsigned *enc_tickets, *dec_tickets; // per 64-image tile, per 16 decoder rows; zero between launches
+    unsigned *enc_tickets, *dec_tickets; // per 16 images, per 16 decoder rows; zero between launches
     bool wgmma;         // the decoder on Hopper's wgmma kernel (set at init; tests turn it off to check the
                         // kernel other GPUs run)
-    int decoder_blocks; // the decoder's persistent blocks: one per SM, whole groups of 4 column blocks
+    int encoder_blocks; // persistent blocks: one per SM, whole groups of the encoder's 5 slices
+    int decoder_blocks; // and of the decoder's 4 column blocks
     CUtensorMap w4_map, w3_map;
 } VAE;
 
@@ -1778,18 +1840,20 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     m->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios", max_batch);
     if (!bf16_path) return;
 
-    const size_t fc1 = (size_t)HIDDEN_DIM * INPUT_DIM, enc = MULV_DIM * HIDDEN_DIM, fc3 = HIDDEN_DIM * FC3_K_PADDED,
+    const size_t fc1 = (size_t)HIDDEN_DIM * FC1_K, enc = MULV_DIM * HIDDEN_DIM, fc3 = HIDDEN_DIM * FC3_K_PADDED,
                  fc4 = (size_t)INPUT_DIM * FC4_K;
     bf16* p = (bf16*)device_alloc((fc1 + enc + fc3 + fc4) * sizeof(bf16), "the bf16 weights", max_batch);
     m->params_bf16 = p;
-    to_bf16(p, m->fc1_w, HIDDEN_DIM, INPUT_DIM, INPUT_DIM, m->stream), m->fc1_w16 = p, p += fc1;
+    fc1_weights_kernel<<<ceil_div(HIDDEN_DIM * FC1_K, 256), 256, 0, m->stream>>>(p, m->fc1_w);
+    cudaCheck(cudaGetLastError());
+    m->fc1_wp = p, p += fc1;
     to_bf16(p, m->enc_w, MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, m->stream), m->enc_w16 = p, p += enc;
     weights_with_bias(p, m->fc3_w, m->fc3_b, HIDDEN_DIM, LATENT_DIM, FC3_K_PADDED, m->stream), m->fc3_wb = p, p += fc3;
     weights_with_bias(p, m->fc4_w, m->fc4_b, INPUT_DIM, HIDDEN_DIM, FC4_K, m->stream), m->fc4_wb = p;
     m->z_rows = (uint4*)device_alloc(R * 4 * sizeof(uint4), "z rows", max_batch);
     m->enc_partials = (float*)device_alloc(B * ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials", max_batch);
     m->bce_parts = (float*)device_alloc(R * DEC_COL_BLOCKS * sizeof(float), "BCE parts", max_batch);
-    const size_t enc_tickets = ceil_div(max_batch, EncoderTile::BM), dec_tickets = ceil_div(m->decoder_rows, DEC_ROWS);
+    const size_t enc_tickets = ceil_div(max_batch, DEC_ROWS), dec_tickets = ceil_div(m->decoder_rows, DEC_ROWS);
     m->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets", max_batch);
     m->dec_tickets = m->enc_tickets + enc_tickets;
     cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
@@ -1802,6 +1866,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     cudaCheck(cudaGetDevice(&device));
     cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     m->decoder_blocks = DEC_COL_BLOCKS * (sms / DEC_COL_BLOCKS);
+    m->encoder_blocks = ENC_SLICES * (sms / ENC_SLICES);
     m->wgmma = gpu_has_wgmma();
     if (m->wgmma) {
         cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DEC_WG_SMEM));
@@ -1833,8 +1898,8 @@ static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
         linear_fp32(m->h1, pixels, m->fc1_w, m->fc1_b, B, HIDDEN_DIM, INPUT_DIM, ACT_RELU, m->stream);
         linear_fp32(m->mulv, m->h1, m->enc_w, m->enc_b, B, MULV_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
     } else {
-        encoder_bf16(m->z_rows, NULL, m->mulv, NULL, m->enc_partials, m->enc_tickets, pixels, m->fc1_w16, m->fc1_b,
-                     m->enc_w16, m->enc_b, NULL, B, 0, 0, true, m->stream);
+        encoder_bf16(m->z_rows, NULL, m->mulv, NULL, m->enc_partials, m->enc_tickets, pixels, m->fc1_wp, m->fc1_b,
+                     m->enc_w16, m->enc_b, NULL, B, 0, 0, true, m->encoder_blocks, m->stream);
     }
 }
 
@@ -1879,8 +1944,8 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
     } else {
         const bool keep = opt->keep_activations;
         encoder_bf16(m->z_rows, kl, keep ? m->mulv : NULL, keep ? m->z : NULL, m->enc_partials, m->enc_tickets, pixels,
-                     m->fc1_w16, m->fc1_b, m->enc_w16, m->enc_b, opt->eps, B, first_image, opt->seed, opt->z_is_mu,
-                     m->stream);
+                     m->fc1_wp, m->fc1_b, m->enc_w16, m->enc_b, opt->eps, B, first_image, opt->seed, opt->z_is_mu,
+                     m->encoder_blocks, m->stream);
         vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL);
     }
 }
