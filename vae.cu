@@ -13,8 +13,8 @@ Build and run (make vae also prepares data/ when it is missing):
     make vae && ./vae                 evaluate the MNIST test set, write three images
     ./vae -h                          all options
 
-The file reads top to bottom: utilities, file formats, random numbers, kernels, launchers,
-the model, image output, and (unless TESTING is defined, as test_vae.cu does) the CLI.
+The file reads top to bottom: utilities, the model's shapes, random numbers, kernels, launchers,
+the model, file formats, image output, and (unless TESTING is defined, as test_vae.cu does) the CLI.
 */
 #include <cuda.h> // CUtensorMap and its enums only: the encoder comes through the runtime, no -lcuda
 #include <cudaTypedefs.h>
@@ -70,7 +70,8 @@ static bool set_error(Error* err, const char* fmt, ...) {
 
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-#define PREPARE_HINT "HINT: run 'make data' (python3 prepare_weights.py --src ../shared/data, or without --src to download)"
+#define PREPARE_HINT                                                                                                   \
+    "HINT: run 'make data' (python3 prepare_weights.py --src ../shared/data, or without --src to download)"
 #define MAX_FILE_BYTES (1ull << 30) // no input of this model comes near 1 GiB
 
 // Reads a whole regular file into a malloc'd buffer. `missing_hint` ends the message for a file that
@@ -173,7 +174,7 @@ static bool outputs_commit(Error* err, FILE* report) {
 }
 
 // ----------------------------------------------------------------------------
-// file formats: the weights file written by prepare_weights.py, MNIST idx files
+// the model's shapes, and its weights as the file formats section reads them
 
 enum { INPUT_DIM = 784, HIDDEN_DIM = 400, LATENT_DIM = 20, IMAGE_SIDE = 28 };
 enum { HEADER_INTS = 256, WEIGHTS_MAGIC = 0x31454156 /* "VAE1" */, WEIGHTS_VERSION = 1, DTYPE_FLOAT32 = 1 };
@@ -191,179 +192,6 @@ typedef struct {
     const float* tensor[NUM_TENSORS];
     size_t count;
 } HostWeights;
-
-static int32_t read_le32(const uint8_t* p) { return (int32_t)(p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24); }
-static uint32_t read_be32(const uint8_t* p) { return (uint32_t)p[0] << 24 | p[1] << 16 | p[2] << 8 | p[3]; }
-
-// Validates a weights file held in memory and copies its tensors out. `name` is used in messages.
-static bool parse_weights(const uint8_t* buf, size_t size, const char* name, HostWeights* w, Error* err) {
-    const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
-    if (size < header_bytes)
-        return set_error(err, "%s: %zu bytes, shorter than the %zu-byte header. " PREPARE_HINT, name, size, header_bytes);
-    int32_t magic = read_le32(buf), version = read_le32(buf + 4);
-    if (magic != WEIGHTS_MAGIC)
-        return set_error(err, "%s: bad magic 0x%08x, not a vae.cu weights file. " PREPARE_HINT, name, (unsigned)magic);
-    if (version != WEIGHTS_VERSION)
-        return set_error(err, "%s: version %d, this program reads version %d. " PREPARE_HINT, name, version, WEIGHTS_VERSION);
-    int32_t in = read_le32(buf + 8), hidden = read_le32(buf + 12), latent = read_le32(buf + 16);
-    if (in != INPUT_DIM || hidden != HIDDEN_DIM || latent != LATENT_DIM)
-        return set_error(err, "%s: dims %d/%d/%d do not match the model's %d/%d/%d. " PREPARE_HINT, name, in, hidden,
-                         latent, INPUT_DIM, HIDDEN_DIM, LATENT_DIM);
-    int32_t dtype = read_le32(buf + 20), num_tensors = read_le32(buf + 24), total = read_le32(buf + 28);
-    size_t expected = 0;
-    for (int i = 0; i < NUM_TENSORS; i++) expected += TENSOR_SIZES[i];
-    if (dtype != DTYPE_FLOAT32 || num_tensors != NUM_TENSORS || total < 0 || (size_t)total != expected)
-        return set_error(err, "%s: header says dtype %d, %d tensors, %d floats; expected dtype %d, %d tensors, %zu floats. "
-                         PREPARE_HINT, name, dtype, num_tensors, total, DTYPE_FLOAT32, NUM_TENSORS, expected);
-    if (size != header_bytes + expected * sizeof(float))
-        return set_error(err, "%s: %zu bytes, the header promises %zu (truncated or padded). " PREPARE_HINT, name, size,
-                         header_bytes + expected * sizeof(float));
-    w->count = expected;
-    w->data = (float*)malloc(expected * sizeof(float));
-    if (w->data == NULL) return set_error(err, "%s: out of host memory", name);
-    memcpy(w->data, buf + header_bytes, expected * sizeof(float));
-    size_t offset = 0;
-    for (int t = 0; t < NUM_TENSORS; t++) {
-        w->tensor[t] = w->data + offset;
-        for (size_t i = 0; i < TENSOR_SIZES[t]; i++) {
-            if (!isfinite(w->tensor[t][i])) {
-                set_error(err, "%s: %s[%zu] is %f; the weights must be finite. " PREPARE_HINT, name, TENSOR_NAMES[t], i,
-                          w->tensor[t][i]);
-                free(w->data);
-                w->data = NULL;
-                return false;
-            }
-        }
-        offset += TENSOR_SIZES[t];
-    }
-    return true;
-}
-
-typedef struct {
-    int count;
-    uint8_t* pixels; // [count][784], row-major 28x28 per image
-} Images;
-
-typedef struct {
-    int count;
-    uint8_t* labels; // [count], 0..9
-} Labels;
-
-// idx format: big-endian magic 0x0000 08 NN (unsigned bytes, NN dims), NN big-endian sizes, data.
-static bool parse_idx_images(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
-    if (size < 16) return set_error(err, "%s: %zu bytes, shorter than the 16-byte idx3 header. " PREPARE_HINT, name, size);
-    uint32_t magic = read_be32(buf), count = read_be32(buf + 4), rows = read_be32(buf + 8), cols = read_be32(buf + 12);
-    if (magic != 0x00000803)
-        return set_error(err, "%s: magic 0x%08x, expected 0x00000803 (idx3 unsigned bytes). " PREPARE_HINT, name, magic);
-    if (rows != IMAGE_SIDE || cols != IMAGE_SIDE)
-        return set_error(err, "%s: images are %ux%u, the model takes %dx%d. " PREPARE_HINT, name, rows, cols, IMAGE_SIDE,
-                         IMAGE_SIDE);
-    if (count == 0 || count > INT32_MAX)
-        return set_error(err, "%s: header claims %u images. " PREPARE_HINT, name, count);
-    size_t expected = 16 + (size_t)count * INPUT_DIM; // count < 2^31, so no overflow in 64 bits
-    if (size != expected)
-        return set_error(err, "%s: header claims %u images (%zu bytes) but the file holds %zu bytes. " PREPARE_HINT, name,
-                         count, expected, size);
-    out->count = (int)count;
-    out->pixels = (uint8_t*)malloc(expected - 16);
-    if (out->pixels == NULL) return set_error(err, "%s: out of host memory", name);
-    memcpy(out->pixels, buf + 16, expected - 16);
-    return true;
-}
-
-static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, Labels* out, Error* err) {
-    if (size < 8) return set_error(err, "%s: %zu bytes, shorter than the 8-byte idx1 header. " PREPARE_HINT, name, size);
-    uint32_t magic = read_be32(buf), count = read_be32(buf + 4);
-    if (magic != 0x00000801)
-        return set_error(err, "%s: magic 0x%08x, expected 0x00000801 (idx1 unsigned bytes). " PREPARE_HINT, name, magic);
-    if (count == 0 || count > INT32_MAX || size != 8 + (size_t)count)
-        return set_error(err, "%s: header claims %u labels but the file holds %zu. " PREPARE_HINT, name, count, size - 8);
-    for (uint32_t i = 0; i < count; i++)
-        if (buf[8 + i] > 9) return set_error(err, "%s: label %u is %d, not a digit. " PREPARE_HINT, name, i, buf[8 + i]);
-    out->count = (int)count;
-    out->labels = (uint8_t*)malloc(count);
-    if (out->labels == NULL) return set_error(err, "%s: out of host memory", name);
-    memcpy(out->labels, buf + 8, count);
-    return true;
-}
-
-// Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII),
-// then width, height and maxval (1..65535) as decimal numbers separated by whitespace, where '#'
-// starts a comment that runs to the end of its line; then width x height samples, row by row: in
-// P5 after exactly one whitespace byte, one byte each (two, big-endian, when maxval > 255); in P2
-// as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
-#define PGM_HINT \
-    "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
-
-// The next header number at *pos, after whitespace and comments; at most `max`.
-static bool pgm_number(const uint8_t* buf, size_t size, size_t* pos, uint32_t max, uint32_t* out) {
-    size_t p = *pos;
-    while (p < size && (isspace(buf[p]) || buf[p] == '#'))
-        if (buf[p++] == '#')
-            while (p < size && buf[p] != '\n' && buf[p] != '\r') p++;
-    if (p == size || !isdigit(buf[p])) return false;
-    uint64_t v = 0;
-    while (p < size && isdigit(buf[p]) && v <= max) v = v * 10 + (buf[p++] - '0');
-    if (v > max || (p < size && !isspace(buf[p]) && buf[p] != '#')) return false;
-    *pos = p, *out = (uint32_t)v;
-    return true;
-}
-
-static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
-    if (size < 2 || buf[0] != 'P' || (buf[1] != '5' && buf[1] != '2'))
-        return set_error(err, "%s: not a PGM greymap (P5 or P2). " PGM_HINT, name);
-    const bool ascii = buf[1] == '2';
-    size_t pos = 2;
-    uint32_t width, height, maxval;
-    if (!pgm_number(buf, size, &pos, 1u << 20, &width) || !pgm_number(buf, size, &pos, 1u << 20, &height) ||
-        !pgm_number(buf, size, &pos, 65535, &maxval) || maxval == 0)
-        return set_error(err, "%s: the PGM header (width, height, maxval 1..65535) is malformed. " PGM_HINT, name);
-    if (width != IMAGE_SIDE || height != IMAGE_SIDE)
-        return set_error(err, "%s: a %ux%u image; the model takes %dx%d. " PGM_HINT, name, width, height, IMAGE_SIDE,
-                         IMAGE_SIDE);
-    uint8_t pixels[INPUT_DIM];
-    const size_t bytes_per_sample = maxval > 255 ? 2 : 1;
-    if (!ascii) {
-        if (pos == size || !isspace(buf[pos]) || size - pos - 1 < INPUT_DIM * bytes_per_sample)
-            return set_error(err, "%s: truncated: %zu bytes of samples, a 28x28 image needs %zu. " PGM_HINT, name,
-                             pos == size ? 0 : size - pos - 1, INPUT_DIM * bytes_per_sample);
-        pos++; // the single whitespace byte that ends the header
-    }
-    for (int i = 0; i < INPUT_DIM; i++) {
-        uint32_t v;
-        if (ascii) {
-            if (!pgm_number(buf, size, &pos, maxval, &v))
-                return set_error(err, "%s: sample %d is missing or above maxval %u. " PGM_HINT, name, i, maxval);
-        } else {
-            v = bytes_per_sample == 2 ? (uint32_t)buf[pos] << 8 | buf[pos + 1] : buf[pos];
-            pos += bytes_per_sample;
-            if (v > maxval)
-                return set_error(err, "%s: sample %d is %u, above maxval %u. " PGM_HINT, name, i, v, maxval);
-        }
-        pixels[i] = (uint8_t)((v * 255 + maxval / 2) / maxval);
-    }
-    for (; pos < size; pos++) // a trailing newline is common; anything else is not one 28x28 image
-        if (!isspace(buf[pos]))
-            return set_error(err, "%s: %zu bytes after the 28x28 image. HINT: pass one image per file", name,
-                             size - pos);
-    out->count = 1;
-    out->pixels = (uint8_t*)malloc(INPUT_DIM);
-    if (out->pixels == NULL) return set_error(err, "%s: out of host memory", name);
-    memcpy(out->pixels, pixels, INPUT_DIM);
-    return true;
-}
-
-// Reads a whole file and hands it to one of the parsers above, which never touch the disk.
-template <typename T>
-static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, const char*, T*, Error*), T* out,
-                      Error* err, const char* missing_hint = PREPARE_HINT) {
-    uint8_t* buf = NULL;
-    size_t size = 0;
-    if (!read_file(path, &buf, &size, err, missing_hint)) return false;
-    bool ok = parse(buf, size, path, out, err);
-    free(buf);
-    return ok;
-}
 
 // ----------------------------------------------------------------------------
 // random numbers
@@ -440,10 +268,10 @@ __device__ inline float to_float(uint8_t v) { return (float)v / 255.0f; }
 // A 256-thread block computes a 64x64 tile of Y. It walks K in slices of 16, staging the 64x16
 // slices of X and W in shared memory stored k-major, so the inner loop reads consecutive
 // addresses as float4; the next slice's global loads are issued before this slice's FMAs, so
-// their latency is hidden behind the arithmetic. Each thread keeps a 4x4 patch of Y in registers: every value it reads from
-// shared memory feeds four FMAs. Bias and activation are applied on the way out (no extra pass).
-// Each thread sums its k terms in the same order whatever M is, so an image's result is
-// bitwise independent of the batch it is evaluated in.
+// their latency is hidden behind the arithmetic. Each thread keeps a 4x4 patch of Y in registers: every value it reads
+// from shared memory feeds four FMAs. Bias and activation are applied on the way out (no extra pass). Each thread sums
+// its k terms in the same order whatever M is, so an image's result is bitwise independent of the batch it is evaluated
+// in.
 enum { LIN_TILE = 64, LIN_K = 16, LIN_THREADS = 256 };
 
 template <typename TX, Activation ACT>
@@ -591,7 +419,7 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 //
 // The same network with bf16 operands and fp32 accumulation, in two launches per forward pass:
 //   encoder_kernel   uint8 pixels -> fc1 + ReLU -> fc21/fc22 -> z (the generator) and KL. h1
-//                    stays in shared memory; z leaves as a "z row" (bf16, in the order the
+//                    never leaves the registers; z leaves as a "z row" (bf16, in the order the
 //                    decoder's fragments load it: 64 bytes an image)
 //   decoder          z rows -> fc3 + ReLU -> fc4 -> per-row BCE; logits and recon only when
 //                    asked for. h3 never leaves the registers, the logits never reach memory
@@ -650,149 +478,6 @@ __device__ inline void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const bf16* row) 
 // 2^23 subtracted, one byte permute and one add instead of an integer-to-float conversion.
 __device__ inline float byte_as_float(uint32_t word, int b) {
     return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440 + b)) - 8388608.0f;
-}
-
-// A block tile of X[M,K] W[N,K]^T: BM x BN outputs from WARPS_M x WARPS_N warps, each owning
-// MT x NT mma tiles of 16 x 8. K is walked in slices of BK through a STAGES-deep cp.async
-// pipeline, so STAGES-1 slices are in flight while the tensor cores work on another. Rows of the
-// staged slices are padded by 16 bytes (to an odd number of 16-byte chunks) so that the 8 rows an
-// ldmatrix phase reads fall into 8 different groups of shared-memory banks. Pixel rows (uint8) land in their own staging buffer
-// and are widened to bf16 once per slice (integers 0..255 are exact in bf16; the 1/255 is
-// applied to the fp32 sums), instead of once per fragment by every warp that reads them.
-// THREADS may exceed the MMA warps: the extra warps help load and then have other work.
-template <typename TX, int WARPS_M_, int WARPS_N_, int MT_, int NT_, int STAGES_ = 3, int BK_ = 32,
-          int THREADS_ = 32 * WARPS_M_ * WARPS_N_>
-struct MmaTile {
-    typedef TX InputType;
-    static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, MT = MT_, NT = NT_, STAGES = STAGES_, BK = BK_;
-    static constexpr int PITCH = BK + 8; // bf16 elements per staged row
-    static_assert(BK % 32 == 0, "slices of whole k32 steps (two mma k16)");
-    static constexpr int BM = WARPS_M * MT * 16, BN = WARPS_N * NT * 8, MMA_WARPS = WARPS_M * WARPS_N;
-    static constexpr int THREADS = THREADS_;
-    static_assert(THREADS >= 32 * MMA_WARPS && THREADS % 32 == 0, "whole warps, at least the MMA warps");
-    static constexpr bool WIDEN = sizeof(TX) == 1;                  // pixel input
-    static constexpr int X_PITCH = WIDEN ? BK + 16 : PITCH; // elements
-    struct Smem {
-        TX x[STAGES][BM][X_PITCH];
-        bf16 w[STAGES][BN][PITCH];
-        bf16 x_wide[WIDEN ? BM : 1][PITCH]; // the current pixel slice as bf16
-    };
-};
-
-// acc[mt][nt] += the warp's share of X[row0.., :] W[col0.., :]^T. Requires K * sizeof(TX) to be a
-// multiple of 16 bytes (true for every layer here); rows and columns past M and N read as zeros.
-template <typename Tile>
-__device__ inline void mma_mainloop(float (&acc)[Tile::MT][Tile::NT][4], typename Tile::Smem& sm,
-                                    const typename Tile::InputType* X, const bf16* W, int M, int N, int K, int row0,
-                                    int col0) {
-    typedef typename Tile::InputType TX;
-    // Each thread copies 16-byte chunks at one fixed k offset of rows r, r + ROWS_PER_PASS, ...:
-    // the addresses are worked out once here, and each slice only adds k0.
-    constexpr int BK = Tile::BK, PITCH = Tile::PITCH;
-    constexpr int X_CHUNK = 16 / sizeof(TX), X_CPR = BK / X_CHUNK, W_CPR = BK / 8; // chunks per row
-    static_assert(Tile::THREADS % X_CPR == 0 && Tile::THREADS % W_CPR == 0, "one k offset per thread");
-    constexpr int X_PASS = Tile::THREADS / X_CPR, W_PASS = Tile::THREADS / W_CPR; // rows per pass
-    constexpr int X_PASSES = (Tile::BM + X_PASS - 1) / X_PASS, W_PASSES = (Tile::BN + W_PASS - 1) / W_PASS;
-    const int x_r = threadIdx.x / X_CPR, x_k = (threadIdx.x % X_CPR) * X_CHUNK;
-    const int w_r = threadIdx.x / W_CPR, w_k = (threadIdx.x % W_CPR) * 8;
-
-    auto load_slice = [&](int stage, int k0) {
-        #pragma unroll
-        for (int i = 0; i < X_PASSES; i++) {
-            const int r = x_r + i * X_PASS;
-            if (X_PASSES * X_PASS > Tile::BM && r >= Tile::BM) break;
-            const bool valid = row0 + r < M && k0 + x_k < K;
-            cp_async16(&sm.x[stage][r][x_k], valid ? X + (size_t)(row0 + r) * K + k0 + x_k : X, valid);
-        }
-        #pragma unroll
-        for (int i = 0; i < W_PASSES; i++) {
-            const int r = w_r + i * W_PASS;
-            if (W_PASSES * W_PASS > Tile::BN && r >= Tile::BN) break;
-            const bool valid = col0 + r < N && k0 + w_k < K;
-            cp_async16(&sm.w[stage][r][w_k], valid ? W + (size_t)(col0 + r) * K + k0 + w_k : W, valid);
-        }
-    };
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int warp_row = (warp / Tile::WARPS_N) * Tile::MT * 16, warp_col = (warp % Tile::WARPS_N) * Tile::NT * 8;
-    // the row and column this lane addresses in an ldmatrix: A tiles are 16 rows x (2 x 8 k),
-    // B tile pairs are (2 x 8 n) x (2 x 8 k)
-    const int a_row = lane % 16, a_k = (lane / 16) * 8;
-    const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8;
-
-    const int num_slices = (K + BK - 1) / BK;
-    for (int s = 0; s < Tile::STAGES - 1; s++) {
-        if (s < num_slices) load_slice(s, s * BK);
-        cp_async_commit(); // empty groups keep the count uniform
-    }
-    for (int kt = 0; kt < num_slices; kt++) {
-        cp_async_wait<Tile::STAGES - 2>(); // slice kt has landed (for this thread's copies) ...
-        __syncthreads();                   // ... and for everyone's; slice kt-1's stage is free again
-        const int next = kt + Tile::STAGES - 1;
-        if (next < num_slices) load_slice(next % Tile::STAGES, next * BK);
-        cp_async_commit();
-        const int stage = kt % Tile::STAGES;
-        const bf16(*xs)[PITCH];
-        if constexpr (Tile::WIDEN) {
-            for (int c = threadIdx.x; c < Tile::BM * (BK / 16); c += Tile::THREADS) { // 16 pixels per step
-                const int r = c / (BK / 16), k = (c % (BK / 16)) * 16;
-                const uint4 bytes = *reinterpret_cast<const uint4*>(&sm.x[stage][r][k]);
-                const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
-                __nv_bfloat162 wide[8];
-                #pragma unroll
-                for (int i = 0; i < 8; i++)
-                    wide[i] = __floats2bfloat162_rn(byte_as_float(words[i / 2], 2 * (i % 2)),
-                                                    byte_as_float(words[i / 2], 2 * (i % 2) + 1));
-                *reinterpret_cast<uint4*>(&sm.x_wide[r][k]) = *reinterpret_cast<const uint4*>(&wide[0]);
-                *reinterpret_cast<uint4*>(&sm.x_wide[r][k + 8]) = *reinterpret_cast<const uint4*>(&wide[4]);
-            }
-            __syncthreads();
-            xs = sm.x_wide;
-        } else {
-            xs = sm.x[stage];
-        }
-        if (warp >= Tile::MMA_WARPS) continue; // warp-uniform: loader-only warps
-        #pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-            uint32_t a[Tile::MT][4], b[Tile::NT][2];
-            #pragma unroll
-            for (int mt = 0; mt < Tile::MT; mt++) ldmatrix_x4(a[mt], &xs[warp_row + mt * 16 + a_row][kk + a_k]);
-            #pragma unroll
-            for (int nt = 0; nt < Tile::NT; nt += 2) {
-                const bf16* row = &sm.w[stage][warp_col + nt * 8 + b_row][kk + b_k];
-                if (nt + 1 < Tile::NT) {
-                    uint32_t r[4];
-                    ldmatrix_x4(r, row);
-                    b[nt][0] = r[0], b[nt][1] = r[1], b[nt + 1][0] = r[2], b[nt + 1][1] = r[3];
-                } else { // odd NT: the last tile alone; lanes 16-31 pass (unused) in-bounds addresses
-                    ldmatrix_x2(b[nt][0], b[nt][1], row - (lane / 16) * 8 * PITCH);
-                }
-            }
-            #pragma unroll
-            for (int mt = 0; mt < Tile::MT; mt++)
-                #pragma unroll
-                for (int nt = 0; nt < Tile::NT; nt++) mma_bf16_m16n8k16(acc[mt][nt], a[mt], b[nt]);
-        }
-    }
-    cp_async_wait<0>();
-    __syncthreads(); // shared memory may be reused by the caller's epilogue
-}
-
-// Visits the accumulator elements a thread owns as pairs of adjacent columns:
-// f(row in tile, column in tile, value at column, value at column + 1).
-template <typename Tile, typename F>
-__device__ inline void for_each_acc_pair(const float (&acc)[Tile::MT][Tile::NT][4], F f) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    if (warp >= Tile::MMA_WARPS) return; // loader-only warps own no outputs
-    const int warp_row = (warp / Tile::WARPS_N) * Tile::MT * 16, warp_col = (warp % Tile::WARPS_N) * Tile::NT * 8;
-    #pragma unroll
-    for (int mt = 0; mt < Tile::MT; mt++)
-        #pragma unroll
-        for (int nt = 0; nt < Tile::NT; nt++)
-            #pragma unroll
-            for (int half = 0; half < 2; half++)
-                f(mt, half, warp_row + mt * 16 + g + 8 * half, warp_col + nt * 8 + 2 * t, acc[mt][nt][2 * half],
-                  acc[mt][nt][2 * half + 1]);
 }
 
 // fp32 -> bf16, once at load. Copies a rows x cols matrix into rows x dst_cols, zero-filling
@@ -1004,7 +689,8 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
         #pragma unroll
         for (int nt = 0; nt < ENC_BN / 8; nt++) // h1 = ReLU(x W1^T / 255 + b1), the ReLU in relu_to_a
             #pragma unroll
-            for (int i = 0; i < 4; i++) acc[4 * nt + i] = acc[4 * nt + i] * (1.0f / 255.0f) + fc1_b[col0 + nt * 8 + 2 * t + i % 2];
+            for (int i = 0; i < 4; i++)
+                acc[4 * nt + i] = acc[4 * nt + i] * (1.0f / 255.0f) + fc1_b[col0 + nt * 8 + 2 * t + i % 2];
         uint32_t h1[DEC_STEPS][4];
         relu_to_a(h1, acc);
         float part[MULV_DIM / 8][4] = {};
@@ -1022,7 +708,8 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
             for (int half = 0; half < 2; half++) {
                 const int row = row16 + g + 8 * half;
                 if (row < M)
-                    *reinterpret_cast<float2*>(&partials[((size_t)row * ENC_SLICES + slice) * MULV_DIM + nt * 8 + 2 * t]) =
+                    *reinterpret_cast<float2*>(
+                        &partials[((size_t)row * ENC_SLICES + slice) * MULV_DIM + nt * 8 + 2 * t]) =
                         make_float2(part[nt][2 * half], part[nt][2 * half + 1]);
             }
         __threadfence(); // this warp's partials are visible to the whole GPU before its ticket is
@@ -1050,8 +737,8 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
                     mu += __ldcg(&p[s * MULV_DIM + latent]), logvar += __ldcg(&p[s * MULV_DIM + LATENT_DIM + latent]);
                 mu += enc_b[latent], logvar += enc_b[LATENT_DIM + latent];
                 sm.z[warp][r][latent] = latent_z(mu, logvar, e[j], &sm.kl_terms[warp][r][latent]);
-                if (mulv_out)
-                    mulv_out[(size_t)row * MULV_DIM + latent] = mu, mulv_out[(size_t)row * MULV_DIM + LATENT_DIM + latent] = logvar;
+                if (mulv_out) mulv_out[(size_t)row * MULV_DIM + latent] = mu;
+                if (mulv_out) mulv_out[(size_t)row * MULV_DIM + LATENT_DIM + latent] = logvar;
                 if (z_out) z_out[(size_t)row * LATENT_DIM + latent] = sm.z[warp][r][latent];
             }
         }
@@ -1155,11 +842,10 @@ __device__ inline void decoder_epilogue(const float (&logit)[DEC_BN / 2], int ro
 // decoder_mma_kernel: the decoder on mma.sync (any GPU from sm_80). A block owns one column
 // block: its 200 rows of fc4 (163 KB) and all of fc3 (32 KB) are copied into shared memory once,
 // and its 8 warps then take 16-row tasks, dealt round-robin over the block's copies first, on
-// their own (no block-wide barrier after the copy). Per task a warp runs fc3 in chunks of 80 hidden units (10 n8 blocks,
-// K = 32), turns each chunk's accumulators into fc4's A fragments in registers (relu_to_a), and
-// multiplies them by fc4's rows through ldmatrix: the same dataflow as the wgmma kernel, 16 rows
-// at a time instead of 64. Rows of 816 bytes (51 x 16) put the 8 rows an ldmatrix phase reads in
-// 8 different bank groups.
+// their own (no block-wide barrier after the copy). Per task a warp runs fc3 in chunks of 80 hidden units (10 n8
+// blocks, K = 32), turns each chunk's accumulators into fc4's A fragments in registers (relu_to_a), and multiplies them
+// by fc4's rows through ldmatrix: the same dataflow as the wgmma kernel, 16 rows at a time instead of 64. Rows of 816
+// bytes (51 x 16) put the 8 rows an ldmatrix phase reads in 8 different bank groups.
 enum { DEC_MMA_WARPS = 8, FC3_PITCH = FC3_K_PADDED + 8 }; // fc3 rows of 80 bytes: conflict-free fragment loads
 struct DecoderMmaSmem {
     bf16 w4[DEC_BN][FC4_K];
@@ -1584,8 +1270,8 @@ __device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
 }
 enum { LSE_THREADS = 256 };
 __global__ void __launch_bounds__(LSE_THREADS)
-    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce, const float* __restrict__ log_ratio,
-                          int K) {
+    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce,
+                          const float* __restrict__ log_ratio, int K) {
     __shared__ float warp_m[LSE_THREADS / 32], warp_s[LSE_THREADS / 32];
     const int image = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float m = -INFINITY, s = 0.0f;
@@ -1669,10 +1355,11 @@ static CUtensorMap bf16_tensor_map(const bf16* base, int rows, int cols, int box
     const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows}, element_strides[2] = {1, 1};
     const CUtensorMapSwizzle swizzle = box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
     if (box_cols != 64 && box_cols != 32) fail("internal: TMA boxes are 32 or 64 bf16 wide, not %d", box_cols);
-    const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)base, dims, row_pitch, box,
-                                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+    const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)base, dims, row_pitch,
+                                            box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) fail("internal: cuTensorMapEncodeTiled failed (%d) for a %d x %d matrix", (int)r, rows, cols);
+    if (r != CUDA_SUCCESS)
+        fail("internal: cuTensorMapEncodeTiled failed (%d) for a %d x %d matrix", (int)r, rows, cols);
     return map;
 }
 
@@ -1795,7 +1482,8 @@ static void* device_alloc(size_t bytes, const char* what, int batch) {
     void* p = NULL;
     cudaError_t status = cudaMalloc(&p, bytes);
     if (status == cudaErrorMemoryAllocation)
-        fail("out of GPU memory allocating %s (%zu bytes) for batch size %d. HINT: use a smaller -b", what, bytes, batch);
+        fail("out of GPU memory allocating %s (%zu bytes) for batch size %d. HINT: use a smaller -b", what, bytes,
+             batch);
     cudaCheck(status);
     return p;
 }
@@ -1815,7 +1503,8 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     size_t offset = 0;
     for (int i = 0; i < NUM_TENSORS; i++) {
         const int t = order[i];
-        cudaCheck(cudaMemcpy(m->params + offset, w->tensor[t], TENSOR_SIZES[t] * sizeof(float), cudaMemcpyHostToDevice));
+        cudaCheck(
+            cudaMemcpy(m->params + offset, w->tensor[t], TENSOR_SIZES[t] * sizeof(float), cudaMemcpyHostToDevice));
         dst[t] = m->params + offset;
         offset += TENSOR_SIZES[t];
     }
@@ -1859,7 +1548,8 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
 
     // more than the default 48 KB of dynamic shared memory, allowed once
-    cudaCheck(cudaFuncSetAttribute(encoder_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(EncoderSmem)));
+    cudaCheck(
+        cudaFuncSetAttribute(encoder_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(EncoderSmem)));
     cudaCheck(cudaFuncSetAttribute(decoder_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(DecoderMmaSmem)));
     int device, sms;
@@ -1987,6 +1677,198 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
     }
 }
 
+// ----------------------------------------------------------------------------
+// file formats: the weights file written by prepare_weights.py, MNIST idx files, PGM images
+
+static int32_t read_le32(const uint8_t* p) { return (int32_t)(p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24); }
+static uint32_t read_be32(const uint8_t* p) { return (uint32_t)p[0] << 24 | p[1] << 16 | p[2] << 8 | p[3]; }
+
+// Validates a weights file held in memory and copies its tensors out. `name` is used in messages.
+static bool parse_weights(const uint8_t* buf, size_t size, const char* name, HostWeights* w, Error* err) {
+    const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
+    if (size < header_bytes)
+        return set_error(err, "%s: %zu bytes, shorter than the %zu-byte header. " PREPARE_HINT, name, size,
+                         header_bytes);
+    int32_t magic = read_le32(buf), version = read_le32(buf + 4);
+    if (magic != WEIGHTS_MAGIC)
+        return set_error(err, "%s: bad magic 0x%08x, not a vae.cu weights file. " PREPARE_HINT, name, (unsigned)magic);
+    if (version != WEIGHTS_VERSION)
+        return set_error(err, "%s: version %d, this program reads version %d. " PREPARE_HINT, name, version,
+                         WEIGHTS_VERSION);
+    int32_t in = read_le32(buf + 8), hidden = read_le32(buf + 12), latent = read_le32(buf + 16);
+    if (in != INPUT_DIM || hidden != HIDDEN_DIM || latent != LATENT_DIM)
+        return set_error(err, "%s: dims %d/%d/%d do not match the model's %d/%d/%d. " PREPARE_HINT, name, in, hidden,
+                         latent, INPUT_DIM, HIDDEN_DIM, LATENT_DIM);
+    int32_t dtype = read_le32(buf + 20), num_tensors = read_le32(buf + 24), total = read_le32(buf + 28);
+    size_t expected = 0;
+    for (int i = 0; i < NUM_TENSORS; i++) expected += TENSOR_SIZES[i];
+    if (dtype != DTYPE_FLOAT32 || num_tensors != NUM_TENSORS || total < 0 || (size_t)total != expected)
+        return set_error(
+            err,
+            "%s: header says dtype %d, %d tensors, %d floats; expected dtype %d, %d tensors, %zu floats. " PREPARE_HINT,
+            name, dtype, num_tensors, total, DTYPE_FLOAT32, NUM_TENSORS, expected);
+    if (size != header_bytes + expected * sizeof(float))
+        return set_error(err, "%s: %zu bytes, the header promises %zu (truncated or padded). " PREPARE_HINT, name, size,
+                         header_bytes + expected * sizeof(float));
+    w->count = expected;
+    w->data = (float*)malloc(expected * sizeof(float));
+    if (w->data == NULL) return set_error(err, "%s: out of host memory", name);
+    memcpy(w->data, buf + header_bytes, expected * sizeof(float));
+    size_t offset = 0;
+    for (int t = 0; t < NUM_TENSORS; t++) {
+        w->tensor[t] = w->data + offset;
+        for (size_t i = 0; i < TENSOR_SIZES[t]; i++) {
+            if (!isfinite(w->tensor[t][i])) {
+                set_error(err, "%s: %s[%zu] is %f; the weights must be finite. " PREPARE_HINT, name, TENSOR_NAMES[t], i,
+                          w->tensor[t][i]);
+                free(w->data);
+                w->data = NULL;
+                return false;
+            }
+        }
+        offset += TENSOR_SIZES[t];
+    }
+    return true;
+}
+
+typedef struct {
+    int count;
+    uint8_t* pixels; // [count][784], row-major 28x28 per image
+} Images;
+
+typedef struct {
+    int count;
+    uint8_t* labels; // [count], 0..9
+} Labels;
+
+// idx format: big-endian magic 0x0000 08 NN (unsigned bytes, NN dims), NN big-endian sizes, data.
+static bool parse_idx_images(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
+    if (size < 16)
+        return set_error(err, "%s: %zu bytes, shorter than the 16-byte idx3 header. " PREPARE_HINT, name, size);
+    uint32_t magic = read_be32(buf), count = read_be32(buf + 4), rows = read_be32(buf + 8), cols = read_be32(buf + 12);
+    if (magic != 0x00000803)
+        return set_error(err, "%s: magic 0x%08x, expected 0x00000803 (idx3 unsigned bytes). " PREPARE_HINT, name,
+                         magic);
+    if (rows != IMAGE_SIDE || cols != IMAGE_SIDE)
+        return set_error(err, "%s: images are %ux%u, the model takes %dx%d. " PREPARE_HINT, name, rows, cols,
+                         IMAGE_SIDE, IMAGE_SIDE);
+    if (count == 0 || count > INT32_MAX)
+        return set_error(err, "%s: header claims %u images. " PREPARE_HINT, name, count);
+    size_t expected = 16 + (size_t)count * INPUT_DIM; // count < 2^31, so no overflow in 64 bits
+    if (size != expected)
+        return set_error(err, "%s: header claims %u images (%zu bytes) but the file holds %zu bytes. " PREPARE_HINT,
+                         name, count, expected, size);
+    out->count = (int)count;
+    out->pixels = (uint8_t*)malloc(expected - 16);
+    if (out->pixels == NULL) return set_error(err, "%s: out of host memory", name);
+    memcpy(out->pixels, buf + 16, expected - 16);
+    return true;
+}
+
+static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, Labels* out, Error* err) {
+    if (size < 8)
+        return set_error(err, "%s: %zu bytes, shorter than the 8-byte idx1 header. " PREPARE_HINT, name, size);
+    uint32_t magic = read_be32(buf), count = read_be32(buf + 4);
+    if (magic != 0x00000801)
+        return set_error(err, "%s: magic 0x%08x, expected 0x00000801 (idx1 unsigned bytes). " PREPARE_HINT, name,
+                         magic);
+    if (count == 0 || count > INT32_MAX || size != 8 + (size_t)count)
+        return set_error(err, "%s: header claims %u labels but the file holds %zu. " PREPARE_HINT, name, count,
+                         size - 8);
+    for (uint32_t i = 0; i < count; i++)
+        if (buf[8 + i] > 9)
+            return set_error(err, "%s: label %u is %d, not a digit. " PREPARE_HINT, name, i, buf[8 + i]);
+    out->count = (int)count;
+    out->labels = (uint8_t*)malloc(count);
+    if (out->labels == NULL) return set_error(err, "%s: out of host memory", name);
+    memcpy(out->labels, buf + 8, count);
+    return true;
+}
+
+// Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII),
+// then width, height and maxval (1..65535) as decimal numbers separated by whitespace, where '#'
+// starts a comment that runs to the end of its line; then width x height samples, row by row: in
+// P5 after exactly one whitespace byte, one byte each (two, big-endian, when maxval > 255); in P2
+// as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
+#define PGM_HINT \
+    "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
+
+// The next header number at *pos, after whitespace and comments; at most `max`.
+static bool pgm_number(const uint8_t* buf, size_t size, size_t* pos, uint32_t max, uint32_t* out) {
+    size_t p = *pos;
+    while (p < size && (isspace(buf[p]) || buf[p] == '#'))
+        if (buf[p++] == '#')
+            while (p < size && buf[p] != '\n' && buf[p] != '\r') p++;
+    if (p == size || !isdigit(buf[p])) return false;
+    uint64_t v = 0;
+    while (p < size && isdigit(buf[p]) && v <= max) v = v * 10 + (buf[p++] - '0');
+    if (v > max || (p < size && !isspace(buf[p]) && buf[p] != '#')) return false;
+    *pos = p, *out = (uint32_t)v;
+    return true;
+}
+
+static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
+    if (size < 2 || buf[0] != 'P' || (buf[1] != '5' && buf[1] != '2'))
+        return set_error(err, "%s: not a PGM greymap (P5 or P2). " PGM_HINT, name);
+    const bool ascii = buf[1] == '2';
+    size_t pos = 2;
+    uint32_t width, height, maxval;
+    if (!pgm_number(buf, size, &pos, 1u << 20, &width) || !pgm_number(buf, size, &pos, 1u << 20, &height) ||
+        !pgm_number(buf, size, &pos, 65535, &maxval) || maxval == 0)
+        return set_error(err, "%s: the PGM header (width, height, maxval 1..65535) is malformed. " PGM_HINT, name);
+    if (width != IMAGE_SIDE || height != IMAGE_SIDE)
+        return set_error(err, "%s: a %ux%u image; the model takes %dx%d. " PGM_HINT, name, width, height, IMAGE_SIDE,
+                         IMAGE_SIDE);
+    uint8_t pixels[INPUT_DIM];
+    const size_t bytes_per_sample = maxval > 255 ? 2 : 1;
+    if (!ascii) {
+        if (pos == size || !isspace(buf[pos]) || size - pos - 1 < INPUT_DIM * bytes_per_sample)
+            return set_error(err, "%s: truncated: %zu bytes of samples, a 28x28 image needs %zu. " PGM_HINT, name,
+                             pos == size ? 0 : size - pos - 1, INPUT_DIM * bytes_per_sample);
+        pos++; // the single whitespace byte that ends the header
+    }
+    for (int i = 0; i < INPUT_DIM; i++) {
+        uint32_t v;
+        if (ascii) {
+            if (!pgm_number(buf, size, &pos, maxval, &v))
+                return set_error(err, "%s: sample %d is missing or above maxval %u. " PGM_HINT, name, i, maxval);
+        } else {
+            v = bytes_per_sample == 2 ? (uint32_t)buf[pos] << 8 | buf[pos + 1] : buf[pos];
+            pos += bytes_per_sample;
+            if (v > maxval)
+                return set_error(err, "%s: sample %d is %u, above maxval %u. " PGM_HINT, name, i, v, maxval);
+        }
+        pixels[i] = (uint8_t)((v * 255 + maxval / 2) / maxval);
+    }
+    for (; pos < size; pos++) // a trailing newline is common; anything else is not one 28x28 image
+        if (!isspace(buf[pos]))
+            return set_error(err, "%s: %zu bytes after the 28x28 image. HINT: pass one image per file", name,
+                             size - pos);
+    out->count = 1;
+    out->pixels = (uint8_t*)malloc(INPUT_DIM);
+    if (out->pixels == NULL) return set_error(err, "%s: out of host memory", name);
+    memcpy(out->pixels, pixels, INPUT_DIM);
+    return true;
+}
+
+// Reads a whole file and hands it to one of the parsers above, which never touch the disk.
+template <typename T>
+static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, const char*, T*, Error*), T* out,
+                      Error* err, const char* missing_hint = PREPARE_HINT) {
+    uint8_t* buf = NULL;
+    size_t size = 0;
+    if (!read_file(path, &buf, &size, err, missing_hint)) return false;
+    bool ok = parse(buf, size, path, out, err);
+    free(buf);
+    return ok;
+}
+
+// ----------------------------------------------------------------------------
+// image output
+
+// Writes tiles (each 28x28 floats in [0,1]) as a rows x cols grid into a binary PPM (P6), white
+// digits on black, tiles separated by a 1-pixel grey border. The file reaches `path` at
+// outputs_commit(); `what` describes it there.
 static bool write_ppm_grid(const char* path, const char* what, const float* tiles, int rows, int cols, Error* err) {
     const int cell = IMAGE_SIDE + 1, width = cols * cell + 1, height = rows * cell + 1;
     uint8_t* rgb = (uint8_t*)malloc((size_t)width * height * 3);
