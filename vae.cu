@@ -584,7 +584,7 @@ __device__ inline void relu_to_a(uint32_t (&a)[DEC_STEPS][4], const float (&h)[2
 // slices of 80; a block owns one slice and keeps its rows of fc1 (134 KB) and its 80 columns of
 // [fc21 | fc22] in shared memory, copied once. Its warps then take 16-image tasks on their own:
 //   pixels   straight from global memory into mma's A fragments: thread t of a quad loads 16
-//            bytes of each of its two rows per 64 pixels (one uint4, the next one in flight while
+//            bytes of each of its two rows per 64 pixels (one uint4, the next two in flight while
 //            this one is multiplied) and widens them to bf16 (0..255 are exact). That needs fc1's
 //            K in a matching order: k16 step s = 4u + j holds, in the fragment slots (2t, 2t+1)
 //            and (8+2t, 9+2t), pixels 64u + 16t + 4j + (0, 1) and (2, 3); fc1_weights_kernel
@@ -659,11 +659,12 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
             px[1] = bottom_live && inside ? bottom[4 * u + t] : make_uint4(0, 0, 0, 0);
         };
         float acc[2 * ENC_BN / 4] = {};
-        uint4 px[2], next[2]; // this pixel block, the next one in flight
+        uint4 px[2], next[2], after[2]; // this pixel block, the next two in flight (an L2 round trip is long)
         load(px, 0);
+        load(next, 1);
         #pragma unroll 1
         for (int u = 0; u < PIXEL_BLOCKS; u++) {
-            if (u + 1 < PIXEL_BLOCKS) load(next, u + 1);
+            if (u + 2 < PIXEL_BLOCKS) load(after, u + 2);
             const uint32_t words[2][4] = {{px[0].x, px[0].y, px[0].z, px[0].w}, {px[1].x, px[1].y, px[1].z, px[1].w}};
             #pragma unroll
             for (int j = 0; j < 4; j++) {
@@ -684,7 +685,7 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
                     mma_bf16_m16n8k16(&acc[4 * nt + 4], a, b1);
                 }
             }
-            px[0] = next[0], px[1] = next[1];
+            px[0] = next[0], px[1] = next[1], next[0] = after[0], next[1] = after[1];
         }
         #pragma unroll
         for (int nt = 0; nt < ENC_BN / 8; nt++) // h1 = ReLU(x W1^T / 255 + b1), the ReLU in relu_to_a
