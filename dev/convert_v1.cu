@@ -15,7 +15,7 @@ __global__ void convert_scalar_kernel(bf16* dst, const float* src, size_t n) {
 }
 
 void convert_v1(const ConvertArgs& a) {
-    convert_scalar_kernel<<<unsigned(ceil_div<size_t>(a.n, 256)), 256>>>(a.dst, a.src, a.n);
+    convert_scalar_kernel<<<unsigned((a.n + 255) / 256), 256>>>(a.dst, a.src, a.n);
     cudaCheck(cudaGetLastError());
 }
 

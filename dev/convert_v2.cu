@@ -53,11 +53,11 @@ template <int VEC>
 void convert_v2(const ConvertArgs& a) {
     const size_t dst_align = VEC * sizeof(bf16);
     if (!is_aligned(a.src, 16) || !is_aligned(a.dst, dst_align)) {
-        convert_scalar_kernel<<<unsigned(ceil_div<size_t>(a.n, 256)), 256>>>(a.dst, a.src, a.n);
+        convert_scalar_kernel<<<unsigned((a.n + 255) / 256), 256>>>(a.dst, a.src, a.n);
     } else {
         // at least VEC - 1 threads, for the tail of a tensor shorter than VEC
         const size_t threads = std::max<size_t>(a.n / VEC, VEC - 1);
-        convert_vec_kernel<VEC><<<unsigned(ceil_div<size_t>(threads, 256)), 256>>>(a.dst, a.src, a.n);
+        convert_vec_kernel<VEC><<<unsigned((threads + 255) / 256), 256>>>(a.dst, a.src, a.n);
     }
     cudaCheck(cudaGetLastError());
 }

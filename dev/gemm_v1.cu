@@ -21,7 +21,8 @@ __global__ void gemm_naive(const float* X, const float* W, const float* bias, fl
     const float* w = W + static_cast<size_t>(n) * K;
     float acc = 0.0f;
     for (int k = 0; k < K; ++k) acc += x[k] * w[k];
-    Y[static_cast<size_t>(m) * N + n] = apply_act(acc + bias[n], act);
+    // the activation as a max: with 0 for ReLU, with -inf for none
+    Y[static_cast<size_t>(m) * N + n] = fmaxf(acc + bias[n], act == Act::Relu ? 0.0f : -INFINITY);
 }
 
 void launch_gemm_v1(const GemmArgs<float>& g) {

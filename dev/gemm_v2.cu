@@ -28,7 +28,8 @@ __global__ __launch_bounds__(kWarpsPerBlock * 32) void gemm_coalesced(
     float partial = 0.0f;
     for (int k = lane; k < K; k += 32) partial += x[k] * w[k];
     for (int offset = 16; offset > 0; offset /= 2) partial += __shfl_xor_sync(0xffffffffu, partial, offset);
-    if (lane == 0) Y[static_cast<size_t>(m) * N + n] = apply_act(partial + bias[n], act);
+    // the activation as a max: with 0 for ReLU, with -inf for none
+    if (lane == 0) Y[static_cast<size_t>(m) * N + n] = fmaxf(partial + bias[n], act == Act::Relu ? 0.0f : -INFINITY);
 }
 
 void launch_gemm_v2(const GemmArgs<float>& g) {

@@ -54,7 +54,8 @@ __global__ __launch_bounds__(BM * BN / TM) void gemm_1d_blocking(
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int m = m0 + row0 + i;
-        if (m < M) Y[static_cast<size_t>(m) * N + n] = apply_act(acc[i] + b, act);
+        // the activation as a max: with 0 for ReLU, with -inf for none
+        if (m < M) Y[static_cast<size_t>(m) * N + n] = fmaxf(acc[i] + b, act == Act::Relu ? 0.0f : -INFINITY);
     }
 }
 

@@ -92,7 +92,8 @@ __global__ __launch_bounds__((BM / TM) * (BN / TN)) void gemm_2d_blocking(
         if (m >= M) break;
         float out[TN];
 #pragma unroll
-        for (int j = 0; j < TN; ++j) out[j] = apply_act(acc[i][j] + b[j], act);
+        // the activation as a max: with 0 for ReLU, with -inf for none
+        for (int j = 0; j < TN; ++j) out[j] = fmaxf(acc[i][j] + b[j], act == Act::Relu ? 0.0f : -INFINITY);
         float* y = Y + static_cast<size_t>(m) * N + n;
         if (vec_out && n + TN <= N) {
             *reinterpret_cast<float4*>(y) = make_float4(out[0], out[1], out[2], out[3]);

@@ -22,7 +22,6 @@
 
 #include "common.h"
 
-using bf16 = __nv_bfloat16;
 namespace wmma = nvcuda::wmma;
 
 constexpr int BM = 64, BN = 64, BK = 32;
@@ -93,11 +92,14 @@ __global__ __launch_bounds__(kThreads) void gemm_wmma(const bf16* X, const bf16*
             wmma::store_matrix_sync(Cs + (wm + i * 16) * kOutLd + wn + j * 16, acc[i][j], kOutLd,
                                     wmma::mem_row_major);
     __syncthreads();
-    // Consecutive threads take consecutive columns: coalesced stores.
+    // Consecutive threads take consecutive columns: coalesced stores. The
+    // activation as a max: with 0 for ReLU, with -inf for none.
+    const float lo = act == Act::Relu ? 0.0f : -INFINITY;
     for (int i = threadIdx.x; i < BM * BN; i += kThreads) {
         const int r = i / BN, c = i % BN, m = m0 + r, n = n0 + c;
         if (m < M && n < N)
-            Y[static_cast<size_t>(m) * N + n] = __float2bfloat16(apply_act(Cs[r * kOutLd + c] + __bfloat162float(bias[n]), act));
+            Y[static_cast<size_t>(m) * N + n] =
+                __float2bfloat16(fmaxf(Cs[r * kOutLd + c] + __bfloat162float(bias[n]), lo));
     }
 }
 

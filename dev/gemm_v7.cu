@@ -25,12 +25,7 @@
 #include <cstring>
 #include <string>
 
-#include "common.h"
-
-using bf16 = __nv_bfloat16;
-
-// The PTX wrappers (cp.async, ldmatrix, mma.sync) live in common.h.
-using namespace vae::ptx;
+#include "common.h"  // and through it vae.cu's PTX helpers: cp_async16, ldmatrix_x4/x2, mma_bf16_m16n8k16
 
 // ---------------------------------------------------------------------------
 // Kernel
@@ -63,14 +58,14 @@ struct TileCopier {
 
     // Needs K % 8 == 0 and 16-byte aligned rows: then every chunk is wholly
     // inside or wholly outside the matrix, and outside ones are zero-filled.
-    __device__ __forceinline__ void copy_async(unsigned dst_tile, int k0, int K) const {
+    __device__ __forceinline__ void copy_async(bf16* dst_tile, int k0, int K) const {
         const bool k_in = k0 + c < K;
 #pragma unroll
         for (int j = 0; j < kIters; ++j) {
             const int r = r0 + j * kRowStep;
             if (ROWS % kRowStep != 0 && r >= ROWS) break;
             const bool in = k_in && j * kRowStep < rows_left;
-            cp_async_16(dst_tile + (r * kLd + c) * 2, in ? src + j * step + k0 : base, in ? 16 : 0);
+            cp_async16(dst_tile + r * kLd + c, in ? src + j * step + k0 : base, in);
         }
     }
 
@@ -102,14 +97,12 @@ __global__ __launch_bounds__(WARPS_M * WARPS_N * 32) void gemm_mma_pipelined(
     constexpr int MI = WM / 16, NI = WN / 8;  // MMA tiles per warp
     constexpr int kLd = BK + 8;
     constexpr int kStageElems = (BM + BN) * kLd;
-    constexpr int kStageBytes = kStageElems * 2;
     static_assert(WM % 16 == 0 && WN % 8 == 0, "warp tile must be whole m16n8 MMA tiles");
     static_assert(BK % 16 == 0, "K tile must be whole k16 MMA steps");
     static_assert(STAGES >= 2, "a pipeline needs at least two buffers");
 
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    bf16* smem = reinterpret_cast<bf16*>(smem_raw);  // STAGES x {A: [BM][kLd], B: [BN][kLd]}
-    const unsigned smem_base = smem_addr(smem_raw);
+    extern __shared__ __align__(128) unsigned char smem_v7[];
+    bf16* smem = reinterpret_cast<bf16*>(smem_v7);  // STAGES x {A: [BM][kLd], B: [BN][kLd]}
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int wm0 = (warp / WARPS_N) * WM, wn0 = (warp % WARPS_N) * WN;
@@ -121,8 +114,8 @@ __global__ __launch_bounds__(WARPS_M * WARPS_N * 32) void gemm_mma_pipelined(
     auto load_stage = [&](int kt) {
         const int stage = kt % STAGES;
         if (vec_ok) {
-            copy_x.copy_async(smem_base + stage * kStageBytes, kt * BK, K);
-            copy_w.copy_async(smem_base + stage * kStageBytes + BM * kLd * 2, kt * BK, K);
+            copy_x.copy_async(smem + stage * kStageElems, kt * BK, K);
+            copy_w.copy_async(smem + stage * kStageElems + BM * kLd, kt * BK, K);
         } else {
             copy_x.copy_sync(smem + stage * kStageElems, kt * BK, K);
             copy_w.copy_sync(smem + stage * kStageElems + BM * kLd, kt * BK, K);
@@ -133,9 +126,8 @@ __global__ __launch_bounds__(WARPS_M * WARPS_N * 32) void gemm_mma_pipelined(
     // x4): rows lane % 16, k half lane / 16. For B (two n8 tiles per x4):
     // rows lane % 8 (+8 for lanes 16-31), k half (lane / 8) % 2. B is stored
     // [n][k], so these plain loads already give mma's column-major fragments.
-    const unsigned a_lane = smem_base + ((wm0 + lane % 16) * kLd + (lane / 16) * 8) * 2;
-    const unsigned b_lane =
-        smem_base + (BM * kLd + (wn0 + lane % 8 + (lane / 16) * 8) * kLd + ((lane / 8) % 2) * 8) * 2;
+    const bf16* a_lane = smem + (wm0 + lane % 16) * kLd + (lane / 16) * 8;
+    const bf16* b_lane = smem + BM * kLd + (wn0 + lane % 8 + (lane / 16) * 8) * kLd + ((lane / 8) % 2) * 8;
 
     // Prologue: STAGES-1 tiles in flight. One commit group per tile, empty
     // past the end of K, so that "group kt is complete" is always what
@@ -152,31 +144,31 @@ __global__ __launch_bounds__(WARPS_M * WARPS_N * 32) void gemm_mma_pipelined(
         if (kt + STAGES - 1 < num_k_tiles) load_stage(kt + STAGES - 1);  // into tile kt-1's buffer
         cp_async_commit();
 
-        const unsigned stage_offset = (kt % STAGES) * kStageBytes;
+        const int stage_offset = (kt % STAGES) * kStageElems;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             if (kt * BK + kk >= K) break;  // the rest of the last tile is zero padding
-            unsigned a[MI][4], b[NI][2];
+            uint32_t a[MI][4], b[NI][2];
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], a_lane + stage_offset + (mi * 16 * kLd + kk) * 2);
+            for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], a_lane + stage_offset + mi * 16 * kLd + kk);
 #pragma unroll
             for (int ni = 0; ni < NI; ni += 2) {
-                const unsigned addr = b_lane + stage_offset + (ni * 8 * kLd + kk) * 2;
+                const bf16* addr = b_lane + stage_offset + ni * 8 * kLd + kk;
                 if (ni + 1 < NI) {
-                    unsigned t[4];
+                    uint32_t t[4];
                     ldmatrix_x4(t, addr);
                     b[ni][0] = t[0];
                     b[ni][1] = t[1];
                     b[ni + 1][0] = t[2];
                     b[ni + 1][1] = t[3];
                 } else {
-                    ldmatrix_x2(b[ni], addr);  // odd NI: lanes 0-15's addresses are the same rows
+                    ldmatrix_x2(b[ni][0], b[ni][1], addr);  // odd NI: lanes 0-15's addresses are the same rows
                 }
             }
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                for (int ni = 0; ni < NI; ++ni) mma_bf16_16816(acc[mi][ni], a[mi], b[ni]);
+                for (int ni = 0; ni < NI; ++ni) mma_bf16_m16n8k16(acc[mi][ni], a[mi], b[ni]);
         }
     }
 
@@ -195,8 +187,9 @@ __global__ __launch_bounds__(WARPS_M * WARPS_N * 32) void gemm_mma_pipelined(
             for (int half = 0; half < 2; ++half) {
                 const int m = m0 + wm0 + mi * 16 + g + half * 8;
                 if (m >= M || n >= N) continue;
-                const float v0 = apply_act(acc[mi][ni][2 * half] + b0, act);
-                const float v1 = apply_act(acc[mi][ni][2 * half + 1] + b1, act);
+                // the activation as a max: with 0 for ReLU, with -inf for none
+                const float v0 = fmaxf(acc[mi][ni][2 * half] + b0, act == Act::Relu ? 0.0f : -INFINITY);
+                const float v1 = fmaxf(acc[mi][ni][2 * half + 1] + b1, act == Act::Relu ? 0.0f : -INFINITY);
                 bf16* y = Y + static_cast<size_t>(m) * N + n;
                 if (paired && n + 1 < N) {
                     *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);

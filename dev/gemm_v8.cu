@@ -46,7 +46,8 @@
 // K tile of K = 400 or 784 holds 16 real columns; only its first k16 step runs.
 //
 // TMA needs 16-byte aligned rows (K % 8 == 0, and N % 8 == 0 for the output):
-// fc3 (K = 20) falls back to v7's kernel, as does any misaligned input.
+// fc3 (K = 20) falls back to v7's kernel, as does any misaligned input (a copy
+// of its synchronous-copy path below: drivers do not include each other).
 // fc21+fc22 (N = 40) runs a 64 x 40 tile with one consumer warpgroup.
 //
 // `./dev/gemm_v8 --sweep` validates and times every compiled configuration,
@@ -56,27 +57,135 @@
 // cuBLASLt after it) for Nsight Compute.
 //
 // Build and run:  make -C dev gemm_v8 && ./dev/gemm_v8  [--sweep | --config NAME | --profile NAME]
-#include <cuda.h>  // CUtensorMap and its enums only: the encoder comes from the runtime, no -lcuda
-#include <cudaTypedefs.h>
+#include <cstring>
+#include <string>
 
-// v7's kernel serves the layers TMA cannot (K % 8 != 0): pull it in without its main().
-#define main gemm_v7_main
-#include "gemm_v7.cu"
-#undef main
+// vae.cu (through common.h) brings CUtensorMap, tensor_map_encoder and the Hopper helpers this
+// file shares with its decoder: mbar_init / arrive / arrive_expect_tx / wait, tma_load_2d,
+// smem_desc_128b, wgmma_fence / commit / wait, fence_accumulators.
+#include "common.h"
 
 // ---------------------------------------------------------------------------
-// PTX wrappers: mbarrier, TMA, cluster, wgmma
+// v7's kernel, synchronous-copy path: the fallback for layers TMA cannot read.
+// TMA and v7's cp.async both need 16-byte chunks, so a layer that falls back
+// here is one v7 itself copies element by element (K = 20 takes this path in
+// v7 too). Tile 128 x 128 x 32, 2 x 4 warps, 4 stages: v7's choice for K <= 32.
 
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+namespace v7 {
+constexpr int BM = 128, BN = 128, BK = 32, WARPS_M = 2, WARPS_N = 4, STAGES = 4;
+constexpr int kThreads = WARPS_M * WARPS_N * 32, kLd = BK + 8, kStageElems = (BM + BN) * kLd;
+constexpr int kSmemBytes = STAGES * kStageElems * static_cast<int>(sizeof(bf16));
+
+// ROWS x BK tile of a row-major [rows, K] matrix into shared memory, zero-filled
+// outside it; each thread keeps one column of 8-element chunks.
+template <int ROWS>
+__device__ __forceinline__ void copy_tile(bf16* dst, const bf16* matrix, int row0, int rows, int K, int k0) {
+    constexpr int kChunksPerRow = BK / 8, kRowStep = kThreads / kChunksPerRow;
+    const int r0 = threadIdx.x / kChunksPerRow, c = (threadIdx.x % kChunksPerRow) * 8;
+#pragma unroll
+    for (int r = r0; r < ROWS; r += kRowStep) {
+        unsigned e[8] = {};
+        if (row0 + r < rows)
+            for (int t = 0; t < 8; ++t)
+                if (k0 + c + t < K) e[t] = __bfloat16_as_ushort(matrix[static_cast<size_t>(row0 + r) * K + k0 + c + t]);
+        *reinterpret_cast<uint4*>(dst + r * kLd + c) =
+            make_uint4(e[0] | e[1] << 16, e[2] | e[3] << 16, e[4] | e[5] << 16, e[6] | e[7] << 16);
+    }
 }
-// Sets the bytes this phase waits for and arrives (the producer's one arrival).
-__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+
+__global__ __launch_bounds__(kThreads) void gemm_v7_sync_kernel(const bf16* __restrict__ X, const bf16* __restrict__ W,
+                                                                  const bf16* __restrict__ bias, bf16* __restrict__ Y,
+                                                                  int M, int N, int K, Act act) {
+    constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N, MI = WM / 16, NI = WN / 8;
+    extern __shared__ __align__(128) unsigned char smem_v7[];
+    bf16* smem = reinterpret_cast<bf16*>(smem_v7);  // STAGES x {A: [BM][kLd], B: [BN][kLd]}
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int wm0 = (warp / WARPS_N) * WM, wn0 = (warp % WARPS_N) * WN;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int num_k_tiles = ceil_div(K, BK);
+    auto load_stage = [&](int kt) {
+        bf16* stage = smem + (kt % STAGES) * kStageElems;
+        copy_tile<BM>(stage, X, m0, M, K, kt * BK);
+        copy_tile<BN>(stage + BM * kLd, W, n0, N, K, kt * BK);
+    };
+    const bf16* a_lane = smem + (wm0 + lane % 16) * kLd + (lane / 16) * 8;
+    const bf16* b_lane = smem + BM * kLd + (wn0 + lane % 8 + (lane / 16) * 8) * kLd + ((lane / 8) % 2) * 8;
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < num_k_tiles) load_stage(s);
+        cp_async_commit();  // empty groups, as in v7: the same barrier pattern
+    }
+    float acc[MI][NI][4] = {};
+    for (int kt = 0; kt < num_k_tiles; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (kt + STAGES - 1 < num_k_tiles) load_stage(kt + STAGES - 1);
+        cp_async_commit();
+        const int stage_offset = (kt % STAGES) * kStageElems;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            if (kt * BK + kk >= K) break;  // the rest of the last tile is zero padding
+            uint32_t a[MI][4], b[NI][2];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], a_lane + stage_offset + mi * 16 * kLd + kk);
+#pragma unroll
+            for (int ni = 0; ni < NI; ni += 2) {
+                uint32_t t[4];
+                ldmatrix_x4(t, b_lane + stage_offset + ni * 8 * kLd + kk);
+                b[ni][0] = t[0], b[ni][1] = t[1], b[ni + 1][0] = t[2], b[ni + 1][1] = t[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < NI; ++ni) mma_bf16_m16n8k16(acc[mi][ni], a[mi], b[ni]);
+        }
+    }
+    const int g = lane / 4, q = lane % 4;
+    const bool paired = N % 2 == 0;
+    const float lo = act == Act::Relu ? 0.0f : -INFINITY;  // the activation as a max
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+        const int n = n0 + wn0 + ni * 8 + q * 2;
+        const float b0 = n < N ? __bfloat162float(bias[n]) : 0.0f;
+        const float b1 = n + 1 < N ? __bfloat162float(bias[n + 1]) : 0.0f;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int m = m0 + wm0 + mi * 16 + g + half * 8;
+                if (m >= M || n >= N) continue;
+                const float v0 = fmaxf(acc[mi][ni][2 * half] + b0, lo), v1 = fmaxf(acc[mi][ni][2 * half + 1] + b1, lo);
+                bf16* y = Y + static_cast<size_t>(m) * N + n;
+                if (paired && n + 1 < N) {
+                    *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                    y[0] = __float2bfloat16(v0);
+                    if (n + 1 < N) y[1] = __float2bfloat16(v1);
+                }
+            }
+    }
 }
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}  // namespace v7
+
+void launch_gemm_v7(const GemmArgs<bf16>& g) {
+    static const bool opted_in = [] {
+        cudaCheck(cudaFuncSetAttribute(v7::gemm_v7_sync_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       v7::kSmemBytes));
+        return true;
+    }();
+    (void)opted_in;
+    const dim3 grid(ceil_div(g.N, v7::BN), ceil_div(g.M, v7::BM));
+    v7::gemm_v7_sync_kernel<<<grid, v7::kThreads, v7::kSmemBytes>>>(g.X, g.W, g.bias, g.Y, g.M, g.N, g.K, g.act);
+    cudaCheck(cudaGetLastError());
 }
+
+// ---------------------------------------------------------------------------
+// PTX wrappers vae.cu does not have: cluster, multicast, bulk copies, wgmma
+// from shared memory
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 // Arrives on the barrier at the same offset in CTA `cta` of this cluster.
 // Default (.release.cta) semantics: what the arrival orders is the end of
 // this warp's wgmma reads, which wgmma.wait_group already guarantees; a
@@ -89,26 +198,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned cta) 
         "r"(cta)
         : "memory");
 }
-__device__ __forceinline__ bool mbar_try_wait(unsigned bar, unsigned parity) {
-    unsigned done;
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    return done != 0;
-}
-// Waits for the phase with this parity to complete. A pipeline bug would
-// otherwise spin forever; after ~1 s this traps, so the launch fails loudly.
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    if (mbar_try_wait(bar, parity)) return;
-    const long long start = clock64();
-    while (!mbar_try_wait(bar, parity))
-        if (clock64() - start > 2000000000ll) __trap();
-}
-
 // All threads of all CTAs in the cluster; orders shared-memory accesses across them.
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
@@ -118,15 +207,7 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
 }
 
-// One box of a 2-D tensor map -> shared memory; the mbarrier counts its bytes.
-__device__ __forceinline__ void tma_load_2d(unsigned dst, const CUtensorMap* map, unsigned bar, int c0, int c1) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
-            dst),
-        "l"(map), "r"(bar), "r"(c0), "r"(c1)
-        : "memory");
-}
-// Same, written to the same offset (data and mbarrier) in every CTA of `mask`.
+// vae.cu's tma_load_2d, written to the same offset (data and mbarrier) in every CTA of `mask`.
 __device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const CUtensorMap* map, unsigned bar, int c0,
                                                       int c1, uint16_t mask) {
     asm volatile(
@@ -154,33 +235,6 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, unsigned sr
 // source has been read (the CTA may then exit or reuse it).
 __device__ __forceinline__ void tma_store_commit_and_wait_read() {
     asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-
-// wgmma matrix descriptor for a K-major tile of 128-byte rows in the 128B
-// swizzle layout (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B): start
-// address / 16, leading offset unused for this layout (1 by convention),
-// stride offset = 1024 bytes between 8-row groups, layout type 1 = 128B
-// swizzle. The tile must start 1024-byte aligned; stepping k16 along the row
-// is +32 bytes on the start address, the hardware applies the swizzle.
-__device__ __forceinline__ uint64_t make_smem_desc(unsigned addr) {
-    return (uint64_t((addr & 0x3FFFF) >> 4)) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
-           (uint64_t(1) << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Pins the accumulators in place around the asynchronous wgmmas: the empty
-// asm "writes" every register, so the compiler cannot move reads or writes of
-// them across a wgmma.wait_group, which does not name them.
-template <int R>
-__device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // D[64 x N] += A[64 x 16] * B[16 x N], both K-major in shared memory, fp32
@@ -279,8 +333,9 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], const bf16*
         for (int half = 0; half < 2; ++half) {
             const int m = r0 + half * 8;
             if (m >= M) continue;
-            const float v0 = apply_act(d[4 * j + 2 * half] + b0, act);
-            const float v1 = apply_act(d[4 * j + 2 * half + 1] + b1, act);
+            // the activation as a max: with 0 for ReLU, with -inf for none
+            const float v0 = fmaxf(d[4 * j + 2 * half] + b0, act == Act::Relu ? 0.0f : -INFINITY);
+            const float v1 = fmaxf(d[4 * j + 2 * half + 1] + b1, act == Act::Relu ? 0.0f : -INFINITY);
             bf16* y = Y + static_cast<size_t>(m) * N + n;
             if (paired && n + 1 < N) {
                 *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
@@ -312,15 +367,16 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], const b
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = warp * 16 + g + half * 8;
-            *reinterpret_cast<__nv_bfloat162*>(stage + (r * BN + c) * 2) = __floats2bfloat162_rn(
-                apply_act(d[4 * j + 2 * half] + b0, act), apply_act(d[4 * j + 2 * half + 1] + b1, act));
+            const float lo = act == Act::Relu ? 0.0f : -INFINITY;
+            *reinterpret_cast<__nv_bfloat162*>(stage + (r * BN + c) * 2) =
+                __floats2bfloat162_rn(fmaxf(d[4 * j + 2 * half] + b0, lo), fmaxf(d[4 * j + 2 * half + 1] + b1, lo));
         }
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA engine
     const int barrier_id = 1 + threadIdx.x / kWarpgroup;              // this warpgroup only; 0 is __syncthreads
     asm volatile("bar.sync %0, %1;\n" ::"r"(barrier_id), "n"(kWarpgroup) : "memory");
     if (threadIdx.x % kWarpgroup == 0) {
-        tma_store_2d(tmap_y, smem_addr(stage), n0, m_base);
+        tma_store_2d(tmap_y, smem_u32(stage), n0, m_base);
         tma_store_commit_and_wait_read();
     }
 }
@@ -329,7 +385,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&d)[BN / 2], const b
 template <int BN, int STEPS = kBK / 16>
 __device__ __forceinline__ void mma_k_tile(float (&d)[BN / 2], unsigned a_tile, unsigned b_tile) {
     wgmma_fence();  // the accumulators were last written by earlier wgmmas
-    const uint64_t da = make_smem_desc(a_tile), db = make_smem_desc(b_tile);
+    const uint64_t da = smem_desc_128b(a_tile), db = smem_desc_128b(b_tile);
 #pragma unroll
     for (int kk = 0; kk < STEPS; ++kk) wgmma_bf16<BN>(d, da + 2 * kk, db + 2 * kk);  // +32 bytes = +2 in the address field
     wgmma_commit();
@@ -365,7 +421,7 @@ __global__ void __launch_bounds__(CONSUMERS * kWarpgroup)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // built for other GPUs, the body is empty and main() refuses to run
     constexpr int BM = 64 * CONSUMERS, kThreads = CONSUMERS * kWarpgroup;
     extern __shared__ unsigned char smem_raw[];
-    const unsigned base = smem_addr(smem_raw);
+    const unsigned base = smem_u32(smem_raw);
     const unsigned smem = (base + 1023) & ~1023u;  // the swizzle pattern repeats every 1024 bytes
     unsigned char* smem_ptr = smem_raw + (smem - base);
     const unsigned a_tile = smem, b_tile = smem + BM * kRowBytes;
@@ -439,7 +495,7 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * kWarpgroup,
     static_assert(kCluster <= 8, "portable cluster size");
 
     extern __shared__ unsigned char smem_raw[];
-    const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;  // same offset in every CTA
+    const unsigned smem = (smem_u32(smem_raw) + 1023) & ~1023u;  // same offset in every CTA
     // Layout: STAGES x {X tile, W tile} (after the main loop: one 64 x BN
     // bf16 output tile per consumer warpgroup), then the barriers.
     const unsigned out0 = smem;
@@ -529,8 +585,9 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * kWarpgroup,
         if (TMA_STORE && CONSUMERS > 1)
             asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS * kWarpgroup) : "memory");
         if (TMA_STORE)
-            store_tile_tma<BN>(d, reinterpret_cast<const bf16*>(smem_raw + (bias_smem - smem_addr(smem_raw))), &tmap_y, smem_raw + (out0 - smem_addr(smem_raw)) + (wg - 1) * 64 * BN * 2, N,
-                               m0 + (wg - 1) * 64, n0, act);
+            store_tile_tma<BN>(d, reinterpret_cast<const bf16*>(smem_raw + (bias_smem - smem_u32(smem_raw))), &tmap_y,
+                               smem_raw + (out0 - smem_u32(smem_raw)) + (wg - 1) * 64 * BN * 2, N, m0 + (wg - 1) * 64,
+                               n0, act);
         else
             store_tile<BN>(d, bias, Y, M, N, m0 + (wg - 1) * 64, n0, act);
     }
@@ -541,22 +598,6 @@ __global__ void __launch_bounds__((CONSUMERS + 1) * kWarpgroup,
 
 // ---------------------------------------------------------------------------
 // Host side
-
-// cuTensorMapEncodeTiled is a driver API function; the runtime hands out its
-// address, so the binary needs no -lcuda.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-        void* fn = nullptr;
-        cudaDriverEntryPointQueryResult status;
-        cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
-        if (status != cudaDriverEntryPointSuccess || fn == nullptr) {
-            fprintf(stderr, "cuTensorMapEncodeTiled is not available\n");
-            exit(EXIT_FAILURE);
-        }
-        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    }();
-    return encode;
-}
 
 // Tensor map of a row-major [rows, cols] bf16 matrix read or written in boxes
 // of box_rows x box_cols; swizzled (128B, for wgmma operands, box_cols = 64)

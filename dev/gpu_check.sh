@@ -67,12 +67,12 @@ if has iwae; then
         run bash -c "./vae --iwae 5000 --precision $p --csv $OUT/iwae_$p.csv | tail -4 | tee -a $OUT/iwae.log"
     done
     run bash -c "PYTHONUNBUFFERED=1 python3 dev/bench_pytorch.py --iwae 5000 2>&1 | tee $OUT/iwae_pytorch.log"
-    run bash -c "make -s -C dev iwae_v5 && ./dev/iwae_v5 2>&1 | tee $OUT/iwae_v5.log"
 fi
 if has sanitize; then run bash -c "SANITIZE_JOBS=16 bash dev/sanitize.sh 2>&1 | grep -E '^(sanitize|cli)' | tee $OUT/sanitize.log"; fi
 if has profile; then run bash dev/profile.sh 1024 4096; fi
 if has dev; then
     run bash dev/run_gemm.sh
     run bash dev/run_kernels.sh
+    run bash -c "make -s -C dev encoder_v1 decoder_v1 && ./dev/encoder_v1 && ./dev/decoder_v1"
 fi
 exit $status

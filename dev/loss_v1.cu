@@ -13,16 +13,16 @@ using namespace vae;
 
 __global__ void loss_atomic_kernel(float* loss, const float* logits, const uint8_t* pixels, const float* kl, int B) {
     const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (i >= size_t(B) * kIn) return;
-    const int b = int(i / kIn);
-    float term = bce_term(logits[i], pixels[i] / 255.0f);
-    if (i % kIn == 0) term += kl[b];
+    if (i >= size_t(B) * INPUT_DIM) return;
+    const int b = int(i / INPUT_DIM);
+    float term = bce_term(logits[i], pixels[i]);
+    if (i % INPUT_DIM == 0) term += kl[b];
     atomicAdd(&loss[b], term);
 }
 
 void loss_v1(const LossArgs& a) {
     cudaCheck(cudaMemsetAsync(a.loss, 0, size_t(a.B) * sizeof(float)));
-    loss_atomic_kernel<<<unsigned(ceil_div<size_t>(size_t(a.B) * kIn, 256)), 256>>>(a.loss, a.logits, a.pixels, a.kl, a.B);
+    loss_atomic_kernel<<<unsigned((size_t(a.B) * INPUT_DIM + 255) / 256), 256>>>(a.loss, a.logits, a.pixels, a.kl, a.B);
     cudaCheck(cudaGetLastError());
 }
 

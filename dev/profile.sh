@@ -7,7 +7,7 @@ make -s vae || exit 1
 for B in ${*:-1024 4096}; do
     for p in ${PRECISIONS:-bf16 fp32}; do
         echo "== ./vae --precision $p -n $B -b $B (first forward pass only)"
-        ncu --clock-control none --launch-count 8 --kernel-name regex:'bf16|bce|linear_fp32|reparam' \
+        ncu --clock-control none --launch-count 8 --kernel-name regex:'encoder|decoder|bce|linear_fp32|reparam' \
             --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active \
             --csv --page raw ./vae --precision $p -n $B -b $B -o /tmp/profile_images 2>/dev/null |
             python3 -c "

@@ -15,17 +15,17 @@ using namespace vae;
 __global__ void reparam_atomic_kernel(float* z, float* kl, const float* mulv, int B, uint32_t first_image,
                                       uint64_t seed) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= B * kLatent) return;
-    const int b = i / kLatent, j = i % kLatent;
+    if (i >= B * LATENT_DIM) return;
+    const int b = i / LATENT_DIM, j = i % LATENT_DIM;
     float kl_term;
-    z[i] = latent_z(mulv[size_t(b) * kMulv + j], mulv[size_t(b) * kMulv + kLatent + j],
-                    gaussian(seed, kStreamPosterior, first_image + b, 0, j), &kl_term);
+    z[i] = latent_z(mulv[size_t(b) * kMulv + j], mulv[size_t(b) * kMulv + LATENT_DIM + j],
+                    gaussian(seed, STREAM_POSTERIOR, first_image + b, 0, j), &kl_term);
     atomicAdd(&kl[b], -0.5f * kl_term);
 }
 
 void reparam_v1(const ReparamArgs& a) {
     cudaCheck(cudaMemsetAsync(a.kl, 0, size_t(a.B) * sizeof(float)));
-    reparam_atomic_kernel<<<ceil_div(a.B * kLatent, 256), 256>>>(a.z, a.kl, a.mulv, a.B, a.first_image, a.seed);
+    reparam_atomic_kernel<<<ceil_div(a.B * LATENT_DIM, 256), 256>>>(a.z, a.kl, a.mulv, a.B, a.first_image, a.seed);
     cudaCheck(cudaGetLastError());
 }
 

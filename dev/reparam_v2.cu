@@ -17,9 +17,14 @@ __global__ void __launch_bounds__(kWarps * 32)
     reparam_warp_kernel(float* z, float* kl, const float* mulv, int B, uint32_t first_image, uint64_t seed) {
     const int b = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (b >= B) return;  // whole warps leave together, so the shuffle stays full
-    const LatentSample s = sample_latent(mulv + size_t(b) * kMulv, lane, first_image + b, seed);
-    if (lane < kLatent) z[size_t(b) * kLatent + lane] = s.z;
-    if (lane == 0) kl[b] = s.kl;
+    const float* row = mulv + size_t(b) * kMulv;
+    float kl_term = 0.0f;
+    if (lane < LATENT_DIM) {
+        const float eps = gaussian(seed, STREAM_POSTERIOR, first_image + b, 0, lane);
+        z[size_t(b) * LATENT_DIM + lane] = latent_z(row[lane], row[LATENT_DIM + lane], eps, &kl_term);
+    }
+    const float kl_sum = warp_sum(kl_term);  // every lane takes part
+    if (lane == 0) kl[b] = -0.5f * kl_sum;
 }
 
 void reparam_v2(const ReparamArgs& a) {

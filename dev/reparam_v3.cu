@@ -11,17 +11,17 @@
 
 using namespace vae;
 
-constexpr int kImagesPerBlock = 16, kThreads = kImagesPerBlock * kLatent;  // 320 = 10 full warps
+constexpr int kImagesPerBlock = 16, kThreads = kImagesPerBlock * LATENT_DIM;  // 320 = 10 full warps
 
 __global__ void __launch_bounds__(kThreads)
     reparam_smem_kernel(float* z, float* kl, const float* mulv, int B, uint32_t first_image, uint64_t seed) {
-    __shared__ float terms[kImagesPerBlock][kLatent];
-    const int local = threadIdx.x / kLatent, j = threadIdx.x % kLatent;
+    __shared__ float terms[kImagesPerBlock][LATENT_DIM];
+    const int local = threadIdx.x / LATENT_DIM, j = threadIdx.x % LATENT_DIM;
     const int b = blockIdx.x * kImagesPerBlock + local;
     float kl_term = 0.0f;
     if (b < B)
-        z[size_t(b) * kLatent + j] = latent_z(mulv[size_t(b) * kMulv + j], mulv[size_t(b) * kMulv + kLatent + j],
-                                              gaussian(seed, kStreamPosterior, first_image + b, 0, j), &kl_term);
+        z[size_t(b) * LATENT_DIM + j] = latent_z(mulv[size_t(b) * kMulv + j], mulv[size_t(b) * kMulv + LATENT_DIM + j],
+                                              gaussian(seed, STREAM_POSTERIOR, first_image + b, 0, j), &kl_term);
     terms[local][j] = kl_term;
     __syncthreads();
     if (threadIdx.x < kImagesPerBlock) {
@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kThreads)
         if (bb < B) {
             float sum = 0.0f;
 #pragma unroll
-            for (int k = 0; k < kLatent; ++k) sum += terms[threadIdx.x][k];
+            for (int k = 0; k < LATENT_DIM; ++k) sum += terms[threadIdx.x][k];
             kl[bb] = -0.5f * sum;
         }
     }

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Builds and runs every non-GEMM driver in dev/ (reparam_*, loss_*, convert_*,
-# fused_*, iwae_*), logs everything to ${OUT:-/tmp}/dev_kernels.log and prints the
-# result rows of each family last.
+# Builds and runs every non-GEMM driver in dev/ (reparam_*, loss_*, convert_*),
+# logs everything to ${OUT:-/tmp}/dev_kernels.log and prints the result rows of
+# each family last.
 #
-#   bash dev/run_kernels.sh              # all families
-#   bash dev/run_kernels.sh loss fused   # only these families
-#   bash dev/run_kernels.sh iwae         # the IWAE log-likelihood kernels only
+#   bash dev/run_kernels.sh                # all families
+#   bash dev/run_kernels.sh loss reparam   # only these families
 #
 # Exits non-zero if a build fails or any driver fails validation.
 set -uo pipefail
@@ -15,7 +14,7 @@ LOG="${OUT:-/tmp}/dev_kernels.log"
 mkdir -p "$(dirname "$LOG")"
 : >"$LOG"
 
-if [ "$#" -gt 0 ]; then FAMILIES=("$@"); else FAMILIES=(reparam loss convert fused iwae); fi
+if [ "$#" -gt 0 ]; then FAMILIES=("$@"); else FAMILIES=(reparam loss convert); fi
 DRIVERS=()
 for f in "${FAMILIES[@]}"; do
     for src in "$f"_v*.cu; do [ -e "$src" ] && DRIVERS+=("${src%.cu}"); done
@@ -49,8 +48,7 @@ summary=$(
         echo "|---|---|---|---|---|---|"
         awk -v fam="$f" '
             /^== \.\// { name = substr($2, 3); in_fam = index(name, fam "_v") == 1; next }
-            in_fam && /^\| / && !/^\| variant/ && !/^\|---/ { print }
-            in_fam && /^fusion gain/ { print }' "$LOG"
+            in_fam && /^\| / && !/^\| variant/ && !/^\|---/ { print }' "$LOG"
     done
 )
 echo "$summary" | tee -a "$LOG"
