@@ -770,7 +770,7 @@ struct DecoderIO {
     const uint4* z_rows;   // [rows][4]
     const uint8_t* pixels; // [rows / rows_per_image][784] or NULL
     int rows, rows_per_image;
-    float* bce;            // [rows]
+    float* bce;            // [rows], or NULL: the parts are the result (a ticket costs a fence per 16 rows)
     float* parts;          // [rows][4]: each column block's share of a row's BCE
     unsigned* tickets;     // [rows / 16 rounded up]: column blocks done with 16 rows (zero between passes)
     float *logits, *recon; // [rows][784] or NULL
@@ -825,7 +825,7 @@ __device__ inline void decoder_epilogue(const float (&logit)[DEC_BN / 2], int ro
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         if (live && t == 0) io.parts[(size_t)row * DEC_COL_BLOCKS + cb] = sum;
     }
-    if (io.pixels == NULL) return;
+    if (io.bce == NULL) return; // the caller adds the parts itself (--iwae's logsumexp does)
     __threadfence(); // this warp's shares are visible to the whole GPU before its ticket is
     __syncwarp();
     unsigned arrived = 0;
@@ -1260,7 +1260,8 @@ __global__ void iwae_z_rows_kernel(uint4* __restrict__ z_rows, float* __restrict
 }
 
 
-// log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k, combined by a running
+// log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k (BCE_k given as `parts`
+// partial sums, the decoder's column blocks, added in order as its tickets would), combined by a running
 // (max, sum of exp) so no exp overflows. One block per image: thread t takes k = t, t + 256, ...,
 // then the warps merge by a shuffle tree and the 8 warp results in order, the same on every run.
 __device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
@@ -1271,14 +1272,16 @@ __device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
 }
 enum { LSE_THREADS = 256 };
 __global__ void __launch_bounds__(LSE_THREADS)
-    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce,
+    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce_parts, int parts,
                           const float* __restrict__ log_ratio, int K) {
     __shared__ float warp_m[LSE_THREADS / 32], warp_s[LSE_THREADS / 32];
     const int image = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float m = -INFINITY, s = 0.0f;
     for (int k = threadIdx.x; k < K; k += LSE_THREADS) {
         const size_t r = (size_t)image * K + k;
-        logsumexp_merge(m, s, log_ratio[r] - bce[r], 1.0f);
+        float bce = 0.0f;
+        for (int p = 0; p < parts; p++) bce += bce_parts[r * parts + p];
+        logsumexp_merge(m, s, log_ratio[r] - bce, 1.0f);
     }
     for (int offset = 16; offset > 0; offset /= 2) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
@@ -1405,9 +1408,9 @@ static void iwae_z_rows(uint4* z_rows, float* log_ratio, const float* mulv, cons
     cudaCheck(cudaGetLastError());
 }
 
-static void iwae_logsumexp(float* log_px, const float* bce, const float* log_ratio, int images, int K,
+static void iwae_logsumexp(float* log_px, const float* bce_parts, int parts, const float* log_ratio, int images, int K,
                            cudaStream_t stream) {
-    iwae_logsumexp_kernel<<<images, LSE_THREADS, 0, stream>>>(log_px, bce, log_ratio, K);
+    iwae_logsumexp_kernel<<<images, LSE_THREADS, 0, stream>>>(log_px, bce_parts, parts, log_ratio, K);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1669,11 +1672,12 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                 iwae_sample(m->z, m->row_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
                 vae_decode_logits(m, m->z, rows);
                 bce_loss(m->row_bce, NULL, m->logits, x, rows, K, m->stream);
-            } else {
+                iwae_logsumexp(log_px + first, m->row_bce, 1, m->row_log_ratio, images, K, m->stream);
+            } else { // no tickets: the logsumexp adds each row's 4 parts in the same order
                 iwae_z_rows(m->z_rows, m->row_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
-                vae_decoder(m, x, rows, K, m->row_bce, NULL, NULL);
+                vae_decoder(m, x, rows, K, NULL, NULL, NULL);
+                iwae_logsumexp(log_px + first, m->bce_parts, DEC_COL_BLOCKS, m->row_log_ratio, images, K, m->stream);
             }
-            iwae_logsumexp(log_px + first, m->row_bce, m->row_log_ratio, images, K, m->stream);
         }
     }
 }
