@@ -1401,23 +1401,26 @@ static void test_gpu_generator_keying(VAE* m, const uint8_t* d_pixels) {
 static void gpu_iwae(VAE* m, const uint8_t* d_pixels, int first, int n, int K, uint64_t seed, const float* d_eps,
                      float* log_px);
 
-// On Hopper the bf16 decoder is the wgmma kernel; the mma.sync kernel that other GPUs run gets
-// the same checks here (forced through m->wgmma), and the two must agree: they differ in fp32
-// summation order and, where that moves an h3 value across a bf16 rounding boundary, in that
-// value's last bit: far below bf16's error. The encoder is the same kernel on both.
+// On Hopper the bf16 encoder and decoder are the wgmma kernels; the mma.sync kernels that other GPUs
+// run get the same checks here (forced through m->wgmma), and the two must agree: they may differ
+// in fp32 summation order inside the tensor cores and, where that moves an h1 or h3 value across a
+// bf16 rounding boundary, in that value's last bit: far below bf16's error.
 static void test_gpu_decoder_engines(VAE* m, const uint8_t* d_pixels, const DebugState* ds, int count, int small) {
-    printf("GPU bf16 with the decoder on mma.sync (the kernel of GPUs without wgmma)\n");
+    printf("GPU bf16 with the encoder and decoder on mma.sync (the kernels of GPUs without wgmma)\n");
     float *bce[2], *kl[2];
     for (int wgmma = 0; wgmma < 2; wgmma++) {
         m->wgmma = wgmma;
         bce[wgmma] = (float*)malloc((size_t)count * 4), kl[wgmma] = (float*)malloc((size_t)count * 4);
         gpu_losses(m, d_pixels, count, count, 7, false, bce[wgmma], kl[wgmma]);
     }
-    double worst = 0.0;
-    for (int i = 0; i < count; i++) worst = fmax(worst, fabs((double)bce[0][i] - bce[1][i]) / fabs((double)bce[1][i]));
-    check(worst < 1e-4 && !memcmp(kl[0], kl[1], (size_t)count * 4),
-          "mma.sync and wgmma: per-image BCE of %d images within %.1e relative (max %.2e), KL bitwise equal", count,
-          1e-4, worst);
+    double worst = 0.0, worst_kl = 0.0;
+    for (int i = 0; i < count; i++) {
+        worst = fmax(worst, fabs((double)bce[0][i] - bce[1][i]) / fabs((double)bce[1][i]));
+        worst_kl = fmax(worst_kl, fabs((double)kl[0][i] - kl[1][i]) / fabs((double)kl[1][i]));
+    }
+    check(worst < 1e-4 && worst_kl < 1e-4,
+          "mma.sync and wgmma: per-image BCE and KL of %d images within %.1e relative (max %.2e, %.2e)", count, 1e-4,
+          worst, worst_kl);
     for (int k = 0; k < 2; k++) free(bce[k]), free(kl[k]);
 
     const int B = 37, K = 37, first = 1000; // --iwae: K rows per image through both decoders
@@ -1737,7 +1740,7 @@ int main(int argc, char** argv) {
         snprintf(what[2], sizeof(what[2]), "GPU %s generator keying", name);
         snprintf(what[3], sizeof(what[3]), "GPU %s full test set losses", name);
         snprintf(what[4], sizeof(what[4]), "GPU %s IWAE", name);
-        snprintf(what[5], sizeof(what[5]), "GPU %s decoder on mma.sync against wgmma", name);
+        snprintf(what[5], sizeof(what[5]), "GPU %s encoder and decoder on mma.sync against wgmma", name);
         const int num_what = precision == PRECISION_BF16 ? 6 : 5; // the two decoders are bf16 only
         const char* why = !loaded                                  ? "inputs did not load"
                         : status != cudaSuccess || devices == 0    ? "no CUDA device"

@@ -418,15 +418,16 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 // kernels: bf16 tensor cores (--precision bf16): one encoder kernel, one decoder kernel
 //
 // The same network with bf16 operands and fp32 accumulation, in two launches per forward pass:
-//   encoder_kernel   uint8 pixels -> fc1 + ReLU -> fc21/fc22 -> z (the generator) and KL. h1
+//   encoder          uint8 pixels -> fc1 + ReLU -> fc21/fc22 -> z (the generator) and KL. h1
 //                    never leaves the registers; z leaves as a "z row" (bf16, in the order the
 //                    decoder's fragments load it: 64 bytes an image)
 //   decoder          z rows -> fc3 + ReLU -> fc4 -> per-row BCE; logits and recon only when
 //                    asked for. h3 never leaves the registers, the logits never reach memory
 // Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from
 // iwae_z_rows_kernel), the pictures and --interp (rows of chosen latents, no pixels: recon).
-// The decoder is one design on two instruction sets: decoder_mma_kernel (mma.sync, any GPU
-// from sm_80) and decoder_wgmma_kernel (Hopper's wgmma + TMA); the tests check they agree.
+// Each is one design on two instruction sets: encoder_mma_kernel and decoder_mma_kernel (mma.sync,
+// any GPU from sm_80), encoder_wgmma_kernel and decoder_wgmma_kernel (Hopper's wgmma + TMA); the
+// tests check the two agree.
 // Its interface is rows of z in, per-row results out: a backward pass w.r.t. z fits the same
 // shape (x - sigmoid(logits) formed in the epilogue's registers).
 
@@ -580,7 +581,7 @@ __device__ inline void relu_to_a(uint32_t (&a)[DEC_STEPS][4], const float (&h)[2
         }
 }
 
-// encoder_kernel: the decoder's design turned around. The 400 hidden units are cut into 5
+// encoder_mma_kernel: the decoder's design turned around. The 400 hidden units are cut into 5
 // slices of 80; a block owns one slice and keeps its rows of fc1 (134 KB) and its 80 columns of
 // [fc21 | fc22] in shared memory, copied once. Its warps then take 16-image tasks on their own:
 //   pixels   straight from global memory into mma's A fragments: thread t of a quad loads 16
@@ -622,13 +623,137 @@ __global__ void fc1_weights_kernel(bf16* __restrict__ dst, const float* __restri
     dst[i] = __float2bfloat16(pixel < INPUT_DIM ? w[(size_t)n * INPUT_DIM + pixel] : 0.0f);
 }
 
+// What an encoder pass reads and writes (both kernels).
+struct EncoderIO {
+    uint4* z_rows;              // [M][4]
+    float *kl, *mulv_out, *z_out; // [M], [M][40], [M][20], or NULL
+    float* partials;            // [M][5][40]
+    unsigned* tickets;          // [M / 16 rounded up], zero between passes
+    const uint8_t* pixels;      // [M][784]
+    const float* fc1_b;
+    const bf16* enc_w;          // [fc21 | fc22] in bf16, [40][400]
+    const float* enc_b;
+    const float* eps;           // [M][20] (tests) or NULL: the generator
+    int M;
+    uint32_t first_image;
+    uint64_t seed;
+    bool z_is_mu;
+};
+
+// The 16-byte pixel loads of rows g and g + 8 of a warp's 16 (zeros past the rows and past pixel
+// 783), for pixel block u, and their widening into the A fragments of its 4 k16 steps.
+struct PixelRows {
+    const uint4 *top, *bottom;
+    bool top_live, bottom_live;
+    __device__ PixelRows(const uint8_t* pixels, int row16, int M) {
+        const int g = threadIdx.x % 32 / 4;
+        top = reinterpret_cast<const uint4*>(pixels + (size_t)(row16 + g) * INPUT_DIM);
+        bottom = top + 8 * INPUT_DIM / 16;
+        top_live = row16 + g < M, bottom_live = row16 + g + 8 < M;
+    }
+    __device__ void load(uint4 (&px)[2], int u) const {
+        const int t = threadIdx.x % 4;
+        const bool inside = 64 * u + 16 * t < INPUT_DIM;
+        px[0] = top_live && inside ? top[4 * u + t] : make_uint4(0, 0, 0, 0);
+        px[1] = bottom_live && inside ? bottom[4 * u + t] : make_uint4(0, 0, 0, 0);
+    }
+};
+__device__ inline void pixel_fragments(uint32_t (&a)[4][4], const uint4 (&px)[2]) {
+    const uint32_t words[2][4] = {{px[0].x, px[0].y, px[0].z, px[0].w}, {px[1].x, px[1].y, px[1].z, px[1].w}};
+    #pragma unroll
+    for (int j = 0; j < 4; j++) // k16 step j: rows g, g + 8 at slots (2t, 2t+1) and (8+2t, 9+2t): bytes 4j .. 4j+3
+        #pragma unroll
+        for (int i = 0; i < 4; i++)
+            a[j][i] =
+                pack_bf16(byte_as_float(words[i % 2][j], (i / 2) * 2), byte_as_float(words[i % 2][j], (i / 2) * 2 + 1));
+}
+
+// Everything after fc1, for one warp's 16 images: h1 = ReLU(acc / 255 + b1) as A fragments, the
+// slice's partial [mu | logvar], the ticket, and for the fifth slice to arrive the merge, z and KL.
+// z_s, kl_s: this warp's [16][20] scratch in shared memory.
+__device__ inline void encoder_finish(float (&acc)[2 * ENC_BN / 4], const bf16 (*w_enc)[ENC_PITCH], int row16,
+                                      int slice, const EncoderIO& io, float (*z_s)[LATENT_DIM],
+                                      float (*kl_s)[LATENT_DIM]) {
+    constexpr int GROUPS = LATENT_DIM / 4;
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, col0 = slice * ENC_BN, M = io.M;
+    if (row16 >= M) return; // the whole warp (a wgmma task's last warps may lie past the images)
+    #pragma unroll
+    for (int nt = 0; nt < ENC_BN / 8; nt++) // the ReLU comes in relu_to_a
+        #pragma unroll
+        for (int i = 0; i < 4; i++)
+            acc[4 * nt + i] = acc[4 * nt + i] * (1.0f / 255.0f) + io.fc1_b[col0 + nt * 8 + 2 * t + i % 2];
+    uint32_t h1[DEC_STEPS][4];
+    relu_to_a(h1, acc);
+    float part[MULV_DIM / 8][4] = {};
+    #pragma unroll
+    for (int s = 0; s < DEC_STEPS; s++)
+        #pragma unroll
+        for (int nt = 0; nt < MULV_DIM / 8; nt++) {
+            const bf16* w = &w_enc[nt * 8 + g][s * 16 + 2 * t];
+            const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
+            mma_bf16_m16n8k16(part[nt], h1[s], b);
+        }
+    #pragma unroll
+    for (int nt = 0; nt < MULV_DIM / 8; nt++)
+        #pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int row = row16 + g + 8 * half;
+            if (row < M)
+                *reinterpret_cast<float2*>(
+                    &io.partials[((size_t)row * ENC_SLICES + slice) * MULV_DIM + nt * 8 + 2 * t]) =
+                    make_float2(part[nt][2 * half], part[nt][2 * half + 1]);
+        }
+    __threadfence(); // this warp's partials are visible to the whole GPU before its ticket is
+    __syncwarp();
+    unsigned arrived = 0;
+    if (lane == 0) arrived = atomicAdd(&io.tickets[row16 / DEC_ROWS], 1u);
+    if (__shfl_sync(0xffffffffu, arrived, 0) != ENC_SLICES - 1) return;
+    __threadfence();
+    if (lane == 0) io.tickets[row16 / DEC_ROWS] = 0; // every slice has arrived: ready for the next launch
+
+    for (int i = lane; i < DEC_ROWS * GROUPS; i += 32) {
+        const int r = i / GROUPS, q = i % GROUPS, row = row16 + r;
+        if (row >= M) continue;
+        const float* p = io.partials + (size_t)row * ENC_SLICES * MULV_DIM;
+        float4 eps = make_float4(0.0f, 0.0f, 0.0f, 0.0f); // z = mu
+        if (!io.z_is_mu && io.eps) eps = *reinterpret_cast<const float4*>(&io.eps[(size_t)row * LATENT_DIM + 4 * q]);
+        else if (!io.z_is_mu) eps = gaussian4(io.seed, STREAM_POSTERIOR, io.first_image + row, 0, q);
+        const float e[4] = {eps.x, eps.y, eps.z, eps.w};
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int latent = 4 * q + j;
+            float mu = __ldcg(&p[latent]), logvar = __ldcg(&p[LATENT_DIM + latent]); // L2: other SMs wrote them
+            #pragma unroll
+            for (int s = 1; s < ENC_SLICES; s++)
+                mu += __ldcg(&p[s * MULV_DIM + latent]), logvar += __ldcg(&p[s * MULV_DIM + LATENT_DIM + latent]);
+            mu += io.enc_b[latent], logvar += io.enc_b[LATENT_DIM + latent];
+            z_s[r][latent] = latent_z(mu, logvar, e[j], &kl_s[r][latent]);
+            if (io.mulv_out) io.mulv_out[(size_t)row * MULV_DIM + latent] = mu;
+            if (io.mulv_out) io.mulv_out[(size_t)row * MULV_DIM + LATENT_DIM + latent] = logvar;
+            if (io.z_out) io.z_out[(size_t)row * LATENT_DIM + latent] = z_s[r][latent];
+        }
+    }
+    __syncwarp();
+    if (lane < DEC_ROWS && row16 + lane < M) {
+        float sum = 0.0f; // each image's KL in a fixed order
+        for (int j = 0; j < LATENT_DIM; j++) sum += kl_s[lane][j];
+        if (io.kl) io.kl[row16 + lane] = -0.5f * sum;
+        store_z_row(io.z_rows + (size_t)(row16 + lane) * 4, z_s[lane]);
+    }
+    __syncwarp(); // z_s is rewritten by this warp's next finishing task
+}
+
+// [fc21 | fc22]'s 80 columns of a slice into shared memory (cp.async; the caller waits).
+__device__ inline void copy_enc_weights(bf16 (*dst)[ENC_PITCH], const bf16* __restrict__ enc_w, int col0) {
+    for (int c = threadIdx.x; c < MULV_DIM * (ENC_BN / 8); c += blockDim.x) {
+        const int r = c / (ENC_BN / 8), k = (c % (ENC_BN / 8)) * 8;
+        cp_async16(&dst[r][k], enc_w + (size_t)r * HIDDEN_DIM + col0 + k, true);
+    }
+    cp_async_commit();
+}
+
 __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
-    encoder_kernel(uint4* __restrict__ z_rows, float* __restrict__ kl, float* __restrict__ mulv_out,
-                   float* __restrict__ z_out, float* __restrict__ partials, unsigned* __restrict__ tickets,
-                   const uint8_t* __restrict__ pixels, const bf16* __restrict__ fc1_wp, const float* __restrict__ fc1_b,
-                   const bf16* __restrict__ enc_w, const float* __restrict__ enc_b, const float* __restrict__ eps_in,
-                   int M, uint32_t first_image, uint64_t seed, bool z_is_mu) {
-    constexpr int GROUPS = LATENT_DIM / 4, PIXEL_BLOCKS = FC1_K / 64;
+    encoder_mma_kernel(const bf16* __restrict__ fc1_wp, const EncoderIO io) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     EncoderSmem& sm = *reinterpret_cast<EncoderSmem*>(smem_raw);
     const int slice = blockIdx.x % ENC_SLICES, copies = gridDim.x / ENC_SLICES, col0 = slice * ENC_BN;
@@ -636,121 +761,37 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
         const int r = c / (FC1_K / 8), k = (c % (FC1_K / 8)) * 8;
         cp_async16(&sm.w1[r][k], fc1_wp + (size_t)(col0 + r) * FC1_K + k, true);
     }
-    for (int c = threadIdx.x; c < MULV_DIM * (ENC_BN / 8); c += blockDim.x) {
-        const int r = c / (ENC_BN / 8), k = (c % (ENC_BN / 8)) * 8;
-        cp_async16(&sm.w_enc[r][k], enc_w + (size_t)r * HIDDEN_DIM + col0 + k, true);
-    }
-    cp_async_commit();
+    copy_enc_weights(sm.w_enc, io.enc_w, col0);
     cp_async_wait<0>();
     __syncthreads();
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
-    const int tasks = ceil_div(M, DEC_ROWS);
+    const int tasks = ceil_div(io.M, DEC_ROWS);
     for (int task = blockIdx.x / ENC_SLICES + copies * warp; task < tasks; task += copies * ENC_WARPS) {
-        const int row16 = task * DEC_ROWS;
-        // this thread's 16 bytes of rows g and g + 8 in pixel block u (zeros past the rows and past 784)
-        const uint4* top = reinterpret_cast<const uint4*>(pixels + (size_t)(row16 + g) * INPUT_DIM);
-        const uint4* bottom = top + 8 * INPUT_DIM / 16;
-        const bool top_live = row16 + g < M, bottom_live = row16 + g + 8 < M;
-        auto load = [&](uint4 (&px)[2], int u) {
-            const bool inside = 64 * u + 16 * t < INPUT_DIM;
-            px[0] = top_live && inside ? top[4 * u + t] : make_uint4(0, 0, 0, 0);
-            px[1] = bottom_live && inside ? bottom[4 * u + t] : make_uint4(0, 0, 0, 0);
-        };
+        const PixelRows rows(io.pixels, task * DEC_ROWS, io.M);
         float acc[2 * ENC_BN / 4] = {};
         uint4 px[2], next[2], after[2]; // this pixel block, the next two in flight (an L2 round trip is long)
-        load(px, 0);
-        load(next, 1);
+        rows.load(px, 0);
+        rows.load(next, 1);
         #pragma unroll 1
-        for (int u = 0; u < PIXEL_BLOCKS; u++) {
-            if (u + 2 < PIXEL_BLOCKS) load(after, u + 2);
-            const uint32_t words[2][4] = {{px[0].x, px[0].y, px[0].z, px[0].w}, {px[1].x, px[1].y, px[1].z, px[1].w}};
+        for (int u = 0; u < FC1_K / 64; u++) {
+            if (u + 2 < FC1_K / 64) rows.load(after, u + 2);
+            uint32_t a[4][4];
+            pixel_fragments(a, px);
             #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                uint32_t a[4]; // rows g, g + 8 at slots (2t, 2t+1) and (8+2t, 9+2t): bytes 4j .. 4j+3
-                #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const uint32_t w = words[i % 2][j];
-                    const int b = (i / 2) * 2;
-                    a[i] = pack_bf16(byte_as_float(w, b), byte_as_float(w, b + 1));
-                }
-                const int k = (4 * u + j) * 16;
+            for (int j = 0; j < 4; j++)
                 #pragma unroll
                 for (int nt = 0; nt < ENC_BN / 8; nt += 2) {
                     uint32_t r[4];
-                    ldmatrix_x4(r, &sm.w1[nt * 8 + b_row][k + b_k]);
+                    ldmatrix_x4(r, &sm.w1[nt * 8 + b_row][(4 * u + j) * 16 + b_k]);
                     const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-                    mma_bf16_m16n8k16(&acc[4 * nt], a, b0);
-                    mma_bf16_m16n8k16(&acc[4 * nt + 4], a, b1);
+                    mma_bf16_m16n8k16(&acc[4 * nt], a[j], b0);
+                    mma_bf16_m16n8k16(&acc[4 * nt + 4], a[j], b1);
                 }
-            }
             px[0] = next[0], px[1] = next[1], next[0] = after[0], next[1] = after[1];
         }
-        #pragma unroll
-        for (int nt = 0; nt < ENC_BN / 8; nt++) // h1 = ReLU(x W1^T / 255 + b1), the ReLU in relu_to_a
-            #pragma unroll
-            for (int i = 0; i < 4; i++)
-                acc[4 * nt + i] = acc[4 * nt + i] * (1.0f / 255.0f) + fc1_b[col0 + nt * 8 + 2 * t + i % 2];
-        uint32_t h1[DEC_STEPS][4];
-        relu_to_a(h1, acc);
-        float part[MULV_DIM / 8][4] = {};
-        #pragma unroll
-        for (int s = 0; s < DEC_STEPS; s++)
-            #pragma unroll
-            for (int nt = 0; nt < MULV_DIM / 8; nt++) {
-                const bf16* w = &sm.w_enc[nt * 8 + g][s * 16 + 2 * t];
-                const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
-                mma_bf16_m16n8k16(part[nt], h1[s], b);
-            }
-        #pragma unroll
-        for (int nt = 0; nt < MULV_DIM / 8; nt++)
-            #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const int row = row16 + g + 8 * half;
-                if (row < M)
-                    *reinterpret_cast<float2*>(
-                        &partials[((size_t)row * ENC_SLICES + slice) * MULV_DIM + nt * 8 + 2 * t]) =
-                        make_float2(part[nt][2 * half], part[nt][2 * half + 1]);
-            }
-        __threadfence(); // this warp's partials are visible to the whole GPU before its ticket is
-        __syncwarp();
-        unsigned arrived = 0;
-        if (lane == 0) arrived = atomicAdd(&tickets[task], 1u);
-        if (__shfl_sync(0xffffffffu, arrived, 0) != ENC_SLICES - 1) continue;
-        __threadfence();
-        if (lane == 0) tickets[task] = 0; // every slice has arrived: ready for the next launch
-
-        for (int i = lane; i < DEC_ROWS * GROUPS; i += 32) {
-            const int r = i / GROUPS, q = i % GROUPS, row = row16 + r;
-            if (row >= M) continue;
-            const float* p = partials + (size_t)row * ENC_SLICES * MULV_DIM;
-            float4 eps = make_float4(0.0f, 0.0f, 0.0f, 0.0f); // z = mu
-            if (!z_is_mu && eps_in) eps = *reinterpret_cast<const float4*>(&eps_in[(size_t)row * LATENT_DIM + 4 * q]);
-            else if (!z_is_mu) eps = gaussian4(seed, STREAM_POSTERIOR, first_image + row, 0, q);
-            const float e[4] = {eps.x, eps.y, eps.z, eps.w};
-            #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int latent = 4 * q + j;
-                float mu = __ldcg(&p[latent]), logvar = __ldcg(&p[LATENT_DIM + latent]); // L2: other SMs wrote them
-                #pragma unroll
-                for (int s = 1; s < ENC_SLICES; s++)
-                    mu += __ldcg(&p[s * MULV_DIM + latent]), logvar += __ldcg(&p[s * MULV_DIM + LATENT_DIM + latent]);
-                mu += enc_b[latent], logvar += enc_b[LATENT_DIM + latent];
-                sm.z[warp][r][latent] = latent_z(mu, logvar, e[j], &sm.kl_terms[warp][r][latent]);
-                if (mulv_out) mulv_out[(size_t)row * MULV_DIM + latent] = mu;
-                if (mulv_out) mulv_out[(size_t)row * MULV_DIM + LATENT_DIM + latent] = logvar;
-                if (z_out) z_out[(size_t)row * LATENT_DIM + latent] = sm.z[warp][r][latent];
-            }
-        }
-        __syncwarp();
-        if (lane < DEC_ROWS && row16 + lane < M) {
-            float sum = 0.0f; // each image's KL in a fixed order
-            for (int j = 0; j < LATENT_DIM; j++) sum += sm.kl_terms[warp][lane][j];
-            if (kl) kl[row16 + lane] = -0.5f * sum;
-            store_z_row(z_rows + (size_t)(row16 + lane) * 4, sm.z[warp][lane]);
-        }
-        __syncwarp(); // sm.z of this warp is rewritten by its next finishing task
+        encoder_finish(acc, sm.w_enc, task * DEC_ROWS, slice, io, sm.z[warp], sm.kl_terms[warp]);
     }
 }
 
@@ -1187,6 +1228,72 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
 #endif
 }
 
+// encoder_wgmma_kernel: encoder_mma_kernel's design on Hopper's wgmma. A block owns one slice of
+// 80 hidden units; fc1's rows for it arrive once by TMA (13 tiles of 80 x 64, the 128-byte
+// swizzle wgmma reads). Each warpgroup takes 64-image tasks: per 64 pixels its warps widen their
+// 16 rows into A fragments in registers (pixel_fragments, as on mma.sync) and issue 4
+// m64n80k16 wgmmas from them, while the next block's pixels are loaded and widened into the
+// other register buffer. Each warp then finishes its 16 images with encoder_finish, the same
+// code as the mma.sync kernel.
+enum { ENC_WG_GROUPS = 2, ENC_WG_SLICES = FC1_K / 64 };
+struct EncoderWgmmaSmem {
+    bf16 w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
+    bf16 w_enc[MULV_DIM][ENC_PITCH];
+    float z[4 * ENC_WG_GROUPS][DEC_ROWS][LATENT_DIM], kl_terms[4 * ENC_WG_GROUPS][DEC_ROWS][LATENT_DIM];
+    uint64_t loaded;
+};
+static_assert(sizeof(bf16) * ENC_BN * 64 % 1024 == 0, "every weight tile starts 1024-byte aligned");
+enum { ENC_WG_SMEM = sizeof(EncoderWgmmaSmem) + 1024 };
+
+__global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
+    encoder_wgmma_kernel(const __grid_constant__ CUtensorMap w1_map, const EncoderIO io) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
+    EncoderWgmmaSmem& sm = *reinterpret_cast<EncoderWgmmaSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
+    auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
+    const int slice = blockIdx.x % ENC_SLICES, copies = gridDim.x / ENC_SLICES, col0 = slice * ENC_BN;
+    if (threadIdx.x == 0) {
+        const uint32_t bar = addr(&sm.loaded);
+        mbar_init(bar, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_arrive_expect_tx(bar, sizeof(sm.w1));
+        for (int s = 0; s < ENC_WG_SLICES; s++) tma_load_2d(addr(&sm.w1[s][0][0]), &w1_map, bar, 64 * s, col0);
+    }
+    copy_enc_weights(sm.w_enc, io.enc_w, col0);
+    cp_async_wait<0>();
+    __syncthreads();
+    mbar_wait(addr(&sm.loaded), 0);
+
+    const int wg = threadIdx.x / 128, warp = threadIdx.x / 32;
+    const uint32_t w1_tile = addr(&sm.w1[0][0][0]);
+    const int tasks = ceil_div(io.M, 64); // whole warpgroups: a task past the rows is never dealt
+    for (int task = blockIdx.x / ENC_SLICES + copies * wg; task < tasks; task += copies * ENC_WG_GROUPS) {
+        const int row16 = task * 64 + (warp % 4) * 16;
+        const PixelRows rows(io.pixels, row16, io.M);
+        float acc[2 * ENC_BN / 4];
+        uint4 px[2], next[2];
+        uint32_t a[2][4][4]; // the A fragments of two pixel blocks: one read by wgmmas in flight, one filling
+        rows.load(px, 0);
+        #pragma unroll
+        for (int u = 0; u < ENC_WG_SLICES; u++) {
+            if (u + 1 < ENC_WG_SLICES) rows.load(next, u + 1);
+            pixel_fragments(a[u % 2], px);
+            wgmma_fence();
+            #pragma unroll
+            for (int j = 0; j < 4; j++) // k16 step 4u + j: slice u, +32 bytes per step
+                wgmma_m64n80k16_rs(acc, a[u % 2][j], smem_desc_128b(w1_tile + u * ENC_BN * 128) + 2 * j, u + j > 0);
+            wgmma_commit();
+            wgmma_wait<1>(); // the group before, which read a[(u + 1) % 2], is done
+            px[0] = next[0], px[1] = next[1];
+        }
+        wgmma_wait<0>();
+        fence_accumulators(acc);
+        encoder_finish(acc, sm.w_enc, row16, slice, io, sm.z[warp], sm.kl_terms[warp]);
+    }
+#endif
+}
+
 // Writes 1 when the code loaded for this GPU was built for sm_90a (wgmma and TMA available),
 // else 0: the host picks the decoder from what actually runs, not from what the GPU could run.
 __global__ void has_wgmma_kernel(int* out) {
@@ -1367,16 +1474,16 @@ static CUtensorMap bf16_tensor_map(const bf16* base, int rows, int cols, int box
     return map;
 }
 
-// The encoder of B images: z rows, KL (when kl is given), and [mu | logvar] and z in fp32 when
-// asked for (tests, --iwae, the pictures). `blocks`: one per SM, whole groups of the 5 slices.
-static void encoder_bf16(uint4* z_rows, float* kl, float* mulv_out, float* z_out, float* partials, unsigned* tickets,
-                         const uint8_t* pixels, const bf16* fc1_wp, const float* fc1_b, const bf16* enc_w,
-                         const float* enc_b, const float* eps, int B, uint32_t first_image, uint64_t seed,
-                         bool z_is_mu, int blocks, cudaStream_t stream) {
-    const int copies = blocks / ENC_SLICES < ceil_div(B, DEC_ROWS) ? blocks / ENC_SLICES : ceil_div(B, DEC_ROWS);
-    encoder_kernel<<<ENC_SLICES * copies, ENC_WARPS * 32, sizeof(EncoderSmem), stream>>>(
-        z_rows, kl, mulv_out, z_out, partials, tickets, pixels, fc1_wp, fc1_b, enc_w, enc_b, eps, B, first_image, seed,
-        z_is_mu);
+// The encoder over io.M images: Hopper's wgmma kernel when `wgmma`, else the mma.sync one. `blocks`:
+// one per SM, whole groups of the 5 slices, no more than there are tasks.
+static void encoder_bf16(const EncoderIO& io, const bf16* fc1_wp, const CUtensorMap& w1_map, bool wgmma, int blocks,
+                         cudaStream_t stream) {
+    const int tasks = ceil_div(io.M, wgmma ? 64 : DEC_ROWS);
+    const int copies = blocks / ENC_SLICES < tasks ? blocks / ENC_SLICES : tasks;
+    if (wgmma)
+        encoder_wgmma_kernel<<<ENC_SLICES * copies, ENC_WG_GROUPS * 128, ENC_WG_SMEM, stream>>>(w1_map, io);
+    else
+        encoder_mma_kernel<<<ENC_SLICES * copies, ENC_WARPS * 32, sizeof(EncoderSmem), stream>>>(fc1_wp, io);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1466,11 +1573,11 @@ typedef struct {
     float* enc_partials;               // [max_batch][5][40]
     float* bce_parts;                  // [decoder_rows][4]
     unsigned *enc_tickets, *dec_tickets; // per 16 images, per 16 decoder rows; zero between launches
-    bool wgmma;         // the decoder on Hopper's wgmma kernel (set at init; tests turn it off to check the
-                        // kernel other GPUs run)
+    bool wgmma;         // encoder and decoder on Hopper's wgmma kernels (set at init; tests turn it off to
+                        // check the kernels other GPUs run)
     int encoder_blocks; // persistent blocks: one per SM, whole groups of the encoder's 5 slices
     int decoder_blocks; // and of the decoder's 4 column blocks
-    CUtensorMap w4_map, w3_map;
+    CUtensorMap w1_map, w4_map, w3_map;
 } VAE;
 
 // How one forward pass draws z and what it keeps.
@@ -1552,8 +1659,8 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
 
     // more than the default 48 KB of dynamic shared memory, allowed once
-    cudaCheck(
-        cudaFuncSetAttribute(encoder_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(EncoderSmem)));
+    cudaCheck(cudaFuncSetAttribute(encoder_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(EncoderSmem)));
     cudaCheck(cudaFuncSetAttribute(decoder_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(DecoderMmaSmem)));
     int device, sms;
@@ -1564,6 +1671,8 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     m->wgmma = gpu_has_wgmma();
     if (m->wgmma) {
         cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DEC_WG_SMEM));
+        cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ENC_WG_SMEM));
+        m->w1_map = bf16_tensor_map(m->fc1_wp, HIDDEN_DIM, FC1_K, ENC_BN);
         m->w4_map = bf16_tensor_map(m->fc4_wb, INPUT_DIM, FC4_K, DEC_BN);
         m->w3_map = bf16_tensor_map(m->fc3_wb, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
     }
@@ -1592,8 +1701,9 @@ static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
         linear_fp32(m->h1, pixels, m->fc1_w, m->fc1_b, B, HIDDEN_DIM, INPUT_DIM, ACT_RELU, m->stream);
         linear_fp32(m->mulv, m->h1, m->enc_w, m->enc_b, B, MULV_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
     } else {
-        encoder_bf16(m->z_rows, NULL, m->mulv, NULL, m->enc_partials, m->enc_tickets, pixels, m->fc1_wp, m->fc1_b,
-                     m->enc_w16, m->enc_b, NULL, B, 0, 0, true, m->encoder_blocks, m->stream);
+        const EncoderIO io = {m->z_rows, NULL,  m->mulv, NULL, m->enc_partials, m->enc_tickets, pixels, m->fc1_b,
+                              m->enc_w16, m->enc_b, NULL, B, 0, 0, true};
+        encoder_bf16(io, m->fc1_wp, m->w1_map, m->wgmma, m->encoder_blocks, m->stream);
     }
 }
 
@@ -1637,9 +1747,10 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
         bce_loss(bce, opt->want_recon ? m->recon : NULL, m->logits, pixels, B, 1, m->stream);
     } else {
         const bool keep = opt->keep_activations;
-        encoder_bf16(m->z_rows, kl, keep ? m->mulv : NULL, keep ? m->z : NULL, m->enc_partials, m->enc_tickets, pixels,
-                     m->fc1_wp, m->fc1_b, m->enc_w16, m->enc_b, opt->eps, B, first_image, opt->seed, opt->z_is_mu,
-                     m->encoder_blocks, m->stream);
+        const EncoderIO io = {m->z_rows,  kl,       keep ? m->mulv : NULL, keep ? m->z : NULL, m->enc_partials,
+                              m->enc_tickets, pixels, m->fc1_b, m->enc_w16, m->enc_b, opt->eps, B, first_image,
+                              opt->seed, opt->z_is_mu};
+        encoder_bf16(io, m->fc1_wp, m->w1_map, m->wgmma, m->encoder_blocks, m->stream);
         vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL);
     }
 }

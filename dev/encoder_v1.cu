@@ -1,5 +1,6 @@
 // Encoder v1: the first fused bf16 encoder - fc1 + ReLU, fc21/fc22, the sampling and the KL in one
-// launch - as vae.cu first had it, measured against today's encoder_kernel (vae.cu's encoder_bf16).
+// launch - as vae.cu first had it, measured against today's encoder (vae.cu's encoder_bf16: the wgmma kernel on
+// Hopper, the mma.sync one elsewhere).
 //
 // The design: a block per (slice, row tile), a fresh grid per batch.
 //   grid     5 slices of 80 hidden units x ceil(B / 64) row tiles: 80 blocks at B = 1024 (on 132 SMs),
@@ -15,7 +16,7 @@
 //   merge    partials through L2 (5 x 40 fp32 = 800 bytes an image) and a ticket per row tile; the
 //            fifth block to arrive adds the 5 in slice order (the same sum whatever the arrival order),
 //            the bias, draws eps and writes the z rows and the KL
-// Today's encoder_kernel turns this around: persistent blocks (one per SM) keep their slice of fc1
+// Today's encoder kernels turn this around: persistent blocks (one per SM) keep their slice of fc1
 // resident in shared memory (134 KB, read once a launch instead of once a row tile), warps take
 // 16-image tasks on their own, pixels go from global memory straight into mma fragments and h1 stays
 // in registers.
@@ -423,7 +424,8 @@ int main() {
                                    (int)sizeof(EncoderSmemV1)));
     cudaCheck(cudaStreamSynchronize(m.stream));
     printf("v1: %d threads, %zu bytes of shared memory a block; production: %d blocks of %d threads, %zu bytes\n",
-           EncoderTileV1::THREADS, sizeof(EncoderSmemV1), m.encoder_blocks, ENC_WARPS * 32, sizeof(EncoderSmem));
+           EncoderTileV1::THREADS, sizeof(EncoderSmemV1), m.encoder_blocks,
+           m.wgmma ? ENC_WG_GROUPS * 128 : ENC_WARPS * 32, m.wgmma ? (size_t)ENC_WG_SMEM : sizeof(EncoderSmem));
 
     // z rows, KL and (when mulv is given) [mu | logvar] of B images; eps from the generator unless z = mu
     auto run_v1 = [&](int B, float* mulv, bool z_is_mu) {
@@ -431,8 +433,9 @@ int main() {
                         m.enc_b, B, 42, z_is_mu, m.stream);
     };
     auto run_production = [&](int B, float* mulv, bool z_is_mu) {
-        encoder_bf16(m.z_rows, d_kl, mulv, NULL, m.enc_partials, m.enc_tickets, d_pixels, m.fc1_wp, m.fc1_b,
-                     m.enc_w16, m.enc_b, NULL, B, 0, 42, z_is_mu, m.encoder_blocks, m.stream);
+        const EncoderIO io = {m.z_rows, d_kl,    mulv,      NULL, m.enc_partials, m.enc_tickets, d_pixels, m.fc1_b,
+                              m.enc_w16, m.enc_b, NULL, B, 0, 42, z_is_mu};
+        encoder_bf16(io, m.fc1_wp, m.w1_map, m.wgmma, m.encoder_blocks, m.stream);
     };
 
     // Validation: z = mu (no noise), so KL is a function of mu and logvar alone.
