@@ -1235,7 +1235,7 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
 // m64n80k16 wgmmas from them, while the next block's pixels are loaded and widened into the
 // other register buffer. Each warp then finishes its 16 images with encoder_finish, the same
 // code as the mma.sync kernel.
-enum { ENC_WG_GROUPS = 2, ENC_WG_SLICES = FC1_K / 64 };
+enum { ENC_WG_GROUPS = 3, ENC_WG_SLICES = FC1_K / 64 };
 struct EncoderWgmmaSmem {
     bf16 w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
     bf16 w_enc[MULV_DIM][ENC_PITCH];
