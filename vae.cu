@@ -457,6 +457,21 @@ __device__ inline void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
+// Programmatic dependent launch (sm_90+): the decoder is launched while the encoder still runs
+// (each encoder block allows it as it starts), copies its weights into shared memory on the SMs
+// the encoder leaves free, and waits here for the encoder's grid to finish and its writes to be
+// visible before it reads a z row. Without the launch attribute (other GPUs) both are no-ops.
+__device__ inline void allow_dependent_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ inline void wait_for_prior_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Two consecutive k of a bf16 row in shared memory as one mma operand register.
 __device__ inline uint32_t bf16x2_at(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
@@ -756,6 +771,7 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
     encoder_mma_kernel(const bf16* __restrict__ fc1_wp, const EncoderIO io) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     EncoderSmem& sm = *reinterpret_cast<EncoderSmem*>(smem_raw);
+    allow_dependent_launch();
     const int slice = blockIdx.x % ENC_SLICES, copies = gridDim.x / ENC_SLICES, col0 = slice * ENC_BN;
     for (int c = threadIdx.x; c < ENC_BN * (FC1_K / 8); c += blockDim.x) {
         const int r = c / (FC1_K / 8), k = (c % (FC1_K / 8)) * 8;
@@ -910,6 +926,7 @@ __global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
+    wait_for_prior_grid(); // the z rows
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
@@ -1150,6 +1167,7 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     }
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
+    wait_for_prior_grid(); // the z rows
 
     // The blocks of one column block (its `copies`) deal the 64-row tiles round-robin: warpgroup w
     // of copy p takes tiles p + w copies, then + 2 copies, ..., so a small batch still spreads over
@@ -1252,6 +1270,7 @@ __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
     EncoderWgmmaSmem& sm = *reinterpret_cast<EncoderWgmmaSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
     auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
+    allow_dependent_launch();
     const int slice = blockIdx.x % ENC_SLICES, copies = gridDim.x / ENC_SLICES, col0 = slice * ENC_BN;
     if (threadIdx.x == 0) {
         const uint32_t bar = addr(&sm.loaded);
@@ -1490,16 +1509,24 @@ static void encoder_bf16(const EncoderIO& io, const bf16* fc1_wp, const CUtensor
 // The decoder over io.rows z rows: Hopper's wgmma kernel when `wgmma`, else the mma.sync one.
 // Blocks come in groups of the 4 column blocks, at most `blocks` (one per SM) and no more than
 // there are tasks (64-row tiles for wgmma, 16 rows for mma.sync).
+// `overlap`: a programmatic dependent launch (sm_90+), so the decoder loads its weights while the
+// kernel before it finishes.
 static void decoder_bf16(const DecoderIO& io, const bf16* fc4_wb, const bf16* fc3_wb, const CUtensorMap& w4_map,
-                         const CUtensorMap& w3_map, bool wgmma, int blocks, cudaStream_t stream) {
+                         const CUtensorMap& w3_map, bool wgmma, int blocks, bool overlap, cudaStream_t stream) {
     const int copies_needed = ceil_div(io.rows, wgmma ? 64 : DEC_ROWS);
     const int copies = blocks / DEC_COL_BLOCKS < copies_needed ? blocks / DEC_COL_BLOCKS : copies_needed;
-    if (wgmma)
-        decoder_wgmma_kernel<<<DEC_COL_BLOCKS * copies, DEC_WG_THREADS, DEC_WG_SMEM, stream>>>(w4_map, w3_map, io);
-    else
-        decoder_mma_kernel<<<DEC_COL_BLOCKS * copies, DEC_MMA_WARPS * 32, sizeof(DecoderMmaSmem), stream>>>(
-            fc4_wb, fc3_wb, io);
-    cudaCheck(cudaGetLastError());
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(DEC_COL_BLOCKS * copies), cfg.stream = stream, cfg.attrs = &attr, cfg.numAttrs = overlap;
+    if (wgmma) {
+        cfg.blockDim = dim3(DEC_WG_THREADS), cfg.dynamicSmemBytes = DEC_WG_SMEM;
+        cudaCheck(cudaLaunchKernelEx(&cfg, decoder_wgmma_kernel, w4_map, w3_map, io));
+    } else {
+        cfg.blockDim = dim3(DEC_MMA_WARPS * 32), cfg.dynamicSmemBytes = sizeof(DecoderMmaSmem);
+        cudaCheck(cudaLaunchKernelEx(&cfg, decoder_mma_kernel, fc4_wb, fc3_wb, io));
+    }
 }
 
 static void iwae_sample(float* z, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
@@ -1575,6 +1602,7 @@ typedef struct {
     unsigned *enc_tickets, *dec_tickets; // per 16 images, per 16 decoder rows; zero between launches
     bool wgmma;         // encoder and decoder on Hopper's wgmma kernels (set at init; tests turn it off to
                         // check the kernels other GPUs run)
+    bool overlap;       // the decoder launched while the kernel before it runs (sm_90+)
     int encoder_blocks; // persistent blocks: one per SM, whole groups of the encoder's 5 slices
     int decoder_blocks; // and of the decoder's 4 column blocks
     CUtensorMap w1_map, w4_map, w3_map;
@@ -1668,6 +1696,9 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     m->decoder_blocks = DEC_COL_BLOCKS * (sms / DEC_COL_BLOCKS);
     m->encoder_blocks = ENC_SLICES * (sms / ENC_SLICES);
+    int major;
+    cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    m->overlap = major >= 9;
     m->wgmma = gpu_has_wgmma();
     if (m->wgmma) {
         cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DEC_WG_SMEM));
@@ -1692,7 +1723,7 @@ static void vae_free(VAE* m) {
 static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,
                         float* recon) {
     const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits, recon};
-    decoder_bf16(io, m->fc4_wb, m->fc3_wb, m->w4_map, m->w3_map, m->wgmma, m->decoder_blocks, m->stream);
+    decoder_bf16(io, m->fc4_wb, m->fc3_wb, m->w4_map, m->w3_map, m->wgmma, m->decoder_blocks, m->overlap, m->stream);
 }
 
 // mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
