@@ -2174,7 +2174,7 @@ enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper
 // "/samples.ppm"); a longer argument would be cut silently and name another file.
 enum { MAX_PATH_ARG = 4000 };
 enum { IWAE_ROWS = 1 << 16 };  // decoder rows per --iwae pass (~0.6 GB of activations); K at most this
-enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per pass of Hopper's fused decoder (84 bytes each)
+enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per bf16 decoder pass (92 bytes each: z row, BCE parts, ratio, ticket)
 enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
 
 static bool parse_path(const char* flag, const char* value, const char** out, Error* err) {
