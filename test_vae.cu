@@ -1210,7 +1210,8 @@ static void poison_activations(VAE* m) {
     if (m->h1) poison(m->h1, B * HIDDEN_DIM * 4), poison(m->h3, B * HIDDEN_DIM * 4); // fp32 only
     poison(m->mulv, B * MULV_DIM * 4), poison(m->z, B * LATENT_DIM * 4);
     poison(m->logits, B * INPUT_DIM * 4), poison(m->recon, B * INPUT_DIM * 4);
-    poison(m->row_bce, R * 4), poison(m->row_log_ratio, R * 4);
+    if (m->row_bce) poison(m->row_bce, R * 4); // fp32 only
+    poison(m->row_log_ratio, R * 4);
     if (m->precision == PRECISION_BF16) { // 0xffff is a bf16 NaN too
         poison(m->z_rows, R * 4 * sizeof(uint4));
         poison(m->enc_partials, B * ENC_SLICES * MULV_DIM * 4);
@@ -1581,7 +1582,6 @@ static void test_gpu_iwae(VAE* m, const HostWeights* w, const uint8_t* d_pixels,
     cudaCheck(cudaMalloc(&d_eps, eps_bytes));
     cudaCheck(cudaMemcpy(d_eps, s->eps, eps_bytes, cudaMemcpyHostToDevice));
     poison_activations(m);
-    poison(m->row_bce, (size_t)m->max_batch * 4), poison(m->row_log_ratio, (size_t)m->max_batch * 4);
     float* log_px = (float*)malloc(s->N * 4);
     gpu_iwae(m, d_pixels, s->first_image, s->N, s->K, 0, d_eps, log_px);
     char extra[64];

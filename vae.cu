@@ -457,6 +457,33 @@ __device__ inline void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
+// A rows x cols bf16 block (cols a multiple of 8) from global memory, row pitch src_pitch, into
+// shared memory with row pitch dst_pitch: 16-byte cp.async copies spread over the whole thread
+// block, committed as one group (the caller waits). How the kernels load their resident weights.
+__device__ inline void copy_block_async(bf16* dst, int dst_pitch, const bf16* __restrict__ src, int src_pitch, int rows,
+                                       int cols) {
+    for (int c = threadIdx.x; c < rows * (cols / 8); c += blockDim.x) {
+        const int r = c / (cols / 8), k = (c % (cols / 8)) * 8;
+        cp_async16(dst + r * dst_pitch + k, src + (size_t)r * src_pitch + k, true);
+    }
+    cp_async_commit();
+}
+
+// The cross-block merge of the encoder and the decoder: each of `arrivals` blocks stores its share
+// of a 16-row task, then its warp calls this; the warp that arrives last gets true (on every lane),
+// with all the shares visible to it, and resets the ticket for the next launch. The merge itself
+// always adds the shares in a fixed order, so its result does not depend on who arrives last.
+__device__ inline bool last_to_arrive(unsigned* ticket, unsigned arrivals) {
+    __threadfence(); // this warp's shares are visible to the whole GPU before its ticket is
+    __syncwarp();
+    unsigned arrived = 0;
+    if (threadIdx.x % 32 == 0) arrived = atomicAdd(ticket, 1u);
+    if (__shfl_sync(0xffffffffu, arrived, 0) != arrivals - 1) return false;
+    __threadfence();
+    if (threadIdx.x % 32 == 0) *ticket = 0; // every share has arrived
+    return true;
+}
+
 // Programmatic dependent launch (sm_90+): the decoder is launched while the encoder still runs
 // (each encoder block allows it as it starts), copies its weights into shared memory on the SMs
 // the encoder leaves free, and waits here for the encoder's grid to finish and its writes to be
@@ -517,7 +544,7 @@ enum {
     DEC_CHUNK = 80,
     DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK,
     DEC_STEPS = DEC_CHUNK / 16,
-    DEC_ROWS = 16,         // rows of one warp's task: the unit of the BCE's cross-block sum
+    TASK_ROWS = 16,        // rows of one warp's task (encoder and decoder): the unit of a cross-block merge
     BIAS_PARTS = 3,
     FC3_K_PADDED = 32,     // z's K: 20 latents, 3 bias ones, zeros
     FC4_K = HIDDEN_DIM + 8, // fc4's K with the bias parts: 816-byte rows, a 16-byte multiple for TMA
@@ -626,7 +653,7 @@ static_assert((int)ENC_BN == (int)DEC_CHUNK && FC1_K % 64 == 0 && (int)FC1_K >= 
 struct EncoderSmem {
     bf16 w1[ENC_BN][FC1_PITCH];
     bf16 w_enc[MULV_DIM][ENC_PITCH];
-    float z[ENC_WARPS][DEC_ROWS][LATENT_DIM], kl_terms[ENC_WARPS][DEC_ROWS][LATENT_DIM]; // a finishing warp's
+    float z[ENC_WARPS][TASK_ROWS][LATENT_DIM], kl_terms[ENC_WARPS][TASK_ROWS][LATENT_DIM]; // a finishing warp's
 };
 
 // fc1's weights in the encoder's K order (above): [400][832] bf16, zeros past pixel 783.
@@ -718,15 +745,9 @@ __device__ inline void encoder_finish(float (&acc)[2 * ENC_BN / 4], const bf16 (
                     &io.partials[((size_t)row * ENC_SLICES + slice) * MULV_DIM + nt * 8 + 2 * t]) =
                     make_float2(part[nt][2 * half], part[nt][2 * half + 1]);
         }
-    __threadfence(); // this warp's partials are visible to the whole GPU before its ticket is
-    __syncwarp();
-    unsigned arrived = 0;
-    if (lane == 0) arrived = atomicAdd(&io.tickets[row16 / DEC_ROWS], 1u);
-    if (__shfl_sync(0xffffffffu, arrived, 0) != ENC_SLICES - 1) return;
-    __threadfence();
-    if (lane == 0) io.tickets[row16 / DEC_ROWS] = 0; // every slice has arrived: ready for the next launch
+    if (!last_to_arrive(&io.tickets[row16 / TASK_ROWS], ENC_SLICES)) return;
 
-    for (int i = lane; i < DEC_ROWS * GROUPS; i += 32) {
+    for (int i = lane; i < TASK_ROWS * GROUPS; i += 32) {
         const int r = i / GROUPS, q = i % GROUPS, row = row16 + r;
         if (row >= M) continue;
         const float* p = io.partials + (size_t)row * ENC_SLICES * MULV_DIM;
@@ -749,7 +770,7 @@ __device__ inline void encoder_finish(float (&acc)[2 * ENC_BN / 4], const bf16 (
         }
     }
     __syncwarp();
-    if (lane < DEC_ROWS && row16 + lane < M) {
+    if (lane < TASK_ROWS && row16 + lane < M) {
         float sum = 0.0f; // each image's KL in a fixed order
         for (int j = 0; j < LATENT_DIM; j++) sum += kl_s[lane][j];
         if (io.kl) io.kl[row16 + lane] = -0.5f * sum;
@@ -758,34 +779,22 @@ __device__ inline void encoder_finish(float (&acc)[2 * ENC_BN / 4], const bf16 (
     __syncwarp(); // z_s is rewritten by this warp's next finishing task
 }
 
-// [fc21 | fc22]'s 80 columns of a slice into shared memory (cp.async; the caller waits).
-__device__ inline void copy_enc_weights(bf16 (*dst)[ENC_PITCH], const bf16* __restrict__ enc_w, int col0) {
-    for (int c = threadIdx.x; c < MULV_DIM * (ENC_BN / 8); c += blockDim.x) {
-        const int r = c / (ENC_BN / 8), k = (c % (ENC_BN / 8)) * 8;
-        cp_async16(&dst[r][k], enc_w + (size_t)r * HIDDEN_DIM + col0 + k, true);
-    }
-    cp_async_commit();
-}
-
 __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
     encoder_mma_kernel(const bf16* __restrict__ fc1_wp, const EncoderIO io) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     EncoderSmem& sm = *reinterpret_cast<EncoderSmem*>(smem_raw);
     allow_dependent_launch();
     const int slice = blockIdx.x % ENC_SLICES, copies = gridDim.x / ENC_SLICES, col0 = slice * ENC_BN;
-    for (int c = threadIdx.x; c < ENC_BN * (FC1_K / 8); c += blockDim.x) {
-        const int r = c / (FC1_K / 8), k = (c % (FC1_K / 8)) * 8;
-        cp_async16(&sm.w1[r][k], fc1_wp + (size_t)(col0 + r) * FC1_K + k, true);
-    }
-    copy_enc_weights(sm.w_enc, io.enc_w, col0);
+    copy_block_async(&sm.w1[0][0], FC1_PITCH, fc1_wp + (size_t)col0 * FC1_K, FC1_K, ENC_BN, FC1_K);
+    copy_block_async(&sm.w_enc[0][0], ENC_PITCH, io.enc_w + col0, HIDDEN_DIM, MULV_DIM, ENC_BN); // its [fc21|fc22]
     cp_async_wait<0>();
     __syncthreads();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
-    const int tasks = ceil_div(io.M, DEC_ROWS);
+    const int tasks = ceil_div(io.M, TASK_ROWS);
     for (int task = blockIdx.x / ENC_SLICES + copies * warp; task < tasks; task += copies * ENC_WARPS) {
-        const PixelRows rows(io.pixels, task * DEC_ROWS, io.M);
+        const PixelRows rows(io.pixels, task * TASK_ROWS, io.M);
         float acc[2 * ENC_BN / 4] = {};
         uint4 px[2], next[2], after[2]; // this pixel block, the next two in flight (an L2 round trip is long)
         rows.load(px, 0);
@@ -807,7 +816,7 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
                 }
             px[0] = next[0], px[1] = next[1], next[0] = after[0], next[1] = after[1];
         }
-        encoder_finish(acc, sm.w_enc, task * DEC_ROWS, slice, io, sm.z[warp], sm.kl_terms[warp]);
+        encoder_finish(acc, sm.w_enc, task * TASK_ROWS, slice, io, sm.z[warp], sm.kl_terms[warp]);
     }
 }
 
@@ -883,18 +892,12 @@ __device__ inline void decoder_epilogue(const float (&logit)[DEC_BN / 2], int ro
         if (live && t == 0) io.parts[(size_t)row * DEC_COL_BLOCKS + cb] = sum;
     }
     if (io.bce == NULL) return; // the caller adds the parts itself (--iwae's logsumexp does)
-    __threadfence(); // this warp's shares are visible to the whole GPU before its ticket is
-    __syncwarp();
-    unsigned arrived = 0;
-    if (lane == 0) arrived = atomicAdd(&io.tickets[row16 / DEC_ROWS], 1u);
-    if (__shfl_sync(0xffffffffu, arrived, 0) != DEC_COL_BLOCKS - 1) return;
-    __threadfence();
+    if (!last_to_arrive(&io.tickets[row16 / TASK_ROWS], DEC_COL_BLOCKS)) return;
     const int row = row16 + lane;
-    if (lane < DEC_ROWS && row < io.rows) {
+    if (lane < TASK_ROWS && row < io.rows) {
         const float4 p = __ldcg(reinterpret_cast<const float4*>(&io.parts[(size_t)row * DEC_COL_BLOCKS]));
         io.bce[row] = ((p.x + p.y) + p.z) + p.w;
     }
-    if (lane == 0) io.tickets[row16 / DEC_ROWS] = 0; // every column block has arrived: ready for the next pass
 }
 
 // decoder_mma_kernel: the decoder on mma.sync (any GPU from sm_80). A block owns one column
@@ -914,16 +917,8 @@ __global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
     extern __shared__ __align__(16) uint8_t smem_raw[];
     DecoderMmaSmem& sm = *reinterpret_cast<DecoderMmaSmem*>(smem_raw);
     const int cb = blockIdx.x % DEC_COL_BLOCKS, col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
-    constexpr int W4_CHUNKS = FC4_K / 8, W3_CHUNKS = FC3_K_PADDED / 8; // 16-byte chunks per row
-    for (int c = threadIdx.x; c < DEC_BN * W4_CHUNKS; c += blockDim.x) {
-        const int r = c / W4_CHUNKS, k = (c % W4_CHUNKS) * 8;
-        cp_async16(&sm.w4[r][k], fc4_wb + (size_t)(col0 + r) * FC4_K + k, true);
-    }
-    for (int c = threadIdx.x; c < HIDDEN_DIM * W3_CHUNKS; c += blockDim.x) {
-        const int r = c / W3_CHUNKS, k = (c % W3_CHUNKS) * 8;
-        cp_async16(&sm.w3[r][k], fc3_wb + r * FC3_K_PADDED + k, true);
-    }
-    cp_async_commit();
+    copy_block_async(&sm.w4[0][0], FC4_K, fc4_wb + (size_t)col0 * FC4_K, FC4_K, DEC_BN, FC4_K);
+    copy_block_async(&sm.w3[0][0], FC3_PITCH, fc3_wb, FC3_K_PADDED, HIDDEN_DIM, FC3_K_PADDED);
     cp_async_wait<0>();
     __syncthreads();
     wait_for_prior_grid(); // the z rows
@@ -932,10 +927,10 @@ __global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
     const uint32_t ones = t == 0 ? 0x3F803F80u : t == 1 ? 0x00003F80u : 0u; // bf16 1s at K = 400..402
     const uint32_t a_bias[4] = {ones, ones, 0u, 0u};
-    const int tasks = ceil_div(io.rows, DEC_ROWS), copies = gridDim.x / DEC_COL_BLOCKS; // tasks dealt round-robin
+    const int tasks = ceil_div(io.rows, TASK_ROWS), copies = gridDim.x / DEC_COL_BLOCKS; // tasks dealt round-robin
     for (int task = blockIdx.x / DEC_COL_BLOCKS + copies * warp; task < tasks; task += copies * DEC_MMA_WARPS) {
         uint32_t z_a[2][4];
-        load_z_fragments(z_a, io.z_rows, task * DEC_ROWS, io.rows);
+        load_z_fragments(z_a, io.z_rows, task * TASK_ROWS, io.rows);
         float logit[DEC_BN / 2] = {};
         #pragma unroll 1
         for (int c = 0; c < DEC_CHUNKS; c++) {
@@ -975,7 +970,7 @@ __global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
             const uint32_t b[2] = {bf16x2_at(&sm.w4[nt * 8 + g][HIDDEN_DIM + 2 * t]), 0u};
             mma_bf16_m16n8k16(&logit[4 * nt], a_bias, b);
         }
-        decoder_epilogue(logit, task * DEC_ROWS, cb, io);
+        decoder_epilogue(logit, task * TASK_ROWS, cb, io);
     }
 }
 
@@ -1257,7 +1252,7 @@ enum { ENC_WG_GROUPS = 3, ENC_WG_SLICES = FC1_K / 64 };
 struct EncoderWgmmaSmem {
     bf16 w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
     bf16 w_enc[MULV_DIM][ENC_PITCH];
-    float z[4 * ENC_WG_GROUPS][DEC_ROWS][LATENT_DIM], kl_terms[4 * ENC_WG_GROUPS][DEC_ROWS][LATENT_DIM];
+    float z[4 * ENC_WG_GROUPS][TASK_ROWS][LATENT_DIM], kl_terms[4 * ENC_WG_GROUPS][TASK_ROWS][LATENT_DIM];
     uint64_t loaded;
 };
 static_assert(sizeof(bf16) * ENC_BN * 64 % 1024 == 0, "every weight tile starts 1024-byte aligned");
@@ -1279,7 +1274,7 @@ __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
         mbar_arrive_expect_tx(bar, sizeof(sm.w1));
         for (int s = 0; s < ENC_WG_SLICES; s++) tma_load_2d(addr(&sm.w1[s][0][0]), &w1_map, bar, 64 * s, col0);
     }
-    copy_enc_weights(sm.w_enc, io.enc_w, col0);
+    copy_block_async(&sm.w_enc[0][0], ENC_PITCH, io.enc_w + col0, HIDDEN_DIM, MULV_DIM, ENC_BN); // its [fc21|fc22]
     cp_async_wait<0>();
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
@@ -1497,7 +1492,7 @@ static CUtensorMap bf16_tensor_map(const bf16* base, int rows, int cols, int box
 // one per SM, whole groups of the 5 slices, no more than there are tasks.
 static void encoder_bf16(const EncoderIO& io, const bf16* fc1_wp, const CUtensorMap& w1_map, bool wgmma, int blocks,
                          cudaStream_t stream) {
-    const int tasks = ceil_div(io.M, wgmma ? 64 : DEC_ROWS);
+    const int tasks = ceil_div(io.M, wgmma ? 64 : TASK_ROWS);
     const int copies = blocks / ENC_SLICES < tasks ? blocks / ENC_SLICES : tasks;
     if (wgmma)
         encoder_wgmma_kernel<<<ENC_SLICES * copies, ENC_WG_GROUPS * 128, ENC_WG_SMEM, stream>>>(w1_map, io);
@@ -1513,7 +1508,7 @@ static void encoder_bf16(const EncoderIO& io, const bf16* fc1_wp, const CUtensor
 // kernel before it finishes.
 static void decoder_bf16(const DecoderIO& io, const bf16* fc4_wb, const bf16* fc3_wb, const CUtensorMap& w4_map,
                          const CUtensorMap& w3_map, bool wgmma, int blocks, bool overlap, cudaStream_t stream) {
-    const int copies_needed = ceil_div(io.rows, wgmma ? 64 : DEC_ROWS);
+    const int copies_needed = ceil_div(io.rows, wgmma ? 64 : TASK_ROWS);
     const int copies = blocks / DEC_COL_BLOCKS < copies_needed ? blocks / DEC_COL_BLOCKS : copies_needed;
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -1532,6 +1527,11 @@ static void decoder_bf16(const DecoderIO& io, const bf16* fc4_wb, const bf16* fc
 static void iwae_sample(float* z, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
                         uint32_t first_image, uint64_t seed, cudaStream_t stream) {
     iwae_sample_kernel<<<ceil_div(rows, 128), 128, 0, stream>>>(z, log_ratio, mulv, eps_in, rows, K, first_image, seed);
+    cudaCheck(cudaGetLastError());
+}
+
+static void z_rows(uint4* rows, const float* z, int B, cudaStream_t stream) {
+    z_rows_kernel<<<ceil_div(B, 128), 128, 0, stream>>>(rows, z, B);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1589,7 +1589,7 @@ typedef struct {
     // fp32 activations for up to max_batch images, row-major [image][feature]. The bf16 path has
     // no h1 or h3 (they stay on chip) and writes mulv, z, logits and recon only when asked to.
     float *h1, *mulv, *z, *h3, *logits, *recon;
-    // per-row BCE and log p(z) - log q(z|x) of --iwae's rows (decoder_rows of them)
+    // --iwae's rows (decoder_rows of them): log p(z) - log q(z|x), and in fp32 the BCE
     int decoder_rows;
     float *row_bce, *row_log_ratio;
     // bf16 path: weights converted once at load, the encoder's and decoder's buffers
@@ -1656,15 +1656,15 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     const bool bf16_path = precision == PRECISION_BF16;
     m->decoder_rows = bf16_path && decoder_rows > max_batch ? decoder_rows : max_batch;
     const size_t R = (size_t)m->decoder_rows;
-    if (!bf16_path) {
+    if (!bf16_path) { // bf16 keeps h1 and h3 on chip, and its --iwae BCE stays in bce_parts
         m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1", max_batch);
         m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3", max_batch);
+        m->row_bce = (float*)device_alloc(R * sizeof(float), "per-row BCE", max_batch);
     }
     m->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar", max_batch);
     m->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z", max_batch);
     m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits", max_batch);
     m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
-    m->row_bce = (float*)device_alloc(R * sizeof(float), "per-row BCE", max_batch);
     m->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios", max_batch);
     if (!bf16_path) return;
 
@@ -1681,7 +1681,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     m->z_rows = (uint4*)device_alloc(R * 4 * sizeof(uint4), "z rows", max_batch);
     m->enc_partials = (float*)device_alloc(B * ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials", max_batch);
     m->bce_parts = (float*)device_alloc(R * DEC_COL_BLOCKS * sizeof(float), "BCE parts", max_batch);
-    const size_t enc_tickets = ceil_div(max_batch, DEC_ROWS), dec_tickets = ceil_div(m->decoder_rows, DEC_ROWS);
+    const size_t enc_tickets = ceil_div(max_batch, TASK_ROWS), dec_tickets = ceil_div(m->decoder_rows, TASK_ROWS);
     m->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets", max_batch);
     m->dec_tickets = m->enc_tickets + enc_tickets;
     cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
@@ -1750,8 +1750,7 @@ static void vae_decode(VAE* m, const float* z, int B) {
         vae_decode_logits(m, z, B);
         sigmoid(m->recon, m->logits, B * INPUT_DIM, m->stream);
     } else {
-        z_rows_kernel<<<ceil_div(B, 128), 128, 0, m->stream>>>(m->z_rows, z, B);
-        cudaCheck(cudaGetLastError());
+        z_rows(m->z_rows, z, B, m->stream);
         vae_decoder(m, NULL, B, 1, NULL, NULL, m->recon);
     }
 }
@@ -2174,7 +2173,7 @@ enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper
 // "/samples.ppm"); a longer argument would be cut silently and name another file.
 enum { MAX_PATH_ARG = 4000 };
 enum { IWAE_ROWS = 1 << 16 };  // decoder rows per --iwae pass (~0.6 GB of activations); K at most this
-enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per bf16 decoder pass (92 bytes each: z row, BCE parts, ratio, ticket)
+enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per bf16 decoder pass (84 bytes each: z row, BCE parts, log ratio)
 enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
 
 static bool parse_path(const char* flag, const char* value, const char** out, Error* err) {

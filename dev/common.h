@@ -22,7 +22,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
@@ -197,14 +196,26 @@ inline void print_device_info() {
            p.l2CacheSize / 1048576.0);
 }
 
+// max |got - ref| / max |ref| over columns col..col+count-1 of rows x pitch values (a plain array:
+// n rows of 1); infinity when a value is not finite (an unwritten output is NaN-poisoned).
+template <typename T>
+double rel_err(const float* got, const T* ref, size_t rows, size_t pitch = 1, size_t col = 0, size_t count = 1) {
+    double diff = 0.0, top = 0.0;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t j = col; j < col + count; j++) {
+            const double g = got[r * pitch + j], e = ref[r * pitch + j];
+            if (!std::isfinite(g)) return INFINITY;
+            diff = std::max(diff, std::fabs(g - e)), top = std::max(top, std::fabs(e));
+        }
+    return diff / top;
+}
+
 // ---- Timing
-// Median time of `launch` in microseconds. Each repeat is preceded by a write
-// of a buffer larger than L2, so every repeat starts with a cold cache, as a
-// layer does in a real forward pass. The flush is outside the timed region;
-// because it keeps the GPU busy, the host enqueues the timed launch before the
-// GPU reaches it, so launch latency is not measured either.
+// Median time of `launch` in microseconds. `cold`: each repeat follows a write of a buffer larger
+// than L2 (outside the timed region; it keeps the GPU busy, so launch latency is not timed either),
+// as a layer meets the cache in a real forward pass; otherwise back to back with the L2 warm.
 template <typename F>
-float benchmark_us(F&& launch, int repeats = 200, int warmup = 10) {
+float benchmark_us(F&& launch, int repeats = 200, int warmup = 10, bool cold = true) {
     static void* flush_buffer = nullptr;
     static size_t flush_bytes = 0;
     if (!flush_buffer) {
@@ -217,7 +228,7 @@ float benchmark_us(F&& launch, int repeats = 200, int warmup = 10) {
     std::vector<cudaEvent_t> start(repeats), stop(repeats);
     for (int i = 0; i < repeats; ++i) cudaCheck(cudaEventCreate(&start[i])), cudaCheck(cudaEventCreate(&stop[i]));
     for (int i = 0; i < repeats; ++i) {
-        cudaCheck(cudaMemsetAsync(flush_buffer, i & 0xFF, flush_bytes));
+        if (cold) cudaCheck(cudaMemsetAsync(flush_buffer, i & 0xFF, flush_bytes));
         cudaCheck(cudaEventRecord(start[i]));
         launch();
         cudaCheck(cudaEventRecord(stop[i]));
@@ -523,7 +534,6 @@ inline std::vector<uint8_t> load_pixels(int count, bool* from_file = nullptr) {
     }
     return px;
 }
-
 
 // Reparameterisation: z[B][20] = mu + eps exp(logvar / 2), kl[B], from
 // mulv[B][40] = [mu | logvar] per image; eps keyed by image first_image + b.

@@ -71,41 +71,7 @@ static void cpu_decoder(const HostWeights* w, const float* z, const uint8_t* pix
     }
 }
 
-// max |got - ref| / max |ref| over n values; infinity when a value is not finite (an unwritten
-// output is NaN-poisoned).
-template <typename T>
-static double rel_err(const float* got, const T* ref, size_t n) {
-    double diff = 0.0, top = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        if (!std::isfinite(got[i])) return INFINITY;
-        diff = std::max(diff, std::fabs((double)got[i] - ref[i])), top = std::max(top, std::fabs((double)ref[i]));
-    }
-    return diff / top;
-}
 
-// Median time of `launch` in microseconds with the L2 warm: back-to-back launches, each between two
-// events, after `warmup` untimed ones. (benchmark_us in common.h is the cold counterpart.)
-template <typename F>
-static float hot_us(F&& launch, int repeats = 200, int warmup = 10) {
-    for (int i = 0; i < warmup; i++) launch();
-    cudaCheck(cudaDeviceSynchronize());
-    std::vector<cudaEvent_t> start(repeats), stop(repeats);
-    for (int i = 0; i < repeats; i++) cudaCheck(cudaEventCreate(&start[i])), cudaCheck(cudaEventCreate(&stop[i]));
-    for (int i = 0; i < repeats; i++) {
-        cudaCheck(cudaEventRecord(start[i]));
-        launch();
-        cudaCheck(cudaEventRecord(stop[i]));
-    }
-    cudaCheck(cudaEventSynchronize(stop[repeats - 1]));
-    std::vector<float> us(repeats);
-    for (int i = 0; i < repeats; i++) {
-        cudaCheck(cudaEventElapsedTime(&us[i], start[i], stop[i]));
-        us[i] *= 1000.0f;
-        cudaCheck(cudaEventDestroy(start[i])), cudaCheck(cudaEventDestroy(stop[i]));
-    }
-    std::sort(us.begin(), us.end());
-    return us[repeats / 2];
-}
 
 int main() {
     HostWeights weights = {};
@@ -202,7 +168,7 @@ int main() {
         for (int rows : TIME_ROWS) {
             const int rows_per_image = rows <= MAX_IMAGES ? 1 : rows / MAX_IMAGES;
             auto pass = [&] { vae_decoder(&m, d_pixels, rows, rows_per_image, d_bce, NULL, NULL); };
-            const float hot = hot_us(pass), cold = benchmark_us(pass);
+            const float hot = benchmark_us(pass, 200, 10, false), cold = benchmark_us(pass);
             const double flop = 2.0 * rows * ((double)LATENT_DIM * HIDDEN_DIM + (double)HIDDEN_DIM * INPUT_DIM);
             const double tf_hot = flop / (hot * 1e-6) / 1e12, tf_cold = flop / (cold * 1e-6) / 1e12;
             printf("| %s | %d | %.1f | %.1f | %.1f | %.1f%% | %.1f | %.1f%% |\n", DECODER_NAMES[d], rows, hot, cold,

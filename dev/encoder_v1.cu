@@ -350,43 +350,7 @@ static void cpu_encoder(const HostWeights* w, const uint8_t* pixels, int n, std:
     }
 }
 
-// max |got - ref| / max |ref| over `count` values of each of `rows` rows (row pitch `pitch`, from
-// column `col`); infinity when a value is not finite (an unwritten output is NaN-poisoned).
-template <typename T>
-static double rel_err(const float* got, const T* ref, int rows, int pitch, int col, int count) {
-    double diff = 0.0, top = 0.0;
-    for (int r = 0; r < rows; r++)
-        for (int j = col; j < col + count; j++) {
-            const double g = got[(size_t)r * pitch + j], e = ref[(size_t)r * pitch + j];
-            if (!std::isfinite(g)) return INFINITY;
-            diff = std::max(diff, std::fabs(g - e)), top = std::max(top, std::fabs(e));
-        }
-    return diff / top;
-}
 
-// Median time of `launch` in microseconds with the L2 warm: back-to-back launches, each between two
-// events, after `warmup` untimed ones. (benchmark_us in common.h is the cold counterpart.)
-template <typename F>
-static float hot_us(F&& launch, int repeats = 200, int warmup = 10) {
-    for (int i = 0; i < warmup; i++) launch();
-    cudaCheck(cudaDeviceSynchronize());
-    std::vector<cudaEvent_t> start(repeats), stop(repeats);
-    for (int i = 0; i < repeats; i++) cudaCheck(cudaEventCreate(&start[i])), cudaCheck(cudaEventCreate(&stop[i]));
-    for (int i = 0; i < repeats; i++) {
-        cudaCheck(cudaEventRecord(start[i]));
-        launch();
-        cudaCheck(cudaEventRecord(stop[i]));
-    }
-    cudaCheck(cudaEventSynchronize(stop[repeats - 1]));
-    std::vector<float> us(repeats);
-    for (int i = 0; i < repeats; i++) {
-        cudaCheck(cudaEventElapsedTime(&us[i], start[i], stop[i]));
-        us[i] *= 1000.0f;
-        cudaCheck(cudaEventDestroy(start[i])), cudaCheck(cudaEventDestroy(stop[i]));
-    }
-    std::sort(us.begin(), us.end());
-    return us[repeats / 2];
-}
 
 int main() {
     HostWeights weights = {};
@@ -483,9 +447,9 @@ int main() {
     printf("| batch | v1 us hot | v1 us cold | production us hot | production us cold | production vs v1 "
            "(hot / cold) | floor us (%.0f TFLOP/s) |\n|---:|---:|---:|---:|---:|---:|---:|\n", PEAK_TFLOPS);
     for (int B : TIME_B) {
-        const float v1_hot = hot_us([&] { run_v1(B, NULL, false); });
+        const float v1_hot = benchmark_us([&] { run_v1(B, NULL, false); }, 200, 10, false);
         const float v1_cold = benchmark_us([&] { run_v1(B, NULL, false); });
-        const float prod_hot = hot_us([&] { run_production(B, NULL, false); });
+        const float prod_hot = benchmark_us([&] { run_production(B, NULL, false); }, 200, 10, false);
         const float prod_cold = benchmark_us([&] { run_production(B, NULL, false); });
         const double flop = 2.0 * B * ((double)INPUT_DIM * HIDDEN_DIM + (double)HIDDEN_DIM * MULV_DIM);
         printf("| %d | %.1f | %.1f | %.1f | %.1f | %.2fx / %.2fx | %.2f |\n", B, v1_hot, v1_cold, prod_hot,
