@@ -1210,12 +1210,10 @@ static void poison_activations(VAE* m) {
     if (m->h1) poison(m->h1, B * HIDDEN_DIM * 4), poison(m->h3, B * HIDDEN_DIM * 4); // fp32 only
     poison(m->mulv, B * MULV_DIM * 4), poison(m->z, B * LATENT_DIM * 4);
     poison(m->logits, B * INPUT_DIM * 4), poison(m->recon, B * INPUT_DIM * 4);
-    if (m->row_bce) poison(m->row_bce, R * 4); // fp32 only
-    poison(m->row_log_ratio, R * 4);
+    poison(m->row_log_ratio, R * 4), poison(m->bce_parts, R * m->bce_parts_per_row * 4);
     if (m->precision == PRECISION_BF16) { // 0xffff is a bf16 NaN too
         poison(m->z_rows, R * 4 * sizeof(uint4));
         poison(m->enc_partials, B * ENC_SLICES * MULV_DIM * 4);
-        poison(m->bce_parts, R * DEC_COL_BLOCKS * 4);
     }
 }
 
@@ -1316,7 +1314,8 @@ static void test_gpu_interpolation(VAE* m, const HostWeights* w, const Images* i
     static float tiles[ROWS * INPUT_DIM];
     poison(m->recon, (size_t)ROWS * INPUT_DIM * sizeof(float));
     vae_encode(m, d_pixels, N);
-    vae_decode_interpolations(m, d_pairs, PAIRS, INTERP_STEPS, tiles);
+    vae_decode_interpolations(m, d_pairs, 0, ROWS, INTERP_STEPS);
+    cudaCheck(cudaMemcpy(tiles, m->recon, sizeof(tiles), cudaMemcpyDeviceToHost));
     check_diff("interp", diff(tiles, logits, ROWS * INPUT_DIM), TOLERANCE[m->precision],
                "  (3 pairs x 11 steps between latent means, vs float64)");
     cudaCheck(cudaFree(d_pairs));

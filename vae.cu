@@ -332,37 +332,13 @@ __device__ inline float latent_z(float mu, float logvar, float eps, float* kl_te
     return mu + eps * expf(0.5f * logvar);
 }
 
-// eps_j of an image: from `eps_row` when given (tests feed PyTorch's), else from the
-// counter-based generator keyed by the image's global index; zero for z = mu.
-__device__ inline float posterior_eps(const float* eps_row, int latent, uint32_t image, uint64_t seed, bool z_is_mu) {
-    if (z_is_mu) return 0.0f;
-    return eps_row ? eps_row[latent] : gaussian(seed, STREAM_POSTERIOR, image, 0, latent);
-}
-
-// z_j for lane j of a warp that holds one image's [mu | logvar], and the image's KL summed over
-// the 20 lanes with a shuffle (every lane gets it).
-struct LatentSample {
-    float z, kl;
-};
-__device__ inline LatentSample sample_latent(const float* mulv_row, const float* eps_row, int lane, uint32_t image,
-                                             uint64_t seed, bool z_is_mu) {
-    float z = 0.0f, kl_term = 0.0f;
-    if (lane < LATENT_DIM)
-        z = latent_z(mulv_row[lane], mulv_row[LATENT_DIM + lane], posterior_eps(eps_row, lane, image, seed, z_is_mu),
-                     &kl_term);
-    return LatentSample{z, -0.5f * warp_sum(kl_term)};
-}
-
-// One warp per image, one lane per latent.
-enum { REPARAM_WARPS = 4 };
-__global__ void reparameterize_kernel(float* z, float* kl, const float* mulv, const float* eps_in, int B,
-                                      uint32_t first_image, uint64_t seed, bool z_is_mu) {
-    const int b = blockIdx.x * REPARAM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (b >= B) return; // whole warps leave together, so the shuffle stays full
-    const LatentSample s = sample_latent(mulv + b * 2 * LATENT_DIM, eps_in ? eps_in + b * LATENT_DIM : NULL, lane,
-                                         first_image + b, seed, z_is_mu);
-    if (lane < LATENT_DIM) z[b * LATENT_DIM + lane] = s.z;
-    if (lane == 0) kl[b] = s.kl;
+// eps of latents 4q .. 4q+3 of sample `sample` of an image: from `eps_row` when given (tests feed
+// PyTorch's), else from the counter-based generator keyed by the image's global index; zero for z = mu.
+__device__ inline float4 posterior_eps(const float* eps_row, int q, uint32_t image, uint32_t sample, uint64_t seed,
+                                       bool z_is_mu) {
+    if (z_is_mu) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (eps_row) return *reinterpret_cast<const float4*>(&eps_row[4 * q]);
+    return gaussian4(seed, STREAM_POSTERIOR, image, sample, q);
 }
 
 // One pixel's binary cross-entropy, straight from the logit so it never overflows or takes
@@ -373,28 +349,22 @@ __device__ inline float bce_term(float logit, uint8_t pixel) {
 
 // Per-row BCE summed over the 784 pixels. One warp per row, lanes striding over the pixels
 // (coalesced reads), then a shuffle sum. Row b is compared with image b / rows_per_image (1 for
-// the ELBO; K when the rows are K importance samples of each image). Optionally writes
-// recon = sigmoid(logits).
+// the ELBO; K when the rows are K importance samples of each image). Writes recon = sigmoid(logits)
+// when asked; without pixels (decoding latents that have no image) it only does that.
 enum { LOSS_WARPS = 4 };
 __global__ void bce_loss_kernel(float* bce, float* recon, const float* logits, const uint8_t* pixels, int B,
                                 int rows_per_image) {
     const int b = blockIdx.x * LOSS_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (b >= B) return;
     const float* l = logits + (size_t)b * INPUT_DIM;
-    const uint8_t* x = pixels + (size_t)(b / rows_per_image) * INPUT_DIM;
+    const uint8_t* x = pixels ? pixels + (size_t)(b / rows_per_image) * INPUT_DIM : NULL;
     float sum = 0.0f;
     for (int i = lane; i < INPUT_DIM; i += 32) {
-        sum += bce_term(l[i], x[i]);
+        if (x) sum += bce_term(l[i], x[i]);
         if (recon) recon[(size_t)b * INPUT_DIM + i] = 1.0f / (1.0f + expf(-l[i]));
     }
     sum = warp_sum(sum);
-    if (lane == 0) bce[b] = sum;
-}
-
-// recon = sigmoid(logits), for decoding latents that have no image to compare against.
-__global__ void sigmoid_kernel(float* out, const float* in, size_t n) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = 1.0f / (1.0f + expf(-in[i]));
+    if (x && lane == 0) bce[b] = sum;
 }
 
 // Latents on the straight line between two images' means: row r of the decoder's batch is step
@@ -523,15 +493,6 @@ __device__ inline float byte_as_float(uint32_t word, int b) {
     return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440 + b)) - 8388608.0f;
 }
 
-// fp32 -> bf16, once at load. Copies a rows x cols matrix into rows x dst_cols, zero-filling
-// the extra columns.
-__global__ void to_bf16_kernel(bf16* dst, const float* src, int rows, int cols, int dst_cols) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * dst_cols) return;
-    const int r = i / dst_cols, c = i % dst_cols;
-    dst[i] = __float2bfloat16(c < cols ? src[(size_t)r * cols + c] : 0.0f);
-}
-
 // The decoder's shapes. fc4's 784 logits are cut into 4 column blocks of 200 (one m64n200
 // wgmma; the last block starts at 584 and leaves its first 16 to block 2); fc3's 400 hidden
 // units are taken in chunks of 80 = 5 k16 steps of fc4. Both layers carry their bias in the K
@@ -554,9 +515,9 @@ static_assert(LATENT_DIM + BIAS_PARTS <= FC3_K_PADDED && FC4_K - HIDDEN_DIM >= B
 static_assert(HIDDEN_DIM % DEC_CHUNK == 0 && DEC_CHUNK % 16 == 0, "chunks are whole k16 steps");
 static_assert(DEC_OVERLAP >= 0 && DEC_OVERLAP % 8 == 0 && INPUT_DIM % 2 == 0, "the overlap is whole n8 blocks");
 
-// A layer's weights for the decoder: bf16 [rows][dst_cols] with the weights in K = 0 .. cols - 1,
-// the bias split into three bf16 parts (high, middle, low: their sum is the fp32 bias to ~2^-24)
-// in K = cols .. cols + 2, zeros after.
+// A layer's weights in bf16, once at load: [rows][dst_cols] with the weights in K = 0 .. cols - 1,
+// the bias (if given: the decoder's layers) split into three bf16 parts (high, middle, low: their
+// sum is the fp32 bias to ~2^-24) in K = cols .. cols + 2, zeros after.
 __global__ void weights_with_bias_kernel(bf16* __restrict__ dst, const float* __restrict__ w,
                                          const float* __restrict__ b, int rows, int cols, int dst_cols) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -565,7 +526,7 @@ __global__ void weights_with_bias_kernel(bf16* __restrict__ dst, const float* __
     float v = 0.0f;
     if (c < cols) {
         v = w[(size_t)r * cols + c];
-    } else if (c < cols + BIAS_PARTS) {
+    } else if (b != NULL && c < cols + BIAS_PARTS) {
         v = b[r]; // peel off the parts before this one: each remainder is exact in fp32
         for (int part = 0; part < c - cols; part++) v -= __bfloat162float(__float2bfloat16(v));
     }
@@ -647,7 +608,9 @@ enum {
     FC1_PITCH = FC1_K + 8,     // 1680-byte rows (105 x 16): the 8 rows an ldmatrix phase reads hit 8 bank groups
     ENC_PITCH = ENC_BN + 8,    // [fc21 | fc22] rows of 176 bytes: conflict-free fragment loads
     ENC_WARPS = 16,
+    ENC_PREFETCH = 2,          // pixel blocks loaded ahead of the one multiplied (1, 4 or 6: the same time on an H200)
 };
+
 static_assert((int)ENC_BN == (int)DEC_CHUNK && FC1_K % 64 == 0 && (int)FC1_K >= (int)INPUT_DIM && INPUT_DIM % 16 == 0,
               "a slice is one relu_to_a chunk; pixels come in 16-byte loads");
 struct EncoderSmem {
@@ -751,9 +714,8 @@ __device__ inline void encoder_finish(float (&acc)[2 * ENC_BN / 4], const bf16 (
         const int r = i / GROUPS, q = i % GROUPS, row = row16 + r;
         if (row >= M) continue;
         const float* p = io.partials + (size_t)row * ENC_SLICES * MULV_DIM;
-        float4 eps = make_float4(0.0f, 0.0f, 0.0f, 0.0f); // z = mu
-        if (!io.z_is_mu && io.eps) eps = *reinterpret_cast<const float4*>(&io.eps[(size_t)row * LATENT_DIM + 4 * q]);
-        else if (!io.z_is_mu) eps = gaussian4(io.seed, STREAM_POSTERIOR, io.first_image + row, 0, q);
+        const float4 eps = posterior_eps(io.eps ? io.eps + (size_t)row * LATENT_DIM : NULL, q, io.first_image + row,
+                                         0, io.seed, io.z_is_mu);
         const float e[4] = {eps.x, eps.y, eps.z, eps.w};
         #pragma unroll
         for (int j = 0; j < 4; j++) {
@@ -796,14 +758,14 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
     for (int task = blockIdx.x / ENC_SLICES + copies * warp; task < tasks; task += copies * ENC_WARPS) {
         const PixelRows rows(io.pixels, task * TASK_ROWS, io.M);
         float acc[2 * ENC_BN / 4] = {};
-        uint4 px[2], next[2], after[2]; // this pixel block, the next two in flight (an L2 round trip is long)
-        rows.load(px, 0);
-        rows.load(next, 1);
-        #pragma unroll 1
+        uint4 px[FC1_K / 64][2]; // constant indices (the loop is unrolled): registers, ENC_PREFETCH + 1 live
+        #pragma unroll
+        for (int u = 0; u < ENC_PREFETCH; u++) rows.load(px[u], u);
+        #pragma unroll
         for (int u = 0; u < FC1_K / 64; u++) {
-            if (u + 2 < FC1_K / 64) rows.load(after, u + 2);
+            if (u + ENC_PREFETCH < FC1_K / 64) rows.load(px[u + ENC_PREFETCH], u + ENC_PREFETCH);
             uint32_t a[4][4];
-            pixel_fragments(a, px);
+            pixel_fragments(a, px[u]);
             #pragma unroll
             for (int j = 0; j < 4; j++)
                 #pragma unroll
@@ -814,7 +776,6 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
                     mma_bf16_m16n8k16(&acc[4 * nt], a[j], b0);
                     mma_bf16_m16n8k16(&acc[4 * nt + 4], a[j], b1);
                 }
-            px[0] = next[0], px[1] = next[1], next[0] = after[0], next[1] = after[1];
         }
         encoder_finish(acc, sm.w_enc, task * TASK_ROWS, slice, io, sm.z[warp], sm.kl_terms[warp]);
     }
@@ -1286,20 +1247,20 @@ __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
         const int row16 = task * 64 + (warp % 4) * 16;
         const PixelRows rows(io.pixels, row16, io.M);
         float acc[2 * ENC_BN / 4];
-        uint4 px[2], next[2];
+        uint4 px[ENC_WG_SLICES][2]; // registers (constant indices): ENC_PREFETCH + 1 pixel blocks live
         uint32_t a[2][4][4]; // the A fragments of two pixel blocks: one read by wgmmas in flight, one filling
-        rows.load(px, 0);
+        #pragma unroll
+        for (int u = 0; u < ENC_PREFETCH; u++) rows.load(px[u], u);
         #pragma unroll
         for (int u = 0; u < ENC_WG_SLICES; u++) {
-            if (u + 1 < ENC_WG_SLICES) rows.load(next, u + 1);
-            pixel_fragments(a[u % 2], px);
+            if (u + ENC_PREFETCH < ENC_WG_SLICES) rows.load(px[u + ENC_PREFETCH], u + ENC_PREFETCH);
+            pixel_fragments(a[u % 2], px[u]);
             wgmma_fence();
             #pragma unroll
             for (int j = 0; j < 4; j++) // k16 step 4u + j: slice u, +32 bytes per step
                 wgmma_m64n80k16_rs(acc, a[u % 2][j], smem_desc_128b(w1_tile + u * ENC_BN * 128) + 2 * j, u + j > 0);
             wgmma_commit();
             wgmma_wait<1>(); // the group before, which read a[(u + 1) % 2], is done
-            px[0] = next[0], px[1] = next[1];
         }
         wgmma_wait<0>();
         fence_accumulators(acc);
@@ -1319,67 +1280,52 @@ __global__ void has_wgmma_kernel(int* out) {
 }
 
 // ----------------------------------------------------------------------------
-// kernels: importance-weighted log-likelihood (--iwae K)
+// kernels: sampling z, and the importance-weighted log-likelihood (--iwae K)
 //
 // log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
 // (Burda et al., "Importance Weighted Autoencoders"). The K samples of an image are K rows of a
-// batch: row r is sample r % K of image r / K, its eps keyed by (seed, image, sample = k, latent),
-// so sample 0 is the ELBO path's draw. log p(x|z) = -BCE. With z = mu + sigma eps, the Gaussian
-// terms log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel.
+// batch (sample_z_kernel); log p(x|z) = -BCE.
 
-// One row's z and its log p(z) - log q(z|x), from the image's [mu | logvar]; the 4 latents of
-// group q share one Philox call.
-__device__ inline float iwae_sample_group(float (&z)[4], const float* mulv_row, const float* eps_row, int q,
-                                          uint32_t image, uint32_t sample, uint64_t seed) {
-    const float4 eps4 = eps_row ? *reinterpret_cast<const float4*>(&eps_row[4 * q])
-                                : gaussian4(seed, STREAM_POSTERIOR, image, sample, q);
-    const float eps[4] = {eps4.x, eps4.y, eps4.z, eps4.w};
-    float sum = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const float logvar = mulv_row[LATENT_DIM + 4 * q + j];
-        float unused_kl_term;
-        z[j] = latent_z(mulv_row[4 * q + j], logvar, eps[j], &unused_kl_term);
-        sum += eps[j] * eps[j] + logvar - z[j] * z[j];
-    }
-    return 0.5f * sum;
-}
+// Where sample_z_kernel writes; NULL: not wanted.
+struct SampleOut {
+    float* z;          // [rows][20] in fp32: the fp32 decoder's input
+    uint4* z_rows;     // [rows][4]: the bf16 decoder's input (store_z_row, below)
+    float* kl;         // [rows]: KL(q(z|x) || N(0, I)) of the row's image, the ELBO's
+    float* log_ratio;  // [rows]: log p(z) - log q(z|x), --iwae's
+};
 
-// fp32: one thread per row writes z (for the fp32 decoder) and the row's log-density ratio.
-__global__ void iwae_sample_kernel(float* __restrict__ z, float* __restrict__ log_ratio,
-                                   const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
-                                   uint32_t first_image, uint64_t seed) {
+// z for `rows` rows from the images' [mu | logvar]: row r is sample r % K of image r / K (K = 1 for
+// the ELBO; --iwae's K importance samples of an image are K rows), eps keyed by (seed, image,
+// sample = r % K), so sample 0 is the ELBO's draw. With z = mu + sigma eps the Gaussian terms
+// log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel. One thread
+// per row; its sums run over j in order, whatever the batch.
+__global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, const float* __restrict__ eps_in,
+                                int rows, int K, uint32_t first_image, uint64_t seed, bool z_is_mu) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     const int image = r / K, sample = r % K;
-    float ratio = 0.0f;
+    const float* mulv_row = mulv + (size_t)image * 2 * LATENT_DIM;
+    float z[LATENT_DIM], kl = 0.0f, ratio = 0.0f;
+    #pragma unroll
     for (int q = 0; q < LATENT_DIM / 4; q++) {
-        float zq[4];
-        ratio += iwae_sample_group(zq, mulv + (size_t)image * 2 * LATENT_DIM,
-                                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image, sample,
-                                   seed);
-        *reinterpret_cast<float4*>(&z[(size_t)r * LATENT_DIM + 4 * q]) = make_float4(zq[0], zq[1], zq[2], zq[3]);
+        const float4 e = posterior_eps(eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image,
+                                       sample, seed, z_is_mu);
+        const float eps[4] = {e.x, e.y, e.z, e.w};
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int j = 4 * q + i;
+            float kl_term;
+            z[j] = latent_z(mulv_row[j], mulv_row[LATENT_DIM + j], eps[i], &kl_term);
+            kl += kl_term;
+            ratio += eps[i] * eps[i] + mulv_row[LATENT_DIM + j] - z[j] * z[j];
+        }
     }
-    log_ratio[r] = ratio;
+    if (out.z)
+        for (int j = 0; j < LATENT_DIM; j++) out.z[(size_t)r * LATENT_DIM + j] = z[j];
+    if (out.z_rows) store_z_row(out.z_rows + (size_t)r * 4, z);
+    if (out.kl) out.kl[r] = -0.5f * kl;
+    if (out.log_ratio) out.log_ratio[r] = 0.5f * ratio;
 }
-
-// bf16: one thread per row writes the row's z row for the decoder and its log p(z) - log q(z|x).
-__global__ void iwae_z_rows_kernel(uint4* __restrict__ z_rows, float* __restrict__ log_ratio,
-                                   const float* __restrict__ mulv, const float* __restrict__ eps_in, int rows, int K,
-                                   uint32_t first_image, uint64_t seed) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows) return;
-    const int image = r / K, sample = r % K;
-    float z[LATENT_DIM], ratio = 0.0f;
-    #pragma unroll
-    for (int q = 0; q < LATENT_DIM / 4; q++)
-        ratio += iwae_sample_group(*reinterpret_cast<float(*)[4]>(&z[4 * q]), mulv + (size_t)image * MULV_DIM,
-                                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image, sample,
-                                   seed);
-    store_z_row(z_rows + (size_t)r * 4, z);
-    log_ratio[r] = ratio;
-}
-
 
 // log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k (BCE_k given as `parts`
 // partial sums, the decoder's column blocks, added in order as its tickets would), combined by a running
@@ -1418,6 +1364,15 @@ __global__ void __launch_bounds__(LSE_THREADS)
 // ----------------------------------------------------------------------------
 // launchers (every launch goes to the model's stream, so a forward pass can be graph-captured)
 
+// The small kernels: `items` rows (or elements), `per_block` of them to a block of `threads`
+// threads (one a thread, or one a warp), on `stream`; the launch is checked.
+template <typename... Params, typename... Args>
+static void launch(void (*kernel)(Params...), long long items, int per_block, int threads, cudaStream_t stream,
+                   Args... args) {
+    kernel<<<(unsigned)((items + per_block - 1) / per_block), threads, 0, stream>>>(Params(args)...);
+    cudaCheck(cudaGetLastError());
+}
+
 template <typename TX>
 static void linear_fp32(float* Y, const TX* X, const float* W, const float* bias, int M, int N, int K, Activation act,
                         cudaStream_t stream) {
@@ -1426,31 +1381,6 @@ static void linear_fp32(float* Y, const TX* X, const float* W, const float* bias
         linear_fp32_kernel<TX, ACT_RELU><<<grid, LIN_THREADS, 0, stream>>>(Y, X, W, bias, M, N, K);
     else
         linear_fp32_kernel<TX, ACT_NONE><<<grid, LIN_THREADS, 0, stream>>>(Y, X, W, bias, M, N, K);
-    cudaCheck(cudaGetLastError());
-}
-
-static void reparameterize(float* z, float* kl, const float* mulv, const float* eps_in, int B, uint32_t first_image,
-                           uint64_t seed, bool z_is_mu, cudaStream_t stream) {
-    reparameterize_kernel<<<ceil_div(B, REPARAM_WARPS), REPARAM_WARPS * 32, 0, stream>>>(z, kl, mulv, eps_in, B,
-                                                                                         first_image, seed, z_is_mu);
-    cudaCheck(cudaGetLastError());
-}
-
-static void bce_loss(float* bce, float* recon, const float* logits, const uint8_t* pixels, int B, int rows_per_image,
-                     cudaStream_t stream) {
-    bce_loss_kernel<<<ceil_div(B, LOSS_WARPS), LOSS_WARPS * 32, 0, stream>>>(bce, recon, logits, pixels, B,
-                                                                             rows_per_image);
-    cudaCheck(cudaGetLastError());
-}
-
-static void sigmoid(float* out, const float* in, int n, cudaStream_t stream) {
-    sigmoid_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(out, in, (size_t)n);
-    cudaCheck(cudaGetLastError());
-}
-
-static void interp_latents(float* z, const float* mulv, const int2* pairs, long long first_row, int rows, int steps,
-                           cudaStream_t stream) {
-    interp_latents_kernel<<<ceil_div(rows * LATENT_DIM, 256), 256, 0, stream>>>(z, mulv, pairs, first_row, rows, steps);
     cudaCheck(cudaGetLastError());
 }
 
@@ -1524,41 +1454,6 @@ static void decoder_bf16(const DecoderIO& io, const bf16* fc4_wb, const bf16* fc
     }
 }
 
-static void iwae_sample(float* z, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
-                        uint32_t first_image, uint64_t seed, cudaStream_t stream) {
-    iwae_sample_kernel<<<ceil_div(rows, 128), 128, 0, stream>>>(z, log_ratio, mulv, eps_in, rows, K, first_image, seed);
-    cudaCheck(cudaGetLastError());
-}
-
-static void z_rows(uint4* rows, const float* z, int B, cudaStream_t stream) {
-    z_rows_kernel<<<ceil_div(B, 128), 128, 0, stream>>>(rows, z, B);
-    cudaCheck(cudaGetLastError());
-}
-
-static void iwae_z_rows(uint4* z_rows, float* log_ratio, const float* mulv, const float* eps_in, int rows, int K,
-                        uint32_t first_image, uint64_t seed, cudaStream_t stream) {
-    iwae_z_rows_kernel<<<ceil_div(rows, 128), 128, 0, stream>>>(z_rows, log_ratio, mulv, eps_in, rows, K, first_image,
-                                                                seed);
-    cudaCheck(cudaGetLastError());
-}
-
-static void iwae_logsumexp(float* log_px, const float* bce_parts, int parts, const float* log_ratio, int images, int K,
-                           cudaStream_t stream) {
-    iwae_logsumexp_kernel<<<images, LSE_THREADS, 0, stream>>>(log_px, bce_parts, parts, log_ratio, K);
-    cudaCheck(cudaGetLastError());
-}
-
-static void weights_with_bias(bf16* dst, const float* w, const float* b, int rows, int cols, int dst_cols,
-                              cudaStream_t stream) {
-    weights_with_bias_kernel<<<ceil_div(rows * dst_cols, 256), 256, 0, stream>>>(dst, w, b, rows, cols, dst_cols);
-    cudaCheck(cudaGetLastError());
-}
-
-static void to_bf16(bf16* dst, const float* src, int rows, int cols, int dst_cols, cudaStream_t stream) {
-    to_bf16_kernel<<<ceil_div(rows * dst_cols, 256), 256, 0, stream>>>(dst, src, rows, cols, dst_cols);
-    cudaCheck(cudaGetLastError());
-}
-
 // Whether the code loaded for the current GPU has decoder_wgmma_kernel's body (an sm_90a build
 // on an sm_90 GPU); asks the GPU once.
 static bool gpu_has_wgmma() {
@@ -1589,16 +1484,16 @@ typedef struct {
     // fp32 activations for up to max_batch images, row-major [image][feature]. The bf16 path has
     // no h1 or h3 (they stay on chip) and writes mulv, z, logits and recon only when asked to.
     float *h1, *mulv, *z, *h3, *logits, *recon;
-    // --iwae's rows (decoder_rows of them): log p(z) - log q(z|x), and in fp32 the BCE
-    int decoder_rows;
-    float *row_bce, *row_log_ratio;
+    // the decoder's rows (decoder_rows of them; --iwae's K per image): log p(z) - log q(z|x), and
+    // each row's BCE as parts for the caller to add: 4 in bf16 (the column blocks'), 1 in fp32
+    int decoder_rows, bce_parts_per_row;
+    float *row_log_ratio, *bce_parts;
     // bf16 path: weights converted once at load, the encoder's and decoder's buffers
     bf16* params_bf16;
     const bf16 *fc1_wp, *enc_w16;      // [400][832] in the encoder's K order (fc1_weights_kernel), [40][400]
     const bf16 *fc3_wb, *fc4_wb;       // [400][32], [784][408]: weights and bias parts (weights_with_bias_kernel)
     uint4* z_rows;                     // [decoder_rows][4]
     float* enc_partials;               // [max_batch][5][40]
-    float* bce_parts;                  // [decoder_rows][4]
     unsigned *enc_tickets, *dec_tickets; // per 16 images, per 16 decoder rows; zero between launches
     bool wgmma;         // encoder and decoder on Hopper's wgmma kernels (set at init; tests turn it off to
                         // check the kernels other GPUs run)
@@ -1656,11 +1551,12 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     const bool bf16_path = precision == PRECISION_BF16;
     m->decoder_rows = bf16_path && decoder_rows > max_batch ? decoder_rows : max_batch;
     const size_t R = (size_t)m->decoder_rows;
-    if (!bf16_path) { // bf16 keeps h1 and h3 on chip, and its --iwae BCE stays in bce_parts
+    if (!bf16_path) { // bf16 keeps h1 and h3 on chip
         m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1", max_batch);
         m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3", max_batch);
-        m->row_bce = (float*)device_alloc(R * sizeof(float), "per-row BCE", max_batch);
     }
+    m->bce_parts_per_row = bf16_path ? DEC_COL_BLOCKS : 1;
+    m->bce_parts = (float*)device_alloc(R * m->bce_parts_per_row * sizeof(float), "BCE parts", max_batch);
     m->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar", max_batch);
     m->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z", max_batch);
     m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits", max_batch);
@@ -1672,15 +1568,17 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
                  fc4 = (size_t)INPUT_DIM * FC4_K;
     bf16* p = (bf16*)device_alloc((fc1 + enc + fc3 + fc4) * sizeof(bf16), "the bf16 weights", max_batch);
     m->params_bf16 = p;
-    fc1_weights_kernel<<<ceil_div(HIDDEN_DIM * FC1_K, 256), 256, 0, m->stream>>>(p, m->fc1_w);
-    cudaCheck(cudaGetLastError());
-    m->fc1_wp = p, p += fc1;
-    to_bf16(p, m->enc_w, MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, m->stream), m->enc_w16 = p, p += enc;
-    weights_with_bias(p, m->fc3_w, m->fc3_b, HIDDEN_DIM, LATENT_DIM, FC3_K_PADDED, m->stream), m->fc3_wb = p, p += fc3;
-    weights_with_bias(p, m->fc4_w, m->fc4_b, INPUT_DIM, HIDDEN_DIM, FC4_K, m->stream), m->fc4_wb = p;
+    launch(fc1_weights_kernel, fc1, 256, 256, m->stream, p, m->fc1_w), m->fc1_wp = p, p += fc1;
+    auto convert = [&](const float* w, const float* b, int rows, int cols, int dst_cols) {
+        launch(weights_with_bias_kernel, (size_t)rows * dst_cols, 256, 256, m->stream, p, w, b, rows, cols, dst_cols);
+        p += (size_t)rows * dst_cols;
+        return p - (size_t)rows * dst_cols;
+    };
+    m->enc_w16 = convert(m->enc_w, NULL, MULV_DIM, HIDDEN_DIM, HIDDEN_DIM);
+    m->fc3_wb = convert(m->fc3_w, m->fc3_b, HIDDEN_DIM, LATENT_DIM, FC3_K_PADDED);
+    m->fc4_wb = convert(m->fc4_w, m->fc4_b, INPUT_DIM, HIDDEN_DIM, FC4_K);
     m->z_rows = (uint4*)device_alloc(R * 4 * sizeof(uint4), "z rows", max_batch);
     m->enc_partials = (float*)device_alloc(B * ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials", max_batch);
-    m->bce_parts = (float*)device_alloc(R * DEC_COL_BLOCKS * sizeof(float), "BCE parts", max_batch);
     const size_t enc_tickets = ceil_div(max_batch, TASK_ROWS), dec_tickets = ceil_div(m->decoder_rows, TASK_ROWS);
     m->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets", max_batch);
     m->dec_tickets = m->enc_tickets + enc_tickets;
@@ -1711,19 +1609,31 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
 }
 
 static void vae_free(VAE* m) {
-    void* buffers[] = {m->params, m->h1,          m->mulv,         m->z,        m->h3,          m->logits,
-                       m->recon,  m->row_bce,     m->row_log_ratio, m->params_bf16, m->z_rows, m->enc_partials,
-                       m->bce_parts, m->enc_tickets};
+    void* buffers[] = {m->params,      m->h1,     m->mulv,         m->z,         m->h3,         m->logits, m->recon,
+                       m->row_log_ratio, m->bce_parts, m->params_bf16, m->z_rows, m->enc_partials, m->enc_tickets};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
 }
 
-// The bf16 decoder over `rows` z rows in m->z_rows.
-static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,
-                        float* recon) {
-    const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits, recon};
-    decoder_bf16(io, m->fc4_wb, m->fc3_wb, m->w4_map, m->w3_map, m->wgmma, m->decoder_blocks, m->overlap, m->stream);
+// The decoder over `rows` latents in the model's precision, from z ([rows][20]; fp32) or m->z_rows
+// (bf16). With pixels, row r is scored against image r / rows_per_image: its BCE goes to bce[r],
+// or with bce NULL stays in m->bce_parts for the caller to add. logits (bf16: when given; fp32
+// always fills m->logits) and recon when given.
+static void vae_decoder(VAE* m, const float* z, const uint8_t* pixels, int rows, int rows_per_image, float* bce,
+                        float* logits, float* recon) {
+    if (m->precision == PRECISION_BF16) {
+        const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits,
+                              recon};
+        decoder_bf16(io, m->fc4_wb, m->fc3_wb, m->w4_map, m->w3_map, m->wgmma, m->decoder_blocks, m->overlap,
+                     m->stream);
+        return;
+    }
+    linear_fp32(m->h3, z, m->fc3_w, m->fc3_b, rows, HIDDEN_DIM, LATENT_DIM, ACT_RELU, m->stream);
+    linear_fp32(m->logits, m->h3, m->fc4_w, m->fc4_b, rows, INPUT_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
+    if (pixels != NULL || recon != NULL)
+        launch(bce_loss_kernel, rows, LOSS_WARPS, LOSS_WARPS * 32, m->stream, bce ? bce : m->bce_parts, recon,
+               m->logits, pixels, rows, rows_per_image);
 }
 
 // mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
@@ -1738,30 +1648,19 @@ static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
     }
 }
 
-// logits of B latents in z (a device pointer, m->z or any other), in fp32.
-static void vae_decode_logits(VAE* m, const float* z, int B) {
-    linear_fp32(m->h3, z, m->fc3_w, m->fc3_b, B, HIDDEN_DIM, LATENT_DIM, ACT_RELU, m->stream);
-    linear_fp32(m->logits, m->h3, m->fc4_w, m->fc4_b, B, INPUT_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
-}
-
-// recon = the decoder's images of B latents given in fp32, in the model's precision.
+// recon = the decoder's images of B latents given in fp32 (a device pointer), in the model's precision.
 static void vae_decode(VAE* m, const float* z, int B) {
-    if (m->precision == PRECISION_FP32) {
-        vae_decode_logits(m, z, B);
-        sigmoid(m->recon, m->logits, B * INPUT_DIM, m->stream);
-    } else {
-        z_rows(m->z_rows, z, B, m->stream);
-        vae_decoder(m, NULL, B, 1, NULL, NULL, m->recon);
-    }
+    if (m->precision == PRECISION_BF16) launch(z_rows_kernel, B, 128, 128, m->stream, m->z_rows, z, B);
+    vae_decoder(m, z, NULL, B, 1, NULL, NULL, m->recon);
 }
 
-// Decodes `steps` points on the line between the means of each pair of images (pairs index the
-// images' [mu | logvar] rows in m->mulv) into tiles[pairs * steps][784], in one batch.
-static void vae_decode_interpolations(VAE* m, const int2* d_pairs, int num_pairs, int steps, float* tiles) {
-    interp_latents(m->z, m->mulv, d_pairs, 0, num_pairs * steps, steps, m->stream);
-    vae_decode(m, m->z, num_pairs * steps);
-    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)num_pairs * steps * INPUT_DIM * sizeof(float),
-                         cudaMemcpyDeviceToHost));
+// Decodes rows first_row .. first_row + rows - 1 of the interpolations between pairs of images
+// (row r: step r % steps of pair r / steps; the pairs index the images' [mu | logvar] rows in
+// m->mulv) into m->recon.
+static void vae_decode_interpolations(VAE* m, const int2* d_pairs, long long first_row, int rows, int steps) {
+    launch(interp_latents_kernel, (long long)rows * LATENT_DIM, 256, 256, m->stream, m->z, m->mulv, d_pairs, first_row,
+           rows, steps);
+    vae_decode(m, m->z, rows);
 }
 
 // The whole forward pass and loss for images first_image .. first_image+B-1, whose pixels are
@@ -1770,19 +1669,19 @@ static void vae_decode_interpolations(VAE* m, const int2* d_pairs, int num_pairs
 static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
                         float* bce, float* kl) {
     if (B < 1 || B > m->max_batch) fail("internal: batch %d outside 1..%d", B, m->max_batch);
+    const bool keep = opt->keep_activations;
     if (m->precision == PRECISION_FP32) {
         vae_encode(m, pixels, B);
-        reparameterize(m->z, kl, m->mulv, opt->eps, B, first_image, opt->seed, opt->z_is_mu, m->stream);
-        vae_decode_logits(m, m->z, B);
-        bce_loss(bce, opt->want_recon ? m->recon : NULL, m->logits, pixels, B, 1, m->stream);
+        const SampleOut out = {m->z, NULL, kl, NULL};
+        launch(sample_z_kernel, B, 128, 128, m->stream, out, m->mulv, opt->eps, B, 1, first_image, opt->seed,
+               opt->z_is_mu);
     } else {
-        const bool keep = opt->keep_activations;
         const EncoderIO io = {m->z_rows,  kl,       keep ? m->mulv : NULL, keep ? m->z : NULL, m->enc_partials,
                               m->enc_tickets, pixels, m->fc1_b, m->enc_w16, m->enc_b, opt->eps, B, first_image,
                               opt->seed, opt->z_is_mu};
         encoder_bf16(io, m->fc1_wp, m->w1_map, m->wgmma, m->encoder_blocks, m->stream);
-        vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL);
     }
+    vae_decoder(m, m->z, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL);
 }
 
 // Images per --iwae pass at K samples each: as many as the decoder's rows hold.
@@ -1797,6 +1696,8 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->max_batch) fail("internal: %d samples per image outside 1..%d", K, m->max_batch);
     const int images_per_pass = vae_iwae_images_per_pass(m, K);
+    const bool bf16_path = m->precision == PRECISION_BF16;
+    const SampleOut out = {bf16_path ? NULL : m->z, bf16_path ? m->z_rows : NULL, NULL, m->row_log_ratio};
     // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
     // holds few images (13 at K = 5000), far too few to fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
@@ -1805,20 +1706,13 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
         for (int first = group; first < group + group_size; first += images_per_pass) {
             const int left = group + group_size - first, images = left < images_per_pass ? left : images_per_pass;
             const int rows = images * K;
-            const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
-            const float* mulv = m->mulv + (size_t)(first - group) * MULV_DIM;
-            const float* eps_rows = eps ? eps + (size_t)first * K * LATENT_DIM : NULL;
-            const uint32_t image0 = first_image + (uint32_t)first;
-            if (m->precision == PRECISION_FP32) {
-                iwae_sample(m->z, m->row_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
-                vae_decode_logits(m, m->z, rows);
-                bce_loss(m->row_bce, NULL, m->logits, x, rows, K, m->stream);
-                iwae_logsumexp(log_px + first, m->row_bce, 1, m->row_log_ratio, images, K, m->stream);
-            } else { // no tickets: the logsumexp adds each row's 4 parts in the same order
-                iwae_z_rows(m->z_rows, m->row_log_ratio, mulv, eps_rows, rows, K, image0, seed, m->stream);
-                vae_decoder(m, x, rows, K, NULL, NULL, NULL);
-                iwae_logsumexp(log_px + first, m->bce_parts, DEC_COL_BLOCKS, m->row_log_ratio, images, K, m->stream);
-            }
+            launch(sample_z_kernel, rows, 128, 128, m->stream, out, m->mulv + (size_t)(first - group) * MULV_DIM,
+                   eps ? eps + (size_t)first * K * LATENT_DIM : NULL, rows, K, first_image + (uint32_t)first, seed,
+                   false);
+            // no tickets: the logsumexp adds each row's parts in the order they would
+            vae_decoder(m, m->z, pixels + (size_t)first * INPUT_DIM, rows, K, NULL, NULL, NULL);
+            launch(iwae_logsumexp_kernel, images, 1, LSE_THREADS, m->stream, log_px + first, m->bce_parts,
+                   m->bce_parts_per_row, m->row_log_ratio, K);
         }
     }
 }
@@ -2443,7 +2337,7 @@ static void init_cuda(cudaDeviceProp* prop) {
     Error err;
     if (!gpu_supported(prop->name, prop->major, prop->minor, &err)) fail("%s", err.msg);
     cudaFuncAttributes attr; // a binary built for other GPUs has no kernel this one can load
-    status = cudaFuncGetAttributes(&attr, sigmoid_kernel);
+    status = cudaFuncGetAttributes(&attr, bce_loss_kernel);
     if (status != cudaSuccess)
         fail("this vae has no code for the %s (sm_%d%d): %s. HINT: rebuild it here: make clean && make vae", prop->name,
              prop->major, prop->minor, cudaGetErrorString(status));
@@ -2519,7 +2413,9 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
         cudaCheck(cudaMalloc(&d_pairs, sizeof(pairs)));
         cudaCheck(cudaMemcpy(d_pairs, pairs, sizeof(pairs), cudaMemcpyHostToDevice));
         vae_encode(m, d_pair_pixels, 2 * rows);
-        vae_decode_interpolations(m, d_pairs, rows, INTERP_STEPS, tiles);
+        vae_decode_interpolations(m, d_pairs, 0, rows * INTERP_STEPS, INTERP_STEPS);
+        cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)rows * INTERP_STEPS * INPUT_DIM * sizeof(float),
+                             cudaMemcpyDeviceToHost));
         snprintf(path, sizeof(path), "%s/interp.ppm", cfg->out_dir);
         const char* what = "row d: latent mean of a test 'd' to one of a 'd+1'";
         if (!write_ppm_grid(path, what, tiles, rows, INTERP_STEPS, &err)) fail("%s", err.msg);
@@ -2785,19 +2681,16 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     int2* d_pairs = (int2*)device_alloc((size_t)num_pairs * sizeof(int2), "the pairs", num_pairs);
     cudaCheck(cudaMemcpy(d_pairs, pairs, (size_t)num_pairs * sizeof(int2), cudaMemcpyHostToDevice));
     vae_encode(&m, d_pixels, n); // m.mulv holds the N means from here on; decoding leaves it alone
-    vae_decode_interpolations(&m, d_pairs, 1, INTERP_STEPS, tiles); // untimed: module loading stays out
+    vae_decode_interpolations(&m, d_pairs, 0, INTERP_STEPS, INTERP_STEPS); // untimed: module loading stays out
 
     cudaEvent_t start, stop;
     cudaCheck(cudaEventCreate(&start));
     cudaCheck(cudaEventCreate(&stop));
     cudaCheck(cudaEventRecord(start, m.stream));
     long long first = 0;
-    for (; first + pass_rows < decodes; first += pass_rows) {
-        interp_latents(m.z, m.mulv, d_pairs, first, pass_rows, INTERP_STEPS, m.stream);
-        vae_decode(&m, m.z, pass_rows);
-    }
-    interp_latents(m.z, m.mulv, d_pairs, first, (int)(decodes - first), INTERP_STEPS, m.stream);
-    vae_decode(&m, m.z, (int)(decodes - first));
+    for (; first + pass_rows < decodes; first += pass_rows)
+        vae_decode_interpolations(&m, d_pairs, first, pass_rows, INTERP_STEPS);
+    vae_decode_interpolations(&m, d_pairs, first, (int)(decodes - first), INTERP_STEPS);
     cudaCheck(cudaEventRecord(stop, m.stream));
     cudaCheck(cudaEventSynchronize(stop));
     float batched_ms, single_ms;
@@ -2809,8 +2702,7 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
     cudaCheck(cudaEventRecord(start, m.stream));
     for (int p = 0; p < num_pairs; p++) {
-        interp_latents(m.z, m.mulv, d_pairs, (long long)p * INTERP_STEPS, INTERP_STEPS, INTERP_STEPS, m.stream);
-        vae_decode(&m, m.z, INTERP_STEPS);
+        vae_decode_interpolations(&m, d_pairs, (long long)p * INTERP_STEPS, INTERP_STEPS, INTERP_STEPS);
         cudaCheck(cudaStreamSynchronize(m.stream));
         if ((p + 1) % report_every == 0 || p + 1 == num_pairs) report_progress("one pair per call", p + 1, num_pairs);
     }
@@ -2831,7 +2723,8 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     if (!same) fail("--interp: the batched and the one-pair decodes differ. HINT: this is a bug; please report it");
 
     const int rows = num_pairs < 10 ? num_pairs : 10;
-    vae_decode_interpolations(&m, d_pairs, rows, INTERP_STEPS, tiles);
+    vae_decode_interpolations(&m, d_pairs, 0, rows * INTERP_STEPS, INTERP_STEPS);
+    cudaCheck(cudaMemcpy(tiles, m.recon, (size_t)rows * pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
     char path[MAX_PATH], what[96];
     Error err;
     if (!output_dir_make(cfg->out_dir, &err)) fail("%s", err.msg);

@@ -125,12 +125,12 @@ int main() {
             m.wgmma = d == 1;
             // the ELBO's pass: pixels in, per-row BCE out, no logits
             poison(d_bce, (MAX_ROWS + 1) * sizeof(float));
-            vae_decoder(&m, d_pixels, rows, 1, d_bce, NULL, NULL);
+            vae_decoder(&m, NULL, d_pixels, rows, 1, d_bce, NULL, NULL);
             cudaCheck(cudaStreamSynchronize(m.stream));
             cudaCheck(cudaMemcpy(bce[d].data(), d_bce, (rows + 1) * sizeof(float), cudaMemcpyDeviceToHost));
             // the pictures' pass: no pixels, logits out
             poison(d_logits, (size_t)(MAX_CHECK + 1) * INPUT_DIM * sizeof(float));
-            vae_decoder(&m, NULL, rows, 1, NULL, d_logits, NULL);
+            vae_decoder(&m, NULL, NULL, rows, 1, NULL, d_logits, NULL);
             cudaCheck(cudaStreamSynchronize(m.stream));
             cudaCheck(cudaMemcpy(logits.data(), d_logits, (size_t)(rows + 1) * INPUT_DIM * sizeof(float),
                                  cudaMemcpyDeviceToHost));
@@ -167,7 +167,7 @@ int main() {
         m.wgmma = d == 1;
         for (int rows : TIME_ROWS) {
             const int rows_per_image = rows <= MAX_IMAGES ? 1 : rows / MAX_IMAGES;
-            auto pass = [&] { vae_decoder(&m, d_pixels, rows, rows_per_image, d_bce, NULL, NULL); };
+            auto pass = [&] { vae_decoder(&m, NULL, d_pixels, rows, rows_per_image, d_bce, NULL, NULL); };
             const float hot = benchmark_us(pass, 200, 10, false), cold = benchmark_us(pass);
             const double flop = 2.0 * rows * ((double)LATENT_DIM * HIDDEN_DIM + (double)HIDDEN_DIM * INPUT_DIM);
             const double tf_hot = flop / (hot * 1e-6) / 1e12, tf_cold = flop / (cold * 1e-6) / 1e12;

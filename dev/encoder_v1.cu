@@ -383,7 +383,8 @@ int main() {
     cudaCheck(cudaMemset(tickets_v1, 0, row_tiles * sizeof(unsigned)));
     cudaCheck(cudaMalloc(&d_mulv, (size_t)(MAX_B + 1) * MULV_DIM * sizeof(float))); // + 1: a row that must stay NaN
     cudaCheck(cudaMalloc(&d_kl, (size_t)(MAX_B + 1) * sizeof(float)));
-    to_bf16(fc1_w16, m.fc1_w, HIDDEN_DIM, INPUT_DIM, INPUT_DIM, m.stream);
+    launch(weights_with_bias_kernel, HIDDEN_DIM * INPUT_DIM, 256, 256, m.stream, fc1_w16, m.fc1_w, nullptr, HIDDEN_DIM,
+           INPUT_DIM, INPUT_DIM);
     cudaCheck(cudaFuncSetAttribute(encoder_v1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(EncoderSmemV1)));
     cudaCheck(cudaStreamSynchronize(m.stream));
