@@ -19,7 +19,6 @@ the model, file formats, image output, and (unless TESTING is defined, as test_v
 #include <cuda.h> // CUtensorMap and its enums only: the encoder comes through the runtime, no -lcuda
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <ctype.h>
 #include <errno.h>
@@ -31,7 +30,6 @@ the model, file formats, image output, and (unless TESTING is defined, as test_v
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <type_traits>
 #include <unistd.h>
 
 // ----------------------------------------------------------------------------
@@ -389,8 +387,7 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 // ----------------------------------------------------------------------------
 // kernels: bf16 tensor cores (--precision bf16): one encoder kernel, one decoder kernel
 //
-// The same network with 16-bit operands (bf16; fc1's in fp16, see encoder_mma_kernel) and fp32
-// accumulation, in two launches per forward pass:
+// The same network with bf16 operands and fp32 accumulation, in two launches per forward pass:
 //   encoder          uint8 pixels -> fc1 + ReLU -> fc21/fc22 -> z (the generator) and KL. h1
 //                    never leaves the registers; z leaves as a "z row" (bf16, in the order the
 //                    decoder's fragments load it: 64 bytes an image)
@@ -405,7 +402,6 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 // shape (x - sigmoid(logits) formed in the epilogue's registers).
 
 typedef __nv_bfloat16 bf16;
-typedef __half f16;
 
 // D += A (16x16, row-major) * B (16x8, column-major), bf16 inputs, fp32 accumulators.
 // With g = lane / 4 and t = lane % 4, each register holds two consecutive k of one row:
@@ -414,13 +410,6 @@ typedef __half f16;
 //   d[0], d[1] = D[g][2t], D[g][2t+1]    d[2], d[3] = D[g+8][2t], D[g+8][2t+1]
 __device__ inline void mma_bf16_m16n8k16(float* d, const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// The same product with fp16 inputs: fc1's (see pixel_fragments).
-__device__ inline void mma_f16_m16n8k16(float* d, const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
@@ -438,11 +427,10 @@ __device__ inline void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
-// A rows x cols block of 16-bit values (cols a multiple of 8) from global memory, row pitch src_pitch, into
+// A rows x cols bf16 block (cols a multiple of 8) from global memory, row pitch src_pitch, into
 // shared memory with row pitch dst_pitch: 16-byte cp.async copies spread over the whole thread
 // block, committed as one group (the caller waits). How the kernels load their resident weights.
-template <typename T> // bf16 or f16
-__device__ inline void copy_block_async(T* dst, int dst_pitch, const T* __restrict__ src, int src_pitch, int rows,
+__device__ inline void copy_block_async(bf16* dst, int dst_pitch, const bf16* __restrict__ src, int src_pitch, int rows,
                                        int cols) {
     for (int c = threadIdx.x; c < rows * (cols / 8); c += blockDim.x) {
         const int r = c / (cols / 8), k = (c % (cols / 8)) * 8;
@@ -488,13 +476,13 @@ __device__ inline uint32_t bf16x2_at(const bf16* p) { return *reinterpret_cast<c
 // giving the address of one 16-byte row (lanes 0-7 matrix 0, 8-15 matrix 1, ...), and every
 // lane receives exactly the registers mma.sync expects. One instruction replaces 4 (or 2)
 // 32-bit shared loads per lane, and its address math is done once per fragment.
-__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const void* row) { // bf16 or fp16 rows
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const bf16* row) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
-__device__ inline void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const void* row) {
+__device__ inline void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const bf16* row) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
 }
@@ -601,14 +589,11 @@ __device__ inline void relu_to_a(uint32_t (&a)[DEC_STEPS][4], const float (&h)[2
 // [fc21 | fc22] in shared memory, copied once. Its warps then take 16-image tasks on their own:
 //   pixels   straight from global memory into mma's A fragments: thread t of a quad loads 16
 //            bytes of each of its two rows per 64 pixels (one uint4, the next two in flight while
-//            this one is multiplied) and widens them to fp16 (pixel_fragments). That needs fc1's
+//            this one is multiplied) and widens them to bf16 (0..255 are exact). That needs fc1's
 //            K in a matching order: k16 step s = 4u + j holds, in the fragment slots (2t, 2t+1)
 //            and (8+2t, 9+2t), pixels 64u + 16t + 4j + (0, 1) and (2, 3); fc1_weights_kernel
 //            stores fc1 permuted that way once, K padded to 832 with zeros
-//   fc1      16 x 80 per warp, K = 832: 10 mma per k16 step, B by ldmatrix from the resident rows.
-//            In fp16, not bf16: 0..255 are exact in both, fp16 widens a pair in 2 instructions
-//            instead of 5 (the widening was ~40% of the wgmma encoder's stall samples at B = 10000),
-//            and its weights carry 3 more mantissa bits (fc1's magnitudes, < 1, are far from its range)
+//   fc1      16 x 80 per warp, K = 832: 10 mma per k16 step, B by ldmatrix from the resident rows
 //   fc21/22  the accumulators (scale 1/255, bias, ReLU, bf16) are the A fragments of the 16 x 40
 //            partial [mu | logvar] of the slice (relu_to_a): h1 never leaves the registers
 //   merge    each warp stores its 16 x 40 partial (L2) and takes a ticket per 16 images; the fifth
@@ -629,18 +614,18 @@ enum {
 static_assert((int)ENC_BN == (int)DEC_CHUNK && FC1_K % 64 == 0 && (int)FC1_K >= (int)INPUT_DIM && INPUT_DIM % 16 == 0,
               "a slice is one relu_to_a chunk; pixels come in 16-byte loads");
 struct EncoderSmem {
-    f16 w1[ENC_BN][FC1_PITCH];
+    bf16 w1[ENC_BN][FC1_PITCH];
     bf16 w_enc[MULV_DIM][ENC_PITCH];
     float z[ENC_WARPS][TASK_ROWS][LATENT_DIM], kl_terms[ENC_WARPS][TASK_ROWS][LATENT_DIM]; // a finishing warp's
 };
 
-// fc1's weights in the encoder's K order (above): [400][832] fp16, zeros past pixel 783.
-__global__ void fc1_weights_kernel(f16* __restrict__ dst, const float* __restrict__ w) {
+// fc1's weights in the encoder's K order (above): [400][832] bf16, zeros past pixel 783.
+__global__ void fc1_weights_kernel(bf16* __restrict__ dst, const float* __restrict__ w) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= HIDDEN_DIM * FC1_K) return;
     const int n = i / FC1_K, k = i % FC1_K, s = k / 16, slot = k % 16, u = s / 4, j = s % 4;
     const int t = (slot % 8) / 2, pixel = 64 * u + 16 * t + 4 * j + (slot / 8) * 2 + slot % 2;
-    dst[i] = __float2half_rn(pixel < INPUT_DIM ? w[(size_t)n * INPUT_DIM + pixel] : 0.0f);
+    dst[i] = __float2bfloat16(pixel < INPUT_DIM ? w[(size_t)n * INPUT_DIM + pixel] : 0.0f);
 }
 
 // What an encoder pass reads and writes (both kernels).
@@ -678,20 +663,14 @@ struct PixelRows {
         px[1] = bottom_live && inside ? bottom[4 * u + t] : make_uint4(0, 0, 0, 0);
     }
 };
-// A pair of pixels (bytes b, b + 1 of a word) as fp16: one byte permute puts each byte under the
-// high byte 0x64, which reads as 1024 + pixel (fp16 steps by 1 in [1024, 2048)), and one
-// subtraction of 1024 from both halves leaves the pixels, exactly.
-__device__ inline uint32_t f16x2_of_bytes(uint32_t word, int b) {
-    const uint32_t biased = __byte_perm(word, 0x64646464u, 0x4040 + b + ((b + 1) << 8));
-    const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2half2(__ushort_as_half(0x6400)));
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
 __device__ inline void pixel_fragments(uint32_t (&a)[4][4], const uint4 (&px)[2]) {
     const uint32_t words[2][4] = {{px[0].x, px[0].y, px[0].z, px[0].w}, {px[1].x, px[1].y, px[1].z, px[1].w}};
     #pragma unroll
     for (int j = 0; j < 4; j++) // k16 step j: rows g, g + 8 at slots (2t, 2t+1) and (8+2t, 9+2t): bytes 4j .. 4j+3
         #pragma unroll
-        for (int i = 0; i < 4; i++) a[j][i] = f16x2_of_bytes(words[i % 2][j], (i / 2) * 2);
+        for (int i = 0; i < 4; i++)
+            a[j][i] =
+                pack_bf16(byte_as_float(words[i % 2][j], (i / 2) * 2), byte_as_float(words[i % 2][j], (i / 2) * 2 + 1));
 }
 
 // Everything after fc1, for one warp's 16 images: h1 = ReLU(acc / 255 + b1) as A fragments, the
@@ -763,7 +742,7 @@ __device__ inline void encoder_finish(float (&acc)[2 * ENC_BN / 4], const bf16 (
 }
 
 __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
-    encoder_mma_kernel(const f16* __restrict__ fc1_wp, const EncoderIO io) {
+    encoder_mma_kernel(const bf16* __restrict__ fc1_wp, const EncoderIO io) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     EncoderSmem& sm = *reinterpret_cast<EncoderSmem*>(smem_raw);
     allow_dependent_launch();
@@ -794,8 +773,8 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
                     uint32_t r[4];
                     ldmatrix_x4(r, &sm.w1[nt * 8 + b_row][(4 * u + j) * 16 + b_k]);
                     const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-                    mma_f16_m16n8k16(&acc[4 * nt], a[j], b0);
-                    mma_f16_m16n8k16(&acc[4 * nt + 4], a[j], b1);
+                    mma_bf16_m16n8k16(&acc[4 * nt], a[j], b0);
+                    mma_bf16_m16n8k16(&acc[4 * nt + 4], a[j], b1);
                 }
         }
         encoder_finish(acc, sm.w_enc, task * TASK_ROWS, slice, io, sm.z[warp], sm.kl_terms[warp]);
@@ -1074,27 +1053,21 @@ __device__ inline void wgmma_m64n200k16_rs(float (&d)[100], const uint32_t (&a)[
         : "memory");
 }
 
-// m64n80k16 with bf16 inputs (the decoder's fc3) or fp16 (the encoder's fc1), one asm either way.
-#define WGMMA_M64N80K16_RS(TYPE)                                                                                       \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"                                                          \
-                 "wgmma.mma_async.sync.aligned.m64n80k16.f32." TYPE "." TYPE " {"                                      \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "          \
-                 "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39"  \
-                 "}, {%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"                                                     \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),            \
-                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),          \
-                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),          \
-                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),          \
-                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])                                                  \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
-                 : "memory")
-template <typename T>
 __device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-    if constexpr (std::is_same<T, f16>::value) WGMMA_M64N80K16_RS("f16");
-    else WGMMA_M64N80K16_RS("bf16");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39"
+        "}, {%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
+        : "memory");
 }
-#undef WGMMA_M64N80K16_RS
 
 // An empty asm "writes" each register: a constant A fragment is then materialised here, before a
 // wgmma.fence, rather than between wgmmas (where ptxas would have to add a fence of its own).
@@ -1168,7 +1141,7 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
         wgmma_fence();
         const uint64_t desc = smem_desc_64b(w3_tile + c * DEC_CHUNK * FC3_K_PADDED * sizeof(bf16));
         #pragma unroll
-        for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs<bf16>(h, z_a[s], desc + 2 * s, s > 0);
+        for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], desc + 2 * s, s > 0);
         wgmma_commit();
     };
     // A tile's first fc3 chunk runs before its turn (after the previous tile's MMAs), so a turn
@@ -1240,7 +1213,7 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
 // 78, and the encoder runs in 36.5 us instead of 43.4; five spread too thin at small batches.
 enum { ENC_WG_GROUPS = 4, ENC_WG_SLICES = FC1_K / 64 };
 struct EncoderWgmmaSmem {
-    f16 w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
+    bf16 w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
     bf16 w_enc[MULV_DIM][ENC_PITCH];
     float z[4 * ENC_WG_GROUPS][TASK_ROWS][LATENT_DIM], kl_terms[4 * ENC_WG_GROUPS][TASK_ROWS][LATENT_DIM];
     uint64_t loaded;
@@ -1286,10 +1259,8 @@ __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
             pixel_fragments(a[u % 2], px[u]);
             wgmma_fence();
             #pragma unroll
-            for (int j = 0; j < 4; j++) { // k16 step 4u + j: slice u, +32 bytes per step
-                const uint64_t desc = smem_desc_128b(w1_tile + u * ENC_BN * 128) + 2 * j;
-                wgmma_m64n80k16_rs<f16>(acc, a[u % 2][j], desc, u + j > 0);
-            }
+            for (int j = 0; j < 4; j++) // k16 step 4u + j: slice u, +32 bytes per step
+                wgmma_m64n80k16_rs(acc, a[u % 2][j], smem_desc_128b(w1_tile + u * ENC_BN * 128) + 2 * j, u + j > 0);
             wgmma_commit();
             wgmma_wait<1>(); // the group before, which read a[(u + 1) % 2], is done
         }
@@ -1430,23 +1401,20 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return encode;
 }
 
-// TMA descriptor of a row-major [rows][cols] bf16 or fp16 matrix read in boxes of box_rows x 64 columns
+// TMA descriptor of a row-major [rows][cols] bf16 matrix read in boxes of box_rows x 64 columns
 // (one 128-byte swizzle row; box_cols = 32: 64-byte rows, 64-byte swizzle). Reads past `rows` or
 // `cols` return zeros. A host struct: encoding allocates nothing, and the kernel takes it by
 // value, so a captured CUDA graph keeps its copy.
-template <typename T>
-static CUtensorMap tensor_map_2d(const T* base, int rows, int cols, int box_rows, int box_cols = 64) {
+static CUtensorMap bf16_tensor_map(const bf16* base, int rows, int cols, int box_rows, int box_cols = 64) {
     CUtensorMap map;
     const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}; // innermost first
-    const cuuint64_t row_pitch[1] = {(cuuint64_t)cols * sizeof(T)};
+    const cuuint64_t row_pitch[1] = {(cuuint64_t)cols * sizeof(bf16)};
     const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows}, element_strides[2] = {1, 1};
     const CUtensorMapSwizzle swizzle = box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
-    if (box_cols != 64 && box_cols != 32) fail("internal: TMA boxes are 32 or 64 values wide, not %d", box_cols);
-    const CUtensorMapDataType type =
-        std::is_same<T, f16>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-    const CUresult r = tensor_map_encoder()(&map, type, 2, (void*)base, dims, row_pitch, box, element_strides,
-                                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (box_cols != 64 && box_cols != 32) fail("internal: TMA boxes are 32 or 64 bf16 wide, not %d", box_cols);
+    const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)base, dims, row_pitch,
+                                            box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
         fail("internal: cuTensorMapEncodeTiled failed (%d) for a %d x %d matrix", (int)r, rows, cols);
     return map;
@@ -1454,7 +1422,7 @@ static CUtensorMap tensor_map_2d(const T* base, int rows, int cols, int box_rows
 
 // The encoder over io.M images: Hopper's wgmma kernel when `wgmma`, else the mma.sync one. `blocks`:
 // one per SM, whole groups of the 5 slices, no more than there are tasks.
-static void encoder_bf16(const EncoderIO& io, const f16* fc1_wp, const CUtensorMap& w1_map, bool wgmma, int blocks,
+static void encoder_bf16(const EncoderIO& io, const bf16* fc1_wp, const CUtensorMap& w1_map, bool wgmma, int blocks,
                          cudaStream_t stream) {
     const int tasks = ceil_div(io.M, wgmma ? 64 : TASK_ROWS);
     const int copies = blocks / ENC_SLICES < tasks ? blocks / ENC_SLICES : tasks;
@@ -1524,8 +1492,7 @@ typedef struct {
     float *row_log_ratio, *bce_parts;
     // bf16 path: weights converted once at load, the encoder's and decoder's buffers
     bf16* params_bf16;
-    const f16* fc1_wp;                 // [400][832] fp16 in the encoder's K order (fc1_weights_kernel)
-    const bf16* enc_w16;               // [40][400]
+    const bf16 *fc1_wp, *enc_w16;      // [400][832] in the encoder's K order (fc1_weights_kernel), [40][400]
     const bf16 *fc3_wb, *fc4_wb;       // [400][32], [784][408]: weights and bias parts (weights_with_bias_kernel)
     uint4* z_rows;                     // [decoder_rows][4]
     float* enc_partials;               // [max_batch][5][40]
@@ -1603,8 +1570,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
                  fc4 = (size_t)INPUT_DIM * FC4_K;
     bf16* p = (bf16*)device_alloc((fc1 + enc + fc3 + fc4) * sizeof(bf16), "the bf16 weights", max_batch);
     m->params_bf16 = p;
-    m->fc1_wp = reinterpret_cast<f16*>(p), p += fc1; // 16 bits as well
-    launch(fc1_weights_kernel, fc1, 256, 256, m->stream, (f16*)m->fc1_wp, m->fc1_w);
+    launch(fc1_weights_kernel, fc1, 256, 256, m->stream, p, m->fc1_w), m->fc1_wp = p, p += fc1;
     auto convert = [&](const float* w, const float* b, int rows, int cols, int dst_cols) {
         launch(weights_with_bias_kernel, (size_t)rows * dst_cols, 256, 256, m->stream, p, w, b, rows, cols, dst_cols);
         p += (size_t)rows * dst_cols;
@@ -1637,9 +1603,9 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     if (m->wgmma) {
         cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DEC_WG_SMEM));
         cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ENC_WG_SMEM));
-        m->w1_map = tensor_map_2d(m->fc1_wp, HIDDEN_DIM, FC1_K, ENC_BN);
-        m->w4_map = tensor_map_2d(m->fc4_wb, INPUT_DIM, FC4_K, DEC_BN);
-        m->w3_map = tensor_map_2d(m->fc3_wb, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
+        m->w1_map = bf16_tensor_map(m->fc1_wp, HIDDEN_DIM, FC1_K, ENC_BN);
+        m->w4_map = bf16_tensor_map(m->fc4_wb, INPUT_DIM, FC4_K, DEC_BN);
+        m->w3_map = bf16_tensor_map(m->fc3_wb, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
     }
     cudaCheck(cudaStreamSynchronize(m->stream));
 }
