@@ -1461,14 +1461,15 @@ static void test_gpu_test_set(VAE* m, const uint8_t* d_pixels, int count) {
                       have_fp32 ? "fp32" : "PyTorch float64", ref, sk);
             if (!sampled && fp32_bce_zmu != NULL) {
                 // each image's bf16 rounding error, ~3e-3 of its BCE at worst: 0.2427 (image 7917) when this
-                // bound was set from the design's own measurement; a change to the bf16 path must not exceed it
+                // check was written; a change to the bf16 path may move it, but not above that
                 double worst = 0.0;
                 int at = 0;
                 for (int i = 0; i < count; i++) {
                     const double d = fabs((double)bce[i] - fp32_bce_zmu[i]);
                     if (d > worst) worst = d, at = i;
                 }
-                check(worst <= 0.25, "z = mu: per-image |BCE - fp32 BCE| at most 0.25: max %.4f (image %d)", worst, at);
+                check(worst <= 0.243, "z = mu: per-image |BCE - fp32 BCE| at most 0.243: max %.4f (image %d)", worst,
+                      at);
             }
             else
                 check(fabs(sb - 77.41) <= 0.2, "sampled: mean BCE %.4f (PyTorch float64 77.41 +- 0.2)", sb);
