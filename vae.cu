@@ -1210,7 +1210,7 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
 // other register buffer. Each warp then finishes its 16 images with encoder_finish, the same
 // code as the mma.sync kernel. Four warpgroups a block (124 registers a thread, 182 KB of shared
 // memory): at B = 10000 the 157 tasks of a slice take 2 rounds of its 104 warpgroups, not 3 of
-// 78, and the encoder runs in 36.5 us instead of 43.4; five spread too thin at small batches.
+// 78, and the encoder runs in 39.2 us instead of 43.0; five spread too thin at small batches.
 enum { ENC_WG_GROUPS = 4, ENC_WG_SLICES = FC1_K / 64 };
 struct EncoderWgmmaSmem {
     bf16 w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
