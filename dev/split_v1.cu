@@ -86,6 +86,21 @@ __device__ inline void mma_tf32_m16n8k8(float* d, const uint32_t (&a)[4], const 
 enum Order { BIG_FIRST, SMALL_FIRST, OWN_ACCUMULATOR }; // where the correction products go
 enum { SPLIT_WARPS = 4, WARP_COLS = 32 };
 
+// Both kernels' warp tile: 16 rows from row0 x 32 columns from col0 of Y, in the m16n8 layout
+// (acc[nt] = n8 block nt, rows g and g + 8). Y = (big + corrections) * scale + bias, then ReLU.
+__device__ inline void store_warp_tile(float* Y, const float (&acc)[WARP_COLS / 8][4],
+                                       const float (&cor)[WARP_COLS / 8][4], int row0, int col0, int M, int N,
+                                       float scale, const float* bias, bool relu) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    for (int nt = 0; nt < WARP_COLS / 8; nt++)
+        for (int i = 0; i < 4; i++) {
+            const int r = row0 + g + 8 * (i / 2), c = col0 + nt * 8 + 2 * t + i % 2;
+            if (r >= M || c >= N) continue;
+            const float v = (acc[nt][i] + cor[nt][i]) * scale + bias[c];
+            Y[(size_t)r * N + c] = relu ? fmaxf(v, 0.0f) : v;
+        }
+}
+
 // Y[M][N] = act(scale * sum over the kept products A_i W_j^T + bias), parts i < PA of A ([PA][a_rows][Kp])
 // and j < PB of W ([PB][N][Kp]), the products with i + j <= MAX_SUM. One warp: 16 rows x 32 columns.
 template <int PA, int PB, int MAX_SUM, Order ORDER>
@@ -127,13 +142,7 @@ __global__ void __launch_bounds__(SPLIT_WARPS * 32)
             }
         }
     }
-    for (int nt = 0; nt < WARP_COLS / 8; nt++)
-        for (int i = 0; i < 4; i++) {
-            const int r = row0 + g + 8 * (i / 2), c = col0 + nt * 8 + 2 * t + i % 2;
-            if (r >= M || c >= N) continue;
-            const float v = (acc[nt][i] + cor[nt][i]) * scale + bias[c];
-            Y[(size_t)r * N + c] = relu ? fmaxf(v, 0.0f) : v;
-        }
+    store_warp_tile(Y, acc, cor, row0, col0, M, N, scale, bias, relu);
 }
 
 // 3xTF32: big x big into one accumulator, big x small + small x big into another, per k8 step.
@@ -164,13 +173,7 @@ __global__ void __launch_bounds__(SPLIT_WARPS * 32)
             mma_tf32_m16n8k8(acc[nt], a[0], b[0][nt]);
         }
     }
-    for (int nt = 0; nt < WARP_COLS / 8; nt++)
-        for (int i = 0; i < 4; i++) {
-            const int r = row0 + g + 8 * (i / 2), c = col0 + nt * 8 + 2 * t + i % 2;
-            if (r >= M || c >= N) continue;
-            const float v = (acc[nt][i] + cor[nt][i]) * scale + bias[c];
-            Y[(size_t)r * N + c] = relu ? fmaxf(v, 0.0f) : v;
-        }
+    store_warp_tile(Y, acc, cor, row0, col0, M, N, scale, bias, relu);
 }
 
 // ----------------------------------------------------------------------------
