@@ -1470,6 +1470,7 @@ static void test_gpu_test_set(VAE* m, const uint8_t* d_pixels, int count) {
                 }
                 check(worst <= 0.243, "z = mu: per-image |BCE - fp32 BCE| at most 0.243: max %.4f (image %d)", worst,
                       at);
+                free(fp32_bce_zmu), fp32_bce_zmu = NULL;
             }
             else
                 check(fabs(sb - 77.41) <= 0.2, "sampled: mean BCE %.4f (PyTorch float64 77.41 +- 0.2)", sb);

@@ -394,7 +394,7 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 //   decoder          z rows -> fc3 + ReLU -> fc4 -> per-row BCE; logits and recon only when
 //                    asked for. h3 never leaves the registers, the logits never reach memory
 // Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from
-// iwae_z_rows_kernel), the pictures and --interp (rows of chosen latents, no pixels: recon).
+// sample_z_kernel), the pictures and --interp (rows of chosen latents, no pixels: recon).
 // Each is one design on two instruction sets: encoder_mma_kernel and decoder_mma_kernel (mma.sync,
 // any GPU from sm_80), encoder_wgmma_kernel and decoder_wgmma_kernel (Hopper's wgmma + TMA); the
 // tests check the two agree.
@@ -1572,9 +1572,10 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     m->params_bf16 = p;
     launch(fc1_weights_kernel, fc1, 256, 256, m->stream, p, m->fc1_w), m->fc1_wp = p, p += fc1;
     auto convert = [&](const float* w, const float* b, int rows, int cols, int dst_cols) {
-        launch(weights_with_bias_kernel, (size_t)rows * dst_cols, 256, 256, m->stream, p, w, b, rows, cols, dst_cols);
+        bf16* dst = p;
         p += (size_t)rows * dst_cols;
-        return p - (size_t)rows * dst_cols;
+        launch(weights_with_bias_kernel, (size_t)rows * dst_cols, 256, 256, m->stream, dst, w, b, rows, cols, dst_cols);
+        return dst;
     };
     m->enc_w16 = convert(m->enc_w, NULL, MULV_DIM, HIDDEN_DIM, HIDDEN_DIM);
     m->fc3_wb = convert(m->fc3_w, m->fc3_b, HIDDEN_DIM, LATENT_DIM, FC3_K_PADDED);

@@ -71,8 +71,6 @@ static void cpu_decoder(const HostWeights* w, const float* z, const uint8_t* pix
     }
 }
 
-
-
 int main() {
     HostWeights weights = {};
     Images images = {};
@@ -106,7 +104,7 @@ int main() {
     uint8_t* d_pixels;
     cudaCheck(cudaMalloc(&d_z, z.size() * sizeof(float)));
     cudaCheck(cudaMemcpy(d_z, z.data(), z.size() * sizeof(float), cudaMemcpyHostToDevice));
-    z_rows_kernel<<<ceil_div(MAX_ROWS, 128), 128, 0, m.stream>>>(m.z_rows, d_z, MAX_ROWS);
+    launch(z_rows_kernel, MAX_ROWS, 128, 128, m.stream, m.z_rows, d_z, (int)MAX_ROWS);
     cudaCheck(cudaGetLastError());
     cudaCheck(cudaMalloc(&d_pixels, (size_t)MAX_IMAGES * INPUT_DIM));
     cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)MAX_IMAGES * INPUT_DIM, cudaMemcpyHostToDevice));

@@ -350,8 +350,6 @@ static void cpu_encoder(const HostWeights* w, const uint8_t* pixels, int n, std:
     }
 }
 
-
-
 int main() {
     HostWeights weights = {};
     Images images = {};
