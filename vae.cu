@@ -19,6 +19,7 @@ the model, file formats, image output, and (unless TESTING is defined, as test_v
 #include <cuda.h> // CUtensorMap and its enums only: the encoder comes through the runtime, no -lcuda
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <ctype.h>
 #include <errno.h>
@@ -30,6 +31,7 @@ the model, file formats, image output, and (unless TESTING is defined, as test_v
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <type_traits>
 #include <unistd.h>
 
 // ----------------------------------------------------------------------------
@@ -177,6 +179,7 @@ static bool outputs_commit(Error* err, FILE* report) {
 // the model's shapes, and its weights as the file formats section reads them
 
 enum { INPUT_DIM = 784, HIDDEN_DIM = 400, LATENT_DIM = 20, IMAGE_SIDE = 28 };
+typedef enum { PRECISION_FP32, PRECISION_BF16 } Precision; // both run the tensor-core kernels (Path, below)
 enum { HEADER_INTS = 256, WEIGHTS_MAGIC = 0x31454156 /* "VAE1" */, WEIGHTS_VERSION = 1, DTYPE_FLOAT32 = 1 };
 
 // The tensors in file order, PyTorch layout (weight[out][in], bias[out]).
@@ -258,73 +261,6 @@ __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32
 // ----------------------------------------------------------------------------
 // kernels
 
-enum Activation { ACT_NONE, ACT_RELU };
-
-__device__ inline float to_float(float v) { return v; }
-// Pixels stay uint8 on the device; the first layer scales them as ToTensor does (x / 255).
-__device__ inline float to_float(uint8_t v) { return (float)v / 255.0f; }
-
-// Y[M,N] = act(X[M,K] W[N,K]^T + b[N]), the PyTorch Linear layout, in fp32.
-// A 256-thread block computes a 64x64 tile of Y. It walks K in slices of 16, staging the 64x16
-// slices of X and W in shared memory stored k-major, so the inner loop reads consecutive
-// addresses as float4; the next slice's global loads are issued before this slice's FMAs, so
-// their latency is hidden behind the arithmetic. Each thread keeps a 4x4 patch of Y in registers: every value it reads
-// from shared memory feeds four FMAs. Bias and activation are applied on the way out (no extra pass). Each thread sums
-// its k terms in the same order whatever M is, so an image's result is bitwise independent of the batch it is evaluated
-// in.
-enum { LIN_TILE = 64, LIN_K = 16, LIN_THREADS = 256 };
-
-template <typename TX, Activation ACT>
-__global__ void __launch_bounds__(LIN_THREADS)
-    linear_fp32_kernel(float* Y, const TX* X, const float* W, const float* bias, int M, int N, int K) {
-    __shared__ __align__(16) float Xs[LIN_K][LIN_TILE + 4]; // +4: rows stay 16-byte aligned
-    __shared__ __align__(16) float Ws[LIN_K][LIN_TILE + 4];
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16; // this thread's 4x4 patch of the tile
-    const int row0 = blockIdx.y * LIN_TILE, col0 = blockIdx.x * LIN_TILE;
-    const int load_row = threadIdx.x / 4, load_k = (threadIdx.x % 4) * 4; // 64 rows x 16 k, 4 each
-    float acc[4][4] = {};
-
-    float x_next[4], w_next[4]; // the next slice, loaded while this one is multiplied
-    auto load_slice = [&](int k0) {
-        const int xr = row0 + load_row, wr = col0 + load_row;
-        for (int i = 0; i < 4; i++) {
-            const int k = k0 + load_k + i;
-            x_next[i] = (xr < M && k < K) ? to_float(X[(size_t)xr * K + k]) : 0.0f;
-            w_next[i] = (wr < N && k < K) ? W[(size_t)wr * K + k] : 0.0f;
-        }
-    };
-    load_slice(0);
-    for (int k0 = 0; k0 < K; k0 += LIN_K) {
-        for (int i = 0; i < 4; i++) Xs[load_k + i][load_row] = x_next[i], Ws[load_k + i][load_row] = w_next[i];
-        __syncthreads();
-        if (k0 + LIN_K < K) load_slice(k0 + LIN_K);
-        for (int k = 0; k < LIN_K; k++) {
-            const float4 xv = *reinterpret_cast<const float4*>(&Xs[k][ty * 4]);
-            const float4 wv = *reinterpret_cast<const float4*>(&Ws[k][tx * 4]);
-            const float xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
-            for (int i = 0; i < 4; i++)
-                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(xs[i], ws[j], acc[i][j]);
-        }
-        __syncthreads();
-    }
-    for (int i = 0; i < 4; i++) {
-        const int r = row0 + ty * 4 + i;
-        for (int j = 0; j < 4; j++) {
-            const int c = col0 + tx * 4 + j;
-            if (r < M && c < N) {
-                float v = acc[i][j] + bias[c];
-                Y[(size_t)r * N + c] = (ACT == ACT_RELU) ? fmaxf(v, 0.0f) : v;
-            }
-        }
-    }
-}
-
-// Sums a value across the 32 lanes of a warp; every lane gets the total, always in the same order.
-__device__ inline float warp_sum(float v) {
-    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
-}
-
 // One latent coordinate: z_j = mu_j + eps_j * exp(logvar_j / 2), and its KL(q(z|x) || N(0,I))
 // term 1 + logvar_j - mu_j^2 - exp(logvar_j) (the image's KL is -1/2 the sum over j).
 __device__ inline float latent_z(float mu, float logvar, float eps, float* kl_term) {
@@ -339,32 +275,6 @@ __device__ inline float4 posterior_eps(const float* eps_row, int q, uint32_t ima
     if (z_is_mu) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (eps_row) return *reinterpret_cast<const float4*>(&eps_row[4 * q]);
     return gaussian4(seed, STREAM_POSTERIOR, image, sample, q);
-}
-
-// One pixel's binary cross-entropy, straight from the logit so it never overflows or takes
-// log(0): -[x log s(l) + (1-x) log(1-s(l))] = max(l,0) - x*l + log(1 + e^-|l|).
-__device__ inline float bce_term(float logit, uint8_t pixel) {
-    return fmaxf(logit, 0.0f) - to_float(pixel) * logit + log1pf(expf(-fabsf(logit)));
-}
-
-// Per-row BCE summed over the 784 pixels. One warp per row, lanes striding over the pixels
-// (coalesced reads), then a shuffle sum. Row b is compared with image b / rows_per_image (1 for
-// the ELBO; K when the rows are K importance samples of each image). Writes recon = sigmoid(logits)
-// when asked; without pixels (decoding latents that have no image) it only does that.
-enum { LOSS_WARPS = 4 };
-__global__ void bce_loss_kernel(float* bce, float* recon, const float* logits, const uint8_t* pixels, int B,
-                                int rows_per_image) {
-    const int b = blockIdx.x * LOSS_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (b >= B) return;
-    const float* l = logits + (size_t)b * INPUT_DIM;
-    const uint8_t* x = pixels ? pixels + (size_t)(b / rows_per_image) * INPUT_DIM : NULL;
-    float sum = 0.0f;
-    for (int i = lane; i < INPUT_DIM; i += 32) {
-        if (x) sum += bce_term(l[i], x[i]);
-        if (recon) recon[(size_t)b * INPUT_DIM + i] = 1.0f / (1.0f + expf(-l[i]));
-    }
-    sum = warp_sum(sum);
-    if (x && lane == 0) bce[b] = sum;
 }
 
 // Latents on the straight line between two images' means: row r of the decoder's batch is step
@@ -383,36 +293,104 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 }
 
 // ----------------------------------------------------------------------------
-
-// ----------------------------------------------------------------------------
-// kernels: bf16 tensor cores (--precision bf16): one encoder kernel, one decoder kernel
+// kernels: the tensor cores, one encoder kernel and one decoder kernel, in either precision
 //
-// The same network with bf16 operands and fp32 accumulation, in two launches per forward pass:
+// The network in two launches per forward pass, 16-bit operands and fp32 accumulation:
 //   encoder          uint8 pixels -> fc1 + ReLU -> fc21/fc22 -> z (the generator) and KL. h1
-//                    never leaves the registers; z leaves as a "z row" (bf16, in the order the
-//                    decoder's fragments load it: 64 bytes an image)
+//                    never leaves the registers; z leaves as a "z row" (16-bit, in the order the
+//                    decoder's fragments load it)
 //   decoder          z rows -> fc3 + ReLU -> fc4 -> per-row BCE; logits and recon only when
 //                    asked for. h3 never leaves the registers, the logits never reach memory
 // Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from
 // sample_z_kernel), the pictures and --interp (rows of chosen latents, no pixels: recon).
 // Each is one design on two instruction sets: encoder_mma_kernel and decoder_mma_kernel (mma.sync,
 // any GPU from sm_80), encoder_wgmma_kernel and decoder_wgmma_kernel (Hopper's wgmma + TMA); the
-// tests check the two agree.
-// Its interface is rows of z in, per-row results out: a backward pass w.r.t. z fits the same
-// shape (x - sigmoid(logits) formed in the epilogue's registers).
-
+// tests check the two agree. Its interface is rows of z in, per-row results out: a backward pass
+// w.r.t. z fits the same shape (x - sigmoid(logits) formed in the epilogue's registers).
+//
+// Both precisions run the same kernels (template parameter P); Path<P> holds what differs.
+//   bf16  each weight and activation is one bf16 (8 significant bits): one product per multiply
+//   fp32  each is two fp16 parts, hi = fp16(v) and lo = fp16(v - hi): 22 of fp32's 24 bits, and a
+//         product a w = ah wh + ah wl + al wh (al wl, 2^-22 of it, is dropped): three tensor-core
+//         products, the two small ones first, into the same fp32 accumulator. fp16 rather than
+//         bf16 parts because bf16 needs three parts (six products) for the same accuracy, and
+//         fp16 runs at bf16's rate. A lo part below fp16's normal range (6e-5) keeps an absolute
+//         precision of 3e-8: far below what sums of 20 to 800 terms of size ~1 can show. The
+//         pixels (0..255) are exact in fp16, so fc1 is two products: x wh + x wl.
+//         dev/split_v1.cu and dev/split_v2.cu measure the schemes; this one keeps every activation
+//         within 1e-5 of float64 (test_vae).
+// How the weights are laid out for it (weights_kernel, once at load):
+//   fc1      a slice's 80 rows are 80 hidden units (bf16) or 40 units' hi rows then their lo rows
+//            (fp32): the same m64n80 products, the two halves added in the epilogue
+//   fc21/22  each slice's columns: its units (bf16), or their hi parts then their lo parts
+//   fc3      K = [z | 1 1 1 | 0] against [W3 | bias parts | 0] (bf16); in fp32 K doubles to
+//            [zh | 1 1 1 | zl | zh | 0] against [W3h | bias parts | W3h | W3l | 0]: the three
+//            products are one longer product, the z row carries them
+//   fc4      [W4 | bias parts | 0] (bf16), and a second copy [W4l | 0] for fp32's corrections
 typedef __nv_bfloat16 bf16;
+typedef __half fp16;
 
-// D += A (16x16, row-major) * B (16x8, column-major), bf16 inputs, fp32 accumulators.
+template <Precision P> struct Path;
+template <> struct Path<PRECISION_BF16> {
+    typedef bf16 T;
+    static constexpr bool SPLIT = false;
+    static constexpr int ENC_UNITS = 80, ENC_SLICES = 5;  // fc1's hidden units per encoder block
+    static constexpr int ENC_STEPS = 5, ENC_W_COLS = 80;  // h1's k16 steps into fc21/22; their columns a slice
+    static constexpr int DEC_BN = 200, DEC_COL_BLOCKS = 4; // fc4's logits per decoder block (one m64n200 wgmma)
+    static constexpr int Z_K = 32;                        // a z row's K
+};
+template <> struct Path<PRECISION_FP32> {
+    typedef fp16 T;
+    static constexpr bool SPLIT = true;
+    static constexpr int ENC_UNITS = 40, ENC_SLICES = 10; // hi and lo rows of 40 units fill the 80 of a slice
+    static constexpr int ENC_STEPS = 3, ENC_W_COLS = 96;  // 40 units padded to 48, hi then lo
+    static constexpr int DEC_BN = 88, DEC_COL_BLOCKS = 9; // two 88-row copies of fc4 fit beside fc3 (209 KB)
+    static constexpr int Z_K = 64;
+};
+
+// The 16-bit types' conversions, the same names for both (device code).
+__device__ inline float to_f32(bf16 v) { return __bfloat162float(v); }
+__device__ inline float to_f32(fp16 v) { return __half2float(v); }
+template <typename T> __device__ inline T from_f32(float v);
+template <> __device__ inline bf16 from_f32<bf16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ inline fp16 from_f32<fp16>(float v) { return __float2half_rn(v); }
+// Part `part` of v: 0 its 16-bit value, 1 what that leaves over, 2 what both leave (each remainder
+// is exact in fp32).
+template <typename T> __device__ inline T split_part(float v, int part) {
+    for (int p = 0; p < part; p++) v -= to_f32(from_f32<T>(v));
+    return from_f32<T>(v);
+}
+// Two values as the 16-bit pair of one mma operand register (lo in the low half): one instruction.
+template <typename T> __device__ inline uint32_t pack2(float lo, float hi);
+template <> __device__ inline uint32_t pack2<bf16>(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <> __device__ inline uint32_t pack2<fp16>(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// D += A (16x16, row-major) * B (16x8, column-major), bf16 or fp16 inputs, fp32 accumulators.
 // With g = lane / 4 and t = lane % 4, each register holds two consecutive k of one row:
 //   a[0] = A[g][2t..]  a[1] = A[g+8][2t..]  a[2] = A[g][2t+8..]  a[3] = A[g+8][2t+8..]
 //   b[0] = B[2t..][g]  b[1] = B[2t+8..][g]       (B[k][n] = W[n][k]: rows of W are columns of B)
 //   d[0], d[1] = D[g][2t], D[g][2t+1]    d[2], d[3] = D[g+8][2t], D[g+8][2t+1]
-__device__ inline void mma_bf16_m16n8k16(float* d, const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#define MMA_M16N8K16(TYPE)                                                                                             \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "          \
+                 "{%8,%9}, {%0,%1,%2,%3};\n"                                                                           \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                      \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+template <typename T> __device__ inline void mma_m16n8k16(float* d, const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    if constexpr (std::is_same<T, bf16>::value) MMA_M16N8K16("bf16");
+    else MMA_M16N8K16("f16");
+}
+// d += a b in the path's precision: bf16 one product; fp32 the two corrections (al bh, ah bl), then ah bh.
+template <typename T>
+__device__ inline void mma_parts(float* d, const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
+                                 const uint32_t (&b_hi)[2], const uint32_t (&b_lo)[2]) {
+    if constexpr (std::is_same<T, fp16>::value) mma_m16n8k16<T>(d, a_lo, b_hi), mma_m16n8k16<T>(d, a_hi, b_lo);
+    mma_m16n8k16<T>(d, a_hi, b_hi);
 }
 
 // 16-byte asynchronous copy global -> shared (sm_80+). When !valid it writes 16 zero bytes and
@@ -427,10 +405,11 @@ __device__ inline void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
-// A rows x cols bf16 block (cols a multiple of 8) from global memory, row pitch src_pitch, into
+// A rows x cols block of 16-bit values (cols a multiple of 8) from global memory, row pitch src_pitch, into
 // shared memory with row pitch dst_pitch: 16-byte cp.async copies spread over the whole thread
 // block, committed as one group (the caller waits). How the kernels load their resident weights.
-__device__ inline void copy_block_async(bf16* dst, int dst_pitch, const bf16* __restrict__ src, int src_pitch, int rows,
+template <typename T>
+__device__ inline void copy_block_async(T* dst, int dst_pitch, const T* __restrict__ src, int src_pitch, int rows,
                                        int cols) {
     for (int c = threadIdx.x; c < rows * (cols / 8); c += blockDim.x) {
         const int r = c / (cols / 8), k = (c % (cols / 8)) * 8;
@@ -469,20 +448,20 @@ __device__ inline void wait_for_prior_grid() {
 #endif
 }
 
-// Two consecutive k of a bf16 row in shared memory as one mma operand register.
-__device__ inline uint32_t bf16x2_at(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// Two consecutive k of a 16-bit row in shared memory as one mma operand register.
+__device__ inline uint32_t pair_at(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// ldmatrix: the warp loads four (x4) or two (x2) 8x8 bf16 matrices from shared memory, lane i
+// ldmatrix: the warp loads four (x4) or two (x2) 8x8 16-bit matrices from shared memory, lane i
 // giving the address of one 16-byte row (lanes 0-7 matrix 0, 8-15 matrix 1, ...), and every
 // lane receives exactly the registers mma.sync expects. One instruction replaces 4 (or 2)
 // 32-bit shared loads per lane, and its address math is done once per fragment.
-__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const bf16* row) {
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
-__device__ inline void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const bf16* row) {
+__device__ inline void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const void* row) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
 }
@@ -493,50 +472,81 @@ __device__ inline float byte_as_float(uint32_t word, int b) {
     return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440 + b)) - 8388608.0f;
 }
 
-// The decoder's shapes. fc4's 784 logits are cut into 4 column blocks of 200 (one m64n200
-// wgmma; the last block starts at 584 and leaves its first 16 to block 2); fc3's 400 hidden
-// units are taken in chunks of 80 = 5 k16 steps of fc4. Both layers carry their bias in the K
-// padding: 1 in z's K = 20..22 and in an extra k16 step of fc4, the weights there hold the bias
-// split into three bf16 parts (~fp32 exact), so the tensor cores add it and the epilogue does not.
+// The decoder's shapes. fc4's 784 logits are cut into column blocks of DEC_BN (bf16: 4 of 200,
+// one m64n200 wgmma; the last block starts at 784 - DEC_BN and leaves its first DEC_OVERLAP columns
+// to the block before); fc3's 400 hidden units are taken in chunks of 80 = 5 k16 steps of fc4.
+// Both layers carry their bias in the K padding: 1 in z's K = 20..22 and in an extra k16 step of
+// fc4, the weights there hold the bias split into three 16-bit parts (~fp32 exact), so the tensor
+// cores add it and the epilogue does not.
 enum {
-    DEC_COL_BLOCKS = 4,
-    DEC_BN = 200,
-    DEC_OVERLAP = DEC_COL_BLOCKS * DEC_BN - INPUT_DIM, // 16 columns the last block skips
     DEC_CHUNK = 80,
     DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK,
     DEC_STEPS = DEC_CHUNK / 16,
     TASK_ROWS = 16,        // rows of one warp's task (encoder and decoder): the unit of a cross-block merge
     BIAS_PARTS = 3,
-    FC3_K_PADDED = 32,     // z's K: 20 latents, 3 bias ones, zeros
     FC4_K = HIDDEN_DIM + 8, // fc4's K with the bias parts: 816-byte rows, a 16-byte multiple for TMA
+    MAX_DEC_COL_BLOCKS = Path<PRECISION_FP32>::DEC_COL_BLOCKS,
 };
-static_assert(LATENT_DIM + BIAS_PARTS <= FC3_K_PADDED && FC4_K - HIDDEN_DIM >= BIAS_PARTS && HIDDEN_DIM % 64 <= 48,
-              "the 3 bias parts fit the K padding, in fc4's k16 step 25");
+template <Precision P> __host__ __device__ constexpr int dec_overlap() {
+    return Path<P>::DEC_COL_BLOCKS * Path<P>::DEC_BN - INPUT_DIM;
+}
+static_assert(LATENT_DIM + BIAS_PARTS <= Path<PRECISION_BF16>::Z_K && FC4_K - HIDDEN_DIM >= BIAS_PARTS &&
+                  HIDDEN_DIM % 64 <= 48, "the 3 bias parts fit the K padding, in fc4's k16 step 25");
+static_assert(3 * LATENT_DIM + BIAS_PARTS <= Path<PRECISION_FP32>::Z_K, "fp32's z row: zh, the ones, zl, zh");
 static_assert(HIDDEN_DIM % DEC_CHUNK == 0 && DEC_CHUNK % 16 == 0, "chunks are whole k16 steps");
-static_assert(DEC_OVERLAP >= 0 && DEC_OVERLAP % 8 == 0 && INPUT_DIM % 2 == 0, "the overlap is whole n8 blocks");
+static_assert(dec_overlap<PRECISION_BF16>() % 8 == 0 && dec_overlap<PRECISION_FP32>() % 8 == 0 &&
+                  dec_overlap<PRECISION_FP32>() >= 0 && INPUT_DIM % 2 == 0, "the overlaps are whole n8 blocks");
 
-// A layer's weights in bf16, once at load: [rows][dst_cols] with the weights in K = 0 .. cols - 1,
-// the bias (if given: the decoder's layers) split into three bf16 parts (high, middle, low: their
-// sum is the fp32 bias to ~2^-24) in K = cols .. cols + 2, zeros after.
-__global__ void weights_with_bias_kernel(bf16* __restrict__ dst, const float* __restrict__ w,
-                                         const float* __restrict__ b, int rows, int cols, int dst_cols) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * dst_cols) return;
-    const int r = i / dst_cols, c = i % dst_cols;
-    float v = 0.0f;
-    if (c < cols) {
-        v = w[(size_t)r * cols + c];
-    } else if (b != NULL && c < cols + BIAS_PARTS) {
-        v = b[r]; // peel off the parts before this one: each remainder is exact in fp32
-        for (int part = 0; part < c - cols; part++) v -= __bfloat162float(__float2bfloat16(v));
+// The encoder's shapes (encoder_mma_kernel, below).
+enum {
+    ENC_BN = 80,               // fc1's rows a block keeps: one slice (bf16: 80 units; fp32: 40 units' hi and lo)
+    MULV_DIM = 2 * LATENT_DIM,
+    MAX_ENC_SLICES = Path<PRECISION_FP32>::ENC_SLICES,
+    FC1_K = 832,               // 13 blocks of 64 pixels: 784 and zeros
+    FC1_PITCH = FC1_K + 8,     // 1680-byte rows (105 x 16): the 8 rows an ldmatrix phase reads hit 8 bank groups
+    ENC_WARPS = 16,
+    ENC_PREFETCH = 2,          // pixel blocks loaded ahead of the one multiplied (1, 4 or 6: the same time on an H200)
+};
+static_assert(Path<PRECISION_BF16>::ENC_UNITS == ENC_BN && 2 * Path<PRECISION_FP32>::ENC_UNITS == ENC_BN &&
+                  FC1_K % 64 == 0 && (int)FC1_K >= (int)INPUT_DIM && INPUT_DIM % 16 == 0,
+              "a slice is 80 rows of fc1 in both paths; pixels come in 16-byte loads");
+
+// The weights in the kernels' layouts, once at load: element i of layer `layer` from the fp32
+// tensors (w[rows][cols], b), in the path's 16-bit type (the layouts: the section's header).
+enum Layer { LAYER_FC1, LAYER_ENC, LAYER_FC3, LAYER_FC4 };
+template <Precision P>
+__global__ void weights_kernel(typename Path<P>::T* __restrict__ dst, Layer layer, const float* __restrict__ w,
+                               const float* __restrict__ b, long long count) {
+    typedef Path<P> Q;
+    typedef typename Q::T T;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    float v = 0.0f; // the source value, and which of its parts goes here
+    int part = 0;
+    if (layer == LAYER_FC1) { // [slices * 80][832] in the K order of the pixel fragments (encoder_mma_kernel)
+        const int n = (int)(i / FC1_K), k = (int)(i % FC1_K), s = k / 16, slot = k % 16, u = s / 4, j = s % 4;
+        const int t = (slot % 8) / 2, pixel = 64 * u + 16 * t + 4 * j + (slot / 8) * 2 + slot % 2;
+        const int unit = n / ENC_BN * Q::ENC_UNITS + n % ENC_BN % Q::ENC_UNITS;
+        part = n % ENC_BN / Q::ENC_UNITS;
+        v = pixel < INPUT_DIM ? w[(size_t)unit * INPUT_DIM + pixel] : 0.0f;
+    } else if (layer == LAYER_ENC) { // [40][slices][ENC_W_COLS]: a slice's units, or their hi then lo parts
+        const int row = (int)(i / (Q::ENC_SLICES * Q::ENC_W_COLS)), c = (int)(i % (Q::ENC_SLICES * Q::ENC_W_COLS));
+        const int slice = c / Q::ENC_W_COLS, k = c % Q::ENC_W_COLS % (16 * Q::ENC_STEPS);
+        part = c % Q::ENC_W_COLS / (16 * Q::ENC_STEPS);
+        v = k < Q::ENC_UNITS ? w[(size_t)row * HIDDEN_DIM + slice * Q::ENC_UNITS + k] : 0.0f;
+    } else if (layer == LAYER_FC3) { // [400][Z_K]: [W3 | bias parts | 0], fp32 [W3h | bias parts | W3h | W3l | 0]
+        const int n = (int)(i / Q::Z_K), k = (int)(i % Q::Z_K), zk = k - LATENT_DIM - BIAS_PARTS;
+        if (k < LATENT_DIM) v = w[n * LATENT_DIM + k];
+        else if (k < LATENT_DIM + BIAS_PARTS) v = b[n], part = k - LATENT_DIM;
+        else if (Q::SPLIT && zk < 2 * LATENT_DIM) v = w[n * LATENT_DIM + zk % LATENT_DIM], part = zk / LATENT_DIM;
+    } else { // [parts][784][408]: [W4 | bias parts | 0], fp32 also [W4l | 0]
+        const int n = (int)(i / FC4_K % INPUT_DIM), k = (int)(i % FC4_K), copy = (int)(i / FC4_K / INPUT_DIM);
+        if (k < HIDDEN_DIM) v = w[(size_t)n * HIDDEN_DIM + k], part = copy;
+        else if (copy == 0 && k < HIDDEN_DIM + BIAS_PARTS) v = b[n], part = k - HIDDEN_DIM;
     }
-    dst[i] = __float2bfloat16(v);
+    dst[i] = split_part<T>(v, part);
 }
 
-__device__ inline uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
 __device__ inline float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -548,95 +558,112 @@ __device__ inline float fast_log2(float x) {
     return y;
 }
 
-// A z row: z in bf16 pairs, word t of the 4 holding what thread t of a quad needs for fc3's A
-// fragments: the pairs at K = (2t, 2t+1), (8+2t, ..), (16+2t, ..), (24+2t, ..), where K = 0..19
-// are the latents, 20..22 hold 1 (times fc3's bias parts) and 23..31 zeros. Two 16-byte loads
-// give a thread both rows (g, g + 8) of its fragments.
-__device__ inline void store_z_row(uint4* row, const float* z) {
-    float k[FC3_K_PADDED];
+// A z row: Z_K 16-bit values in pairs, in the order fc3's A fragments load them: uint4 4h + t
+// holds what thread t of a quad needs for k16 steps 2h and 2h + 1, the pairs at K = 32h + (2t,
+// 2t+1), (8+2t, ..), (16+2t, ..), (24+2t, ..). K = 0..19 are the latents, 20..22 hold 1 (times
+// fc3's bias parts); fp32 follows with zl and zh (the header above), zeros after. One or two
+// 16-byte loads a row give a thread both rows (g, g + 8) of its fragments.
+template <Precision P> __device__ inline void store_z_row(uint4* row, const float* z) {
+    typedef typename Path<P>::T T;
+    float k[Path<P>::Z_K];
     #pragma unroll
-    for (int i = 0; i < FC3_K_PADDED; i++) k[i] = i < LATENT_DIM ? z[i] : i < LATENT_DIM + BIAS_PARTS ? 1.0f : 0.0f;
+    for (int i = 0; i < Path<P>::Z_K; i++) {
+        const int zk = i - LATENT_DIM - BIAS_PARTS, j = zk % LATENT_DIM;
+        k[i] = i < LATENT_DIM ? z[i] : i < LATENT_DIM + BIAS_PARTS ? 1.0f : 0.0f;
+        if (Path<P>::SPLIT && zk >= 0 && zk < 2 * LATENT_DIM) k[i] = to_f32(split_part<T>(z[j], 1 - zk / LATENT_DIM));
+    }
     #pragma unroll
-    for (int t = 0; t < 4; t++)
-        row[t] = make_uint4(pack_bf16(k[2 * t], k[2 * t + 1]), pack_bf16(k[8 + 2 * t], k[9 + 2 * t]),
-                            pack_bf16(k[16 + 2 * t], k[17 + 2 * t]), pack_bf16(k[24 + 2 * t], k[25 + 2 * t]));
-}
-
-// z rows of B latents given in fp32 (prior samples, interpolations), one thread per row.
-__global__ void z_rows_kernel(uint4* __restrict__ z_rows, const float* __restrict__ z, int B) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r < B) store_z_row(z_rows + (size_t)r * 4, z + (size_t)r * LATENT_DIM);
-}
-
-// bf16 and ReLU of 80 columns of accumulators (ReLU after rounding, on bf16 pairs: the same
-// values, half the instructions), as the A fragments of the next layer's 5 k16 steps over them.
-// The m16n8 accumulator layout (h[4j..4j+3] = n8 block j, rows g and g + 8) is already mma's A
-// layout: a[s] = blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..). h1 -> fc21/fc22 in the encoder and
-// h3 -> fc4 in both decoders go through it without leaving the registers.
-__device__ inline void relu_to_a(uint32_t (&a)[DEC_STEPS][4], const float (&h)[2 * DEC_CHUNK / 4]) {
-    #pragma unroll
-    for (int s = 0; s < DEC_STEPS; s++)
+    for (int h = 0; h < Path<P>::Z_K / 32; h++)
         #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const __nv_bfloat162 v = __hmax2(__floats2bfloat162_rn(h[8 * s + 2 * i], h[8 * s + 2 * i + 1]),
-                                             __float2bfloat162_rn(0.0f));
-            a[s][i] = *reinterpret_cast<const uint32_t*>(&v);
+        for (int t = 0; t < 4; t++) {
+            const float* q = k + 32 * h + 2 * t;
+            row[4 * h + t] = make_uint4(pack2<T>(q[0], q[1]), pack2<T>(q[8], q[9]), pack2<T>(q[16], q[17]),
+                                        pack2<T>(q[24], q[25]));
         }
 }
 
-// encoder_mma_kernel: the decoder's design turned around. The 400 hidden units are cut into 5
-// slices of 80; a block owns one slice and keeps its rows of fc1 (134 KB) and its 80 columns of
-// [fc21 | fc22] in shared memory, copied once. Its warps then take 16-image tasks on their own:
+// z rows of B latents given in fp32 (prior samples, interpolations), one thread per row.
+template <Precision P> __global__ void z_rows_kernel(uint4* __restrict__ z_rows, const float* __restrict__ z, int B) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < B) store_z_row<P>(z_rows + (size_t)r * Path<P>::Z_K / 8, z + (size_t)r * LATENT_DIM);
+}
+
+// ReLU of a warp's m16n8 accumulators (h[4j..4j+3] = n8 block j, rows g and g + 8), as the A
+// fragments of the next layer's k16 steps over them: that layout is already mma's A layout, a[s]
+// = blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..); steps past the accumulators are zeros. h1 ->
+// fc21/fc22 in the encoder and h3 -> fc4 in both decoders go through it without leaving the
+// registers. bf16 rounds first and takes the ReLU on bf16 pairs (the same values, half the
+// instructions); fp16 also gives the lo parts.
+template <typename T, int STEPS, int H>
+__device__ inline void relu_to_a(uint32_t (&hi)[STEPS][4], uint32_t (&lo)[STEPS][4], const float (&h)[H]) {
+    #pragma unroll
+    for (int s = 0; s < STEPS; s++)
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int j = 8 * s + 2 * i;
+            if (j >= H) {
+                hi[s][i] = lo[s][i] = 0u;
+            } else if constexpr (std::is_same<T, bf16>::value) {
+                const __nv_bfloat162 v = __hmax2(__floats2bfloat162_rn(h[j], h[j + 1]), __float2bfloat162_rn(0.0f));
+                hi[s][i] = *reinterpret_cast<const uint32_t*>(&v);
+            } else {
+                const float v0 = fmaxf(h[j], 0.0f), v1 = fmaxf(h[j + 1], 0.0f);
+                const __half2 top = __floats2half2_rn(v0, v1);
+                const float2 back = __half22float2(top);
+                hi[s][i] = *reinterpret_cast<const uint32_t*>(&top);
+                lo[s][i] = pack2<fp16>(v0 - back.x, v1 - back.y);
+            }
+        }
+}
+
+// The tests' view of h1 and h3: a warp's accumulators h (layout as above) with the ReLU, as rows
+// row16 + g and + 8 (those below `rows`), columns col0 + 8j + 2t and + 1, of out[rows][400].
+template <int H> __device__ inline void store_hidden(float* out, const float (&h)[H], int row16, int rows, int col0) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    #pragma unroll
+    for (int j = 0; j < H / 4; j++)
+        #pragma unroll
+        for (int half = 0; half < 2; half++)
+            if (row16 + g + 8 * half < rows)
+                *reinterpret_cast<float2*>(&out[(size_t)(row16 + g + 8 * half) * HIDDEN_DIM + col0 + 8 * j + 2 * t]) =
+                    make_float2(fmaxf(h[4 * j + 2 * half], 0.0f), fmaxf(h[4 * j + 2 * half + 1], 0.0f));
+}
+
+// encoder_mma_kernel: the decoder's design turned around. fc1's 400 hidden units are cut into
+// slices (bf16: 5 of 80 units; fp32: 10 of 40, their hi and lo rows); a block owns one slice and
+// keeps its 80 rows of fc1 (134 KB) and its columns of [fc21 | fc22] in shared memory, copied
+// once. Its warps then take 16-image tasks on their own:
 //   pixels   straight from global memory into mma's A fragments: thread t of a quad loads 16
 //            bytes of each of its two rows per 64 pixels (one uint4, the next two in flight while
-//            this one is multiplied) and widens them to bf16 (0..255 are exact). That needs fc1's
-//            K in a matching order: k16 step s = 4u + j holds, in the fragment slots (2t, 2t+1)
-//            and (8+2t, 9+2t), pixels 64u + 16t + 4j + (0, 1) and (2, 3); fc1_weights_kernel
+//            this one is multiplied) and widens them to 16 bits (0..255 are exact). That needs
+//            fc1's K in a matching order: k16 step s = 4u + j holds, in the fragment slots (2t,
+//            2t+1) and (8+2t, 9+2t), pixels 64u + 16t + 4j + (0, 1) and (2, 3); weights_kernel
 //            stores fc1 permuted that way once, K padded to 832 with zeros
 //   fc1      16 x 80 per warp, K = 832: 10 mma per k16 step, B by ldmatrix from the resident rows
-//   fc21/22  the accumulators (scale 1/255, bias, ReLU, bf16) are the A fragments of the 16 x 40
-//            partial [mu | logvar] of the slice (relu_to_a): h1 never leaves the registers
-//   merge    each warp stores its 16 x 40 partial (L2) and takes a ticket per 16 images; the fifth
-//            slice to arrive adds the five in slice order 0..4 (whatever order they arrived in:
+//   fc21/22  the accumulators (fp32: the hi and lo halves added; scale 1/255, bias, ReLU) are the
+//            A fragments of the 16 x 40 partial [mu | logvar] of the slice (relu_to_a): h1 never
+//            leaves the registers
+//   merge    each warp stores its 16 x 40 partial (L2) and takes a ticket per 16 images; the last
+//            slice to arrive adds them all in slice order (whatever order they arrived in:
 //            bitwise reproducible and batch invariant), adds the bias, draws eps (keyed by the
 //            image's global index) and writes the z rows and KL
 // Tasks are dealt round-robin over the blocks first, so a batch of 1024 (64 tasks a slice) runs
 // on 130 SMs, a task per warp, not on 40 with 8 each.
-enum {
-    ENC_SLICES = 5, ENC_BN = HIDDEN_DIM / ENC_SLICES, MULV_DIM = 2 * LATENT_DIM,
-    FC1_K = 832,               // 13 blocks of 64 pixels: 784 and zeros
-    FC1_PITCH = FC1_K + 8,     // 1680-byte rows (105 x 16): the 8 rows an ldmatrix phase reads hit 8 bank groups
-    ENC_PITCH = ENC_BN + 8,    // [fc21 | fc22] rows of 176 bytes: conflict-free fragment loads
-    ENC_WARPS = 16,
-    ENC_PREFETCH = 2,          // pixel blocks loaded ahead of the one multiplied (1, 4 or 6: the same time on an H200)
-};
-
-static_assert((int)ENC_BN == (int)DEC_CHUNK && FC1_K % 64 == 0 && (int)FC1_K >= (int)INPUT_DIM && INPUT_DIM % 16 == 0,
-              "a slice is one relu_to_a chunk; pixels come in 16-byte loads");
-struct EncoderSmem {
-    bf16 w1[ENC_BN][FC1_PITCH];
-    bf16 w_enc[MULV_DIM][ENC_PITCH];
+template <Precision P> struct EncoderSmem {
+    typename Path<P>::T w1[ENC_BN][FC1_PITCH];
+    typename Path<P>::T w_enc[MULV_DIM][Path<P>::ENC_W_COLS + 8]; // rows of 176 or 208 bytes: conflict-free loads
     float z[ENC_WARPS][TASK_ROWS][LATENT_DIM], kl_terms[ENC_WARPS][TASK_ROWS][LATENT_DIM]; // a finishing warp's
 };
 
-// fc1's weights in the encoder's K order (above): [400][832] bf16, zeros past pixel 783.
-__global__ void fc1_weights_kernel(bf16* __restrict__ dst, const float* __restrict__ w) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= HIDDEN_DIM * FC1_K) return;
-    const int n = i / FC1_K, k = i % FC1_K, s = k / 16, slot = k % 16, u = s / 4, j = s % 4;
-    const int t = (slot % 8) / 2, pixel = 64 * u + 16 * t + 4 * j + (slot / 8) * 2 + slot % 2;
-    dst[i] = __float2bfloat16(pixel < INPUT_DIM ? w[(size_t)n * INPUT_DIM + pixel] : 0.0f);
-}
-
-// What an encoder pass reads and writes (both kernels).
+// What an encoder pass reads and writes (both kernels, both paths).
 struct EncoderIO {
-    uint4* z_rows;              // [M][4]
-    float *kl, *mulv_out, *z_out; // [M], [M][40], [M][20], or NULL
-    float* partials;            // [M][5][40]
+    uint4* z_rows;              // [M][Z_K / 8]
+    float *kl, *mulv_out, *z_out, *h1; // [M], [M][40], [M][20], [M][400], or NULL
+    float* partials;            // [M][slices][40]
     unsigned* tickets;          // [M / 16 rounded up], zero between passes
     const uint8_t* pixels;      // [M][784]
     const float* fc1_b;
-    const bf16* enc_w;          // [fc21 | fc22] in bf16, [40][400]
+    const void* enc_w;          // [fc21 | fc22] in the path's type and layout (weights_kernel)
     const float* enc_b;
     const float* eps;           // [M][20] (tests) or NULL: the generator
     int M;
@@ -663,40 +690,50 @@ struct PixelRows {
         px[1] = bottom_live && inside ? bottom[4 * u + t] : make_uint4(0, 0, 0, 0);
     }
 };
-__device__ inline void pixel_fragments(uint32_t (&a)[4][4], const uint4 (&px)[2]) {
+template <typename T> __device__ inline void pixel_fragments(uint32_t (&a)[4][4], const uint4 (&px)[2]) {
     const uint32_t words[2][4] = {{px[0].x, px[0].y, px[0].z, px[0].w}, {px[1].x, px[1].y, px[1].z, px[1].w}};
     #pragma unroll
     for (int j = 0; j < 4; j++) // k16 step j: rows g, g + 8 at slots (2t, 2t+1) and (8+2t, 9+2t): bytes 4j .. 4j+3
         #pragma unroll
         for (int i = 0; i < 4; i++)
             a[j][i] =
-                pack_bf16(byte_as_float(words[i % 2][j], (i / 2) * 2), byte_as_float(words[i % 2][j], (i / 2) * 2 + 1));
+                pack2<T>(byte_as_float(words[i % 2][j], (i / 2) * 2), byte_as_float(words[i % 2][j], (i / 2) * 2 + 1));
 }
 
 // Everything after fc1, for one warp's 16 images: h1 = ReLU(acc / 255 + b1) as A fragments, the
-// slice's partial [mu | logvar], the ticket, and for the fifth slice to arrive the merge, z and KL.
+// slice's partial [mu | logvar], the ticket, and for the last slice to arrive the merge, z and KL.
 // z_s, kl_s: this warp's [16][20] scratch in shared memory.
-__device__ inline void encoder_finish(float (&acc)[2 * ENC_BN / 4], const bf16 (*w_enc)[ENC_PITCH], int row16,
+template <Precision P>
+__device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
+                                      const typename Path<P>::T (*w_enc)[Path<P>::ENC_W_COLS + 8], int row16,
                                       int slice, const EncoderIO& io, float (*z_s)[LATENT_DIM],
                                       float (*kl_s)[LATENT_DIM]) {
-    constexpr int GROUPS = LATENT_DIM / 4;
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, col0 = slice * ENC_BN, M = io.M;
+    typedef Path<P> Q;
+    typedef typename Q::T T;
+    constexpr int GROUPS = LATENT_DIM / 4, UNITS = Q::ENC_UNITS, SLICES = Q::ENC_SLICES;
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, col0 = slice * UNITS, M = io.M;
     if (row16 >= M) return; // the whole warp (a wgmma task's last warps may lie past the images)
+    float h[2 * UNITS / 4]; // the ReLU comes in relu_to_a
     #pragma unroll
-    for (int nt = 0; nt < ENC_BN / 8; nt++) // the ReLU comes in relu_to_a
+    for (int nt = 0; nt < UNITS / 8; nt++)
         #pragma unroll
-        for (int i = 0; i < 4; i++)
-            acc[4 * nt + i] = acc[4 * nt + i] * (1.0f / 255.0f) + io.fc1_b[col0 + nt * 8 + 2 * t + i % 2];
-    uint32_t h1[DEC_STEPS][4];
-    relu_to_a(h1, acc);
+        for (int i = 0; i < 4; i++) {
+            float x_w = acc[4 * nt + i];
+            if constexpr (Q::SPLIT) x_w += acc[4 * (nt + UNITS / 8) + i]; // x wh + x wl
+            h[4 * nt + i] = x_w * (1.0f / 255.0f) + io.fc1_b[col0 + nt * 8 + 2 * t + i % 2];
+        }
+    if (io.h1) store_hidden(io.h1, h, row16, M, col0);
+    uint32_t h1[Q::ENC_STEPS][4], h1_lo[Q::ENC_STEPS][4];
+    relu_to_a<T>(h1, h1_lo, h);
     float part[MULV_DIM / 8][4] = {};
     #pragma unroll
-    for (int s = 0; s < DEC_STEPS; s++)
+    for (int s = 0; s < Q::ENC_STEPS; s++)
         #pragma unroll
         for (int nt = 0; nt < MULV_DIM / 8; nt++) {
-            const bf16* w = &w_enc[nt * 8 + g][s * 16 + 2 * t];
-            const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
-            mma_bf16_m16n8k16(part[nt], h1[s], b);
+            const T* w = &w_enc[nt * 8 + g][s * 16 + 2 * t];
+            const T* w_lo = w + 16 * Q::ENC_STEPS; // fp32: the lo parts follow the hi parts
+            const uint32_t b[2] = {pair_at(w), pair_at(w + 8)}, b_lo[2] = {pair_at(w_lo), pair_at(w_lo + 8)};
+            mma_parts<T>(part[nt], h1[s], h1_lo[s], b, b_lo);
         }
     #pragma unroll
     for (int nt = 0; nt < MULV_DIM / 8; nt++)
@@ -704,16 +741,15 @@ __device__ inline void encoder_finish(float (&acc)[2 * ENC_BN / 4], const bf16 (
         for (int half = 0; half < 2; half++) {
             const int row = row16 + g + 8 * half;
             if (row < M)
-                *reinterpret_cast<float2*>(
-                    &io.partials[((size_t)row * ENC_SLICES + slice) * MULV_DIM + nt * 8 + 2 * t]) =
+                *reinterpret_cast<float2*>(&io.partials[((size_t)row * SLICES + slice) * MULV_DIM + nt * 8 + 2 * t]) =
                     make_float2(part[nt][2 * half], part[nt][2 * half + 1]);
         }
-    if (!last_to_arrive(&io.tickets[row16 / TASK_ROWS], ENC_SLICES)) return;
+    if (!last_to_arrive(&io.tickets[row16 / TASK_ROWS], SLICES)) return;
 
     for (int i = lane; i < TASK_ROWS * GROUPS; i += 32) {
         const int r = i / GROUPS, q = i % GROUPS, row = row16 + r;
         if (row >= M) continue;
-        const float* p = io.partials + (size_t)row * ENC_SLICES * MULV_DIM;
+        const float* p = io.partials + (size_t)row * SLICES * MULV_DIM;
         const float4 eps = posterior_eps(io.eps ? io.eps + (size_t)row * LATENT_DIM : NULL, q, io.first_image + row,
                                          0, io.seed, io.z_is_mu);
         const float e[4] = {eps.x, eps.y, eps.z, eps.w};
@@ -722,7 +758,7 @@ __device__ inline void encoder_finish(float (&acc)[2 * ENC_BN / 4], const bf16 (
             const int latent = 4 * q + j;
             float mu = __ldcg(&p[latent]), logvar = __ldcg(&p[LATENT_DIM + latent]); // L2: other SMs wrote them
             #pragma unroll
-            for (int s = 1; s < ENC_SLICES; s++)
+            for (int s = 1; s < SLICES; s++)
                 mu += __ldcg(&p[s * MULV_DIM + latent]), logvar += __ldcg(&p[s * MULV_DIM + LATENT_DIM + latent]);
             mu += io.enc_b[latent], logvar += io.enc_b[LATENT_DIM + latent];
             z_s[r][latent] = latent_z(mu, logvar, e[j], &kl_s[r][latent]);
@@ -736,26 +772,37 @@ __device__ inline void encoder_finish(float (&acc)[2 * ENC_BN / 4], const bf16 (
         float sum = 0.0f; // each image's KL in a fixed order
         for (int j = 0; j < LATENT_DIM; j++) sum += kl_s[lane][j];
         if (io.kl) io.kl[row16 + lane] = -0.5f * sum;
-        store_z_row(io.z_rows + (size_t)(row16 + lane) * 4, z_s[lane]);
+        store_z_row<P>(io.z_rows + (size_t)(row16 + lane) * Q::Z_K / 8, z_s[lane]);
     }
     __syncwarp(); // z_s is rewritten by this warp's next finishing task
 }
 
+// A block's [fc21 | fc22] columns for its slice, copied into shared memory (both kernels).
+template <Precision P>
+__device__ inline void copy_enc_weights(typename Path<P>::T (*dst)[Path<P>::ENC_W_COLS + 8], const EncoderIO& io,
+                                        int slice) {
+    constexpr int COLS = Path<P>::ENC_W_COLS;
+    const typename Path<P>::T* src = static_cast<const typename Path<P>::T*>(io.enc_w);
+    copy_block_async(&dst[0][0], COLS + 8, src + slice * COLS, Path<P>::ENC_SLICES * COLS, MULV_DIM, COLS);
+}
+
+template <Precision P>
 __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
-    encoder_mma_kernel(const bf16* __restrict__ fc1_wp, const EncoderIO io) {
+    encoder_mma_kernel(const typename Path<P>::T* __restrict__ fc1_wp, const EncoderIO io) {
+    typedef typename Path<P>::T T;
     extern __shared__ __align__(16) uint8_t smem_raw[];
-    EncoderSmem& sm = *reinterpret_cast<EncoderSmem*>(smem_raw);
+    EncoderSmem<P>& sm = *reinterpret_cast<EncoderSmem<P>*>(smem_raw);
     allow_dependent_launch();
-    const int slice = blockIdx.x % ENC_SLICES, copies = gridDim.x / ENC_SLICES, col0 = slice * ENC_BN;
-    copy_block_async(&sm.w1[0][0], FC1_PITCH, fc1_wp + (size_t)col0 * FC1_K, FC1_K, ENC_BN, FC1_K);
-    copy_block_async(&sm.w_enc[0][0], ENC_PITCH, io.enc_w + col0, HIDDEN_DIM, MULV_DIM, ENC_BN); // its [fc21|fc22]
+    const int slice = blockIdx.x % Path<P>::ENC_SLICES, copies = gridDim.x / Path<P>::ENC_SLICES;
+    copy_block_async(&sm.w1[0][0], FC1_PITCH, fc1_wp + (size_t)slice * ENC_BN * FC1_K, FC1_K, ENC_BN, FC1_K);
+    copy_enc_weights<P>(sm.w_enc, io, slice);
     cp_async_wait<0>();
     __syncthreads();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
     const int tasks = ceil_div(io.M, TASK_ROWS);
-    for (int task = blockIdx.x / ENC_SLICES + copies * warp; task < tasks; task += copies * ENC_WARPS) {
+    for (int task = blockIdx.x / Path<P>::ENC_SLICES + copies * warp; task < tasks; task += copies * ENC_WARPS) {
         const PixelRows rows(io.pixels, task * TASK_ROWS, io.M);
         float acc[2 * ENC_BN / 4] = {};
         uint4 px[FC1_K / 64][2]; // constant indices (the loop is unrolled): registers, ENC_PREFETCH + 1 live
@@ -765,7 +812,7 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
         for (int u = 0; u < FC1_K / 64; u++) {
             if (u + ENC_PREFETCH < FC1_K / 64) rows.load(px[u + ENC_PREFETCH], u + ENC_PREFETCH);
             uint32_t a[4][4];
-            pixel_fragments(a, px[u]);
+            pixel_fragments<T>(a, px[u]);
             #pragma unroll
             for (int j = 0; j < 4; j++)
                 #pragma unroll
@@ -773,48 +820,61 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
                     uint32_t r[4];
                     ldmatrix_x4(r, &sm.w1[nt * 8 + b_row][(4 * u + j) * 16 + b_k]);
                     const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-                    mma_bf16_m16n8k16(&acc[4 * nt], a[j], b0);
-                    mma_bf16_m16n8k16(&acc[4 * nt + 4], a[j], b1);
+                    mma_m16n8k16<T>(&acc[4 * nt], a[j], b0);
+                    mma_m16n8k16<T>(&acc[4 * nt + 4], a[j], b1);
                 }
         }
-        encoder_finish(acc, sm.w_enc, task * TASK_ROWS, slice, io, sm.z[warp], sm.kl_terms[warp]);
+        encoder_finish<P>(acc, sm.w_enc, task * TASK_ROWS, slice, io, sm.z[warp], sm.kl_terms[warp]);
     }
 }
 
-// fc3's A fragments of rows row16 + g and + 8 (zeros past the rows): two 16-byte loads.
-__device__ inline void load_z_fragments(uint32_t (&z_a)[2][4], const uint4* __restrict__ z_rows, int row16, int rows) {
+// fc3's A fragments (Z_K / 16 k16 steps) of rows row16 + g and + 8 (zeros past the rows): two
+// 16-byte loads per two steps.
+template <int STEPS>
+__device__ inline void load_z_fragments(uint32_t (&z_a)[STEPS][4], const uint4* __restrict__ z_rows, int row16,
+                                        int rows) {
     const int lane = threadIdx.x % 32, row = row16 + lane / 4, t = lane % 4;
-    const uint4 top = row < rows ? z_rows[(size_t)row * 4 + t] : make_uint4(0, 0, 0, 0);
-    const uint4 bottom = row + 8 < rows ? z_rows[(size_t)(row + 8) * 4 + t] : make_uint4(0, 0, 0, 0);
-    z_a[0][0] = top.x, z_a[0][1] = bottom.x, z_a[0][2] = top.y, z_a[0][3] = bottom.y;
-    z_a[1][0] = top.z, z_a[1][1] = bottom.z, z_a[1][2] = top.w, z_a[1][3] = bottom.w;
+    #pragma unroll
+    for (int h = 0; h < STEPS / 2; h++) {
+        const size_t at = (size_t)row * (STEPS / 2) * 4 + 4 * h + t, below = at + 8 * (STEPS / 2) * 4;
+        const uint4 top = row < rows ? z_rows[at] : make_uint4(0, 0, 0, 0);
+        const uint4 bottom = row + 8 < rows ? z_rows[below] : make_uint4(0, 0, 0, 0);
+        uint32_t(&a)[4] = z_a[2 * h], (&b)[4] = z_a[2 * h + 1];
+        a[0] = top.x, a[1] = bottom.x, a[2] = top.y, a[3] = bottom.y;
+        b[0] = top.z, b[1] = bottom.z, b[2] = top.w, b[3] = bottom.w;
+    }
 }
 
 // What a decoder pass reads and writes. With pixels, row r is compared with image
 // r / rows_per_image (1 for the ELBO, K for --iwae) and its BCE lands in bce[r]; without, the
 // pass only decodes. logits and recon are written when given (tests, pictures).
 struct DecoderIO {
-    const uint4* z_rows;   // [rows][4]
+    const uint4* z_rows;   // [rows][Z_K / 8]
     const uint8_t* pixels; // [rows / rows_per_image][784] or NULL
     int rows, rows_per_image;
     float* bce;            // [rows], or NULL: the parts are the result (a ticket costs a fence per 16 rows)
-    float* parts;          // [rows][4]: each column block's share of a row's BCE
+    float* parts;          // [rows][column blocks]: each column block's share of a row's BCE
     unsigned* tickets;     // [rows / 16 rounded up]: column blocks done with 16 rows (zero between passes)
     float *logits, *recon; // [rows][784] or NULL
+    float* h3;             // [rows][400] or NULL (tests)
 };
 
-// The epilogue of both decoders, for one warp's 16 rows x 200 logits of column block cb, held in
-// the m16n8 layout (logit[4j..4j+3] = n8 block j, rows g and g + 8). A row's BCE terms
+// The epilogue of both decoders, for one warp's 16 rows x DEC_BN logits of column block cb, held
+// in the m16n8 layout (logit[4j..4j+3] = n8 block j, rows g and g + 8). A row's BCE terms
 // max(l, 0) - x l + log(1 + e^-|l|) are summed as (1/2 - x) l + |l| / 2 + log(1 + e^-|l|)
-// with one log per row and thread: the 25 factors 1 + e^-|l| (each in (1, 2]) multiplied in two
-// products, log2 taken once. The 4 lanes of a quad share a row. Each row's share goes to
-// parts[row][cb]; the column block that completes the 16 rows (a ticket per 16 rows) adds their 4
-// shares in order 0..3, the same sum whichever block is last: bitwise reproducible, batch invariant.
-__device__ inline void decoder_epilogue(const float (&logit)[DEC_BN / 2], int row16, int cb, const DecoderIO& io) {
+// with one log per row and thread: the factors 1 + e^-|l| (each in (1, 2]; 25 or 11 a thread)
+// multiplied in two products, log2 taken once. The 4 lanes of a quad share a row. Each row's share
+// goes to parts[row][cb]; the column block that completes the 16 rows (a ticket per 16 rows) adds
+// the shares in block order, the same sum whichever block is last: bitwise reproducible, batch
+// invariant.
+template <Precision P>
+__device__ inline void decoder_epilogue(const float (&logit)[Path<P>::DEC_BN / 2], int row16, int cb,
+                                        const DecoderIO& io) {
+    constexpr int DEC_BN = Path<P>::DEC_BN, DEC_COL_BLOCKS = Path<P>::DEC_COL_BLOCKS;
     if (row16 >= io.rows) return; // the whole warp
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
-    const int skip = cb < DEC_COL_BLOCKS - 1 ? 0 : DEC_OVERLAP / 8; // n8 blocks left to block 2
+    const int skip = cb < DEC_COL_BLOCKS - 1 ? 0 : dec_overlap<P>() / 8; // n8 blocks left to the block before
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int row = row16 + g + 8 * half;
@@ -856,41 +916,56 @@ __device__ inline void decoder_epilogue(const float (&logit)[DEC_BN / 2], int ro
     if (!last_to_arrive(&io.tickets[row16 / TASK_ROWS], DEC_COL_BLOCKS)) return;
     const int row = row16 + lane;
     if (lane < TASK_ROWS && row < io.rows) {
-        const float4 p = __ldcg(reinterpret_cast<const float4*>(&io.parts[(size_t)row * DEC_COL_BLOCKS]));
-        io.bce[row] = ((p.x + p.y) + p.z) + p.w;
+        float sum = __ldcg(&io.parts[(size_t)row * DEC_COL_BLOCKS]);
+        #pragma unroll
+        for (int p = 1; p < DEC_COL_BLOCKS; p++) sum += __ldcg(&io.parts[(size_t)row * DEC_COL_BLOCKS + p]);
+        io.bce[row] = sum;
     }
 }
 
 // decoder_mma_kernel: the decoder on mma.sync (any GPU from sm_80). A block owns one column
-// block: its 200 rows of fc4 (163 KB) and all of fc3 (32 KB) are copied into shared memory once,
-// and its 8 warps then take 16-row tasks, dealt round-robin over the block's copies first, on
-// their own (no block-wide barrier after the copy). Per task a warp runs fc3 in chunks of 80 hidden units (10 n8
-// blocks, K = 32), turns each chunk's accumulators into fc4's A fragments in registers (relu_to_a), and multiplies them
-// by fc4's rows through ldmatrix: the same dataflow as the wgmma kernel, 16 rows at a time instead of 64. Rows of 816
-// bytes (51 x 16) put the 8 rows an ldmatrix phase reads in 8 different bank groups.
-enum { DEC_MMA_WARPS = 8, FC3_PITCH = FC3_K_PADDED + 8 }; // fc3 rows of 80 bytes: conflict-free fragment loads
-struct DecoderMmaSmem {
-    bf16 w4[DEC_BN][FC4_K];
-    bf16 w3[HIDDEN_DIM][FC3_PITCH];
+// block: its DEC_BN rows of fc4 (bf16: 200, 163 KB; fp32: 88 in two copies, 144 KB) and all of
+// fc3 (32 or 58 KB) are copied into shared memory once, and its 8 warps then take 16-row tasks,
+// dealt round-robin over the block's copies first, on their own (no block-wide barrier after the
+// copy). Per task a warp runs fc3 in chunks of 80 hidden units (10 n8 blocks, K = Z_K), turns
+// each chunk's accumulators into fc4's A fragments in registers (relu_to_a), and multiplies them
+// by fc4's rows through ldmatrix: the same dataflow as the wgmma kernel, 16 rows at a time instead
+// of 64. Rows of 816 bytes (51 x 16) put the 8 rows an ldmatrix phase reads in 8 different bank
+// groups; fc3's rows of 80 or 144 bytes make its fragment loads conflict-free.
+enum { DEC_MMA_WARPS = 8 };
+template <Precision P> struct DecoderMmaSmem {
+    typename Path<P>::T w4[Path<P>::SPLIT ? 2 : 1][Path<P>::DEC_BN][FC4_K];
+    typename Path<P>::T w3[HIDDEN_DIM][Path<P>::Z_K + 8];
 };
+// bf16's or fp16's 1s at K = 400..402 (times fc4's bias parts), as thread t's A register pair.
+template <typename T> __device__ inline uint32_t bias_ones(int t) {
+    return t == 0 ? pack2<T>(1.0f, 1.0f) : t == 1 ? pack2<T>(1.0f, 0.0f) : 0u;
+}
+
+template <Precision P>
 __global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
-    decoder_mma_kernel(const bf16* __restrict__ fc4_wb, const bf16* __restrict__ fc3_wb, const DecoderIO io) {
+    decoder_mma_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const typename Path<P>::T* __restrict__ fc3_wb,
+                       const DecoderIO io) {
+    typedef Path<P> Q;
+    typedef typename Q::T T;
+    constexpr int DEC_BN = Q::DEC_BN, DEC_COL_BLOCKS = Q::DEC_COL_BLOCKS, Z_STEPS = Q::Z_K / 16;
     extern __shared__ __align__(16) uint8_t smem_raw[];
-    DecoderMmaSmem& sm = *reinterpret_cast<DecoderMmaSmem*>(smem_raw);
+    DecoderMmaSmem<P>& sm = *reinterpret_cast<DecoderMmaSmem<P>*>(smem_raw);
     const int cb = blockIdx.x % DEC_COL_BLOCKS, col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
-    copy_block_async(&sm.w4[0][0], FC4_K, fc4_wb + (size_t)col0 * FC4_K, FC4_K, DEC_BN, FC4_K);
-    copy_block_async(&sm.w3[0][0], FC3_PITCH, fc3_wb, FC3_K_PADDED, HIDDEN_DIM, FC3_K_PADDED);
+    for (int copy = 0; copy < (Q::SPLIT ? 2 : 1); copy++)
+        copy_block_async(&sm.w4[copy][0][0], FC4_K, fc4_wb + ((size_t)copy * INPUT_DIM + col0) * FC4_K, FC4_K, DEC_BN,
+                         FC4_K);
+    copy_block_async(&sm.w3[0][0], Q::Z_K + 8, fc3_wb, Q::Z_K, HIDDEN_DIM, Q::Z_K);
     cp_async_wait<0>();
     __syncthreads();
     wait_for_prior_grid(); // the z rows
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
-    const uint32_t ones = t == 0 ? 0x3F803F80u : t == 1 ? 0x00003F80u : 0u; // bf16 1s at K = 400..402
-    const uint32_t a_bias[4] = {ones, ones, 0u, 0u};
+    const uint32_t a_bias[4] = {bias_ones<T>(t), bias_ones<T>(t), 0u, 0u};
     const int tasks = ceil_div(io.rows, TASK_ROWS), copies = gridDim.x / DEC_COL_BLOCKS; // tasks dealt round-robin
     for (int task = blockIdx.x / DEC_COL_BLOCKS + copies * warp; task < tasks; task += copies * DEC_MMA_WARPS) {
-        uint32_t z_a[2][4];
+        uint32_t z_a[Z_STEPS][4];
         load_z_fragments(z_a, io.z_rows, task * TASK_ROWS, io.rows);
         float logit[DEC_BN / 2] = {};
         #pragma unroll 1
@@ -899,39 +974,44 @@ __global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
             #pragma unroll
             for (int nt = 0; nt < DEC_CHUNK / 8; nt++)
                 #pragma unroll
-                for (int kk = 0; kk < 2; kk++) {
-                    const bf16* w = &sm.w3[c * DEC_CHUNK + nt * 8 + g][kk * 16 + 2 * t];
-                    const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
-                    mma_bf16_m16n8k16(&h[4 * nt], z_a[kk], b);
+                for (int kk = 0; kk < Z_STEPS; kk++) {
+                    const T* w = &sm.w3[c * DEC_CHUNK + nt * 8 + g][kk * 16 + 2 * t];
+                    const uint32_t b[2] = {pair_at(w), pair_at(w + 8)};
+                    mma_m16n8k16<T>(&h[4 * nt], z_a[kk], b);
                 }
-            uint32_t a[DEC_STEPS][4];
-            relu_to_a(a, h);
+            if (io.h3 && cb == 0) store_hidden(io.h3, h, task * TASK_ROWS, io.rows, c * DEC_CHUNK);
+            uint32_t a[DEC_STEPS][4], a_lo[DEC_STEPS][4];
+            relu_to_a<T>(a, a_lo, h);
             #pragma unroll
             for (int s = 0; s < DEC_STEPS; s++) {
                 const int k = (c * DEC_STEPS + s) * 16;
                 #pragma unroll
                 for (int nt = 0; nt < DEC_BN / 8; nt += 2) {
-                    const bf16* row = &sm.w4[nt * 8 + b_row][k + b_k];
+                    const T* row = &sm.w4[0][nt * 8 + b_row][k + b_k];
+                    const T* row_lo = row + DEC_BN * FC4_K; // fp32: the same place in the lo copy
                     if (nt + 1 < DEC_BN / 8) {
-                        uint32_t r[4];
+                        uint32_t r[4], q[4] = {};
                         ldmatrix_x4(r, row);
-                        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-                        mma_bf16_m16n8k16(&logit[4 * nt], a[s], b0);
-                        mma_bf16_m16n8k16(&logit[4 * nt + 4], a[s], b1);
-                    } else { // 25 blocks: the last alone; lanes 16-31 pass (unused) in-bounds addresses
-                        uint32_t b[2];
+                        if constexpr (Q::SPLIT) ldmatrix_x4(q, row_lo);
+                        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]},
+                                       c1[2] = {q[2], q[3]};
+                        mma_parts<T>(&logit[4 * nt], a[s], a_lo[s], b0, c0);
+                        mma_parts<T>(&logit[4 * nt + 4], a[s], a_lo[s], b1, c1);
+                    } else { // an odd count of n8 blocks: the last alone; lanes 16-31 pass (unused) in-bounds addresses
+                        uint32_t b[2], b_lo[2] = {};
                         ldmatrix_x2(b[0], b[1], row - (lane / 16) * 8 * FC4_K);
-                        mma_bf16_m16n8k16(&logit[4 * nt], a[s], b);
+                        if constexpr (Q::SPLIT) ldmatrix_x2(b_lo[0], b_lo[1], row_lo - (lane / 16) * 8 * FC4_K);
+                        mma_parts<T>(&logit[4 * nt], a[s], a_lo[s], b, b_lo);
                     }
                 }
             }
         }
         #pragma unroll
         for (int nt = 0; nt < DEC_BN / 8; nt++) { // k16 step 25: the bias; B's K = 408..415 (past the rows) as zeros
-            const uint32_t b[2] = {bf16x2_at(&sm.w4[nt * 8 + g][HIDDEN_DIM + 2 * t]), 0u};
-            mma_bf16_m16n8k16(&logit[4 * nt], a_bias, b);
+            const uint32_t b[2] = {pair_at(&sm.w4[0][nt * 8 + g][HIDDEN_DIM + 2 * t]), 0u};
+            mma_m16n8k16<T>(&logit[4 * nt], a_bias, b);
         }
-        decoder_epilogue(logit, task * TASK_ROWS, cb, io);
+        decoder_epilogue<P>(logit, task * TASK_ROWS, cb, io);
     }
 }
 
@@ -1053,20 +1133,49 @@ __device__ inline void wgmma_m64n200k16_rs(float (&d)[100], const uint32_t (&a)[
         : "memory");
 }
 
+#define WGMMA_M64N80K16_RS(TYPE)                                                                                       \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"                                                          \
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32." TYPE "." TYPE " {"                                      \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "          \
+                 "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39"  \
+                 "}, {%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"                                                      \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),            \
+                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),          \
+                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),          \
+                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),          \
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])                                                  \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
+                 : "memory")
+template <typename T>
 __device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    if constexpr (std::is_same<T, bf16>::value) WGMMA_M64N80K16_RS("bf16");
+    else WGMMA_M64N80K16_RS("f16");
+}
+
+// fp32's fc4 (two fp16 copies of 88 rows: the column block that fits shared memory beside fc3).
+__device__ inline void wgmma_m64n88k16_rs(float (&d)[44], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %49, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n88k16.f32.f16.f16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39"
-        "}, {%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"
+        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43}, {%44, %45, %46, %47}, %48, p, 1, 1, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
         : "memory");
+}
+
+// fc4's product for a path: bf16 m64n200, fp32 m64n88.
+template <int R>
+__device__ inline void wgmma_fc4(float (&d)[R], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    if constexpr (R == 100) wgmma_m64n200k16_rs(d, a, desc_b, accumulate);
+    else wgmma_m64n88k16_rs(d, a, desc_b, accumulate);
 }
 
 // An empty asm "writes" each register: a constant A fragment is then materialised here, before a
@@ -1092,22 +1201,27 @@ enum {
     DEC_WG_THREADS = 256,                   // two warpgroups
 };
 static_assert(FC4_K <= DEC_WG_SLICES * 64, "the bias parts fit the last slice");
-struct DecoderWgmmaSmem {
-    bf16 w4[DEC_WG_SLICES][DEC_BN][64];  // fc4's weights for this block's 200 logits, bias in K = 400..402, K-major
-    bf16 w3[HIDDEN_DIM][FC3_K_PADDED];   // fc3's with its bias in K = 20..22; K-major, 64-byte rows (64-byte swizzle)
+// fc4's weights for this block's logits (bias in K = 400..402; fp32: and the lo copy), K-major in
+// 128-byte swizzle rows; fc3's with its bias in K = 20..22, rows of 64 bytes (bf16, 64-byte
+// swizzle) or 128 (fp32). Every tile starts 1024-byte aligned (200 or 88 rows of 128 bytes).
+template <Precision P> struct DecoderWgmmaSmem {
+    typename Path<P>::T w4[Path<P>::SPLIT ? 2 : 1][DEC_WG_SLICES][Path<P>::DEC_BN][64];
+    typename Path<P>::T w3[HIDDEN_DIM][Path<P>::Z_K];
     uint64_t loaded;
 };
-static_assert(sizeof(bf16) * DEC_BN * 64 % 1024 == 0 && sizeof(bf16) * DEC_WG_SLICES * DEC_BN * 64 % 1024 == 0,
-              "every weight tile starts 1024-byte aligned");
-enum { DEC_WG_SMEM = sizeof(DecoderWgmmaSmem) + 1024 }; // + room to align the dynamic shared memory
+template <Precision P> constexpr int dec_wg_smem() { return sizeof(DecoderWgmmaSmem<P>) + 1024; } // + room to align
 
+template <Precision P>
 __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     decoder_wgmma_kernel(const __grid_constant__ CUtensorMap w4_map, const __grid_constant__ CUtensorMap w3_map,
                          const DecoderIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
+    typedef Path<P> Q;
+    typedef typename Q::T T;
+    constexpr int DEC_BN = Q::DEC_BN, DEC_COL_BLOCKS = Q::DEC_COL_BLOCKS, Z_STEPS = Q::Z_K / 16;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
-    DecoderWgmmaSmem& sm = *reinterpret_cast<DecoderWgmmaSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
+    DecoderWgmmaSmem<P>& sm = *reinterpret_cast<DecoderWgmmaSmem<P>*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
     auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
     const int cb = blockIdx.x % DEC_COL_BLOCKS;
     const int col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
@@ -1117,7 +1231,9 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
         mbar_init(bar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         mbar_arrive_expect_tx(bar, sizeof(sm.w4) + sizeof(sm.w3));
-        for (int s = 0; s < DEC_WG_SLICES; s++) tma_load_2d(addr(&sm.w4[s][0][0]), &w4_map, bar, 64 * s, col0);
+        for (int copy = 0; copy < (Q::SPLIT ? 2 : 1); copy++)
+            for (int s = 0; s < DEC_WG_SLICES; s++)
+                tma_load_2d(addr(&sm.w4[copy][s][0][0]), &w4_map, bar, 64 * s, copy * INPUT_DIM + col0);
         tma_load_2d(addr(&sm.w3[0][0]), &w3_map, bar, 0, 0);
         tma_load_2d(addr(&sm.w3[HIDDEN_DIM / 2][0]), &w3_map, bar, 0, HIDDEN_DIM / 2);
     }
@@ -1131,29 +1247,34 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     // work) so their turn barriers stay matched.
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, t = lane % 4;
     const int tiles = (io.rows + 63) / 64, copies = gridDim.x / DEC_COL_BLOCKS;
-    const uint32_t w3_tile = addr(&sm.w3[0][0]), w4_tile = addr(&sm.w4[0][0][0]);
-    uint32_t z_a[2][4]; // fc3's A fragments: z rows g and g + 8 of this warp's 16 in a tile
+    const uint32_t w3_tile = addr(&sm.w3[0][0]), w4_tile = addr(&sm.w4[0][0][0][0]);
+    const uint32_t w4_lo_tile = w4_tile + DEC_WG_SLICES * DEC_BN * 128; // fp32's lo copy
+    uint32_t z_a[Z_STEPS][4]; // fc3's A fragments: z rows g and g + 8 of this warp's 16 in a tile
     auto load_z = [&](int tile) { load_z_fragments(z_a, io.z_rows, tile * 64 + warp * 16, io.rows); };
     // fc3 of chunk c of the tile in z_a into h, as one wgmma group (the bias comes with the
     // product: z's K = 20..22 hold 1).
     float h[2 * DEC_CHUNK / 4];
     auto fc3_chunk = [&](int c) {
         wgmma_fence();
-        const uint64_t desc = smem_desc_64b(w3_tile + c * DEC_CHUNK * FC3_K_PADDED * sizeof(bf16));
+        const uint32_t tile = w3_tile + c * DEC_CHUNK * Q::Z_K * sizeof(T);
+        const uint64_t desc = Q::Z_K == 32 ? smem_desc_64b(tile) : smem_desc_128b(tile);
         #pragma unroll
-        for (int s = 0; s < 2; s++) wgmma_m64n80k16_rs(h, z_a[s], desc + 2 * s, s > 0);
+        for (int s = 0; s < Z_STEPS; s++) wgmma_m64n80k16_rs<T>(h, z_a[s], desc + 2 * s, s > 0);
         wgmma_commit();
     };
     // A tile's first fc3 chunk runs before its turn (after the previous tile's MMAs), so a turn
-    // starts straight with fc4.
-    uint32_t a[2][DEC_STEPS][4];
-    const uint32_t ones = t == 0 ? 0x3F803F80u : t == 1 ? 0x00003F80u : 0u; // bf16 1s at K = 400..402
-    uint32_t a_bias[4] = {ones, ones, 0u, 0u};
+    // starts straight with fc4. to_a turns chunk c of a tile, in h, into fc4's A fragments.
+    uint32_t a[2][DEC_STEPS][4], a_lo[2][DEC_STEPS][4];
+    auto to_a = [&](int buffer, int tile, int c) {
+        if (io.h3 && cb == 0) store_hidden(io.h3, h, tile * 64 + warp * 16, io.rows, c * DEC_CHUNK);
+        relu_to_a<T>(a[buffer], a_lo[buffer], h);
+    };
+    uint32_t a_bias[4] = {bias_ones<T>(t), bias_ones<T>(t), 0u, 0u};
     load_z(blockIdx.x / DEC_COL_BLOCKS + wg * copies);
     fc3_chunk(0);
     wgmma_wait<0>();
     fence_accumulators(h);
-    relu_to_a(a[0], h);
+    to_a(0, blockIdx.x / DEC_COL_BLOCKS + wg * copies, 0);
     if (wg == 1) named_bar_arrive(BAR_TURN + 0, 256); // warpgroup 0 takes the first turn
     for (int first = blockIdx.x / DEC_COL_BLOCKS; first < tiles; first += 2 * copies) {
         const int tile = first + wg * copies;
@@ -1171,20 +1292,24 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
             wgmma_fence();
             #pragma unroll
             for (int s = 0; s < DEC_STEPS; s++) { // fc4's k16 step c * 5 + s: slice ks / 4, +32 bytes per step
-                const int ks = c * DEC_STEPS + s;
-                const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * DEC_BN * 128) + 2 * (ks % 4);
-                wgmma_m64n200k16_rs(logit, a[c % 2][s], desc, ks > 0);
+                const int ks = c * DEC_STEPS + s, at = (ks / 4) * DEC_BN * 128;
+                const uint64_t desc = smem_desc_128b(w4_tile + at) + 2 * (ks % 4);
+                if constexpr (Q::SPLIT) { // the corrections al wh and ah wl first
+                    wgmma_fc4(logit, a_lo[c % 2][s], desc, ks > 0);
+                    wgmma_fc4(logit, a[c % 2][s], smem_desc_128b(w4_lo_tile + at) + 2 * (ks % 4), true);
+                }
+                wgmma_fc4(logit, a[c % 2][s], desc, Q::SPLIT || ks > 0);
             }
             if (c + 1 == DEC_CHUNKS) { // k16 step 25: the bias, times A = 1 in K = 400..402
                 constexpr int ks = HIDDEN_DIM / 16;
                 const uint64_t desc = smem_desc_128b(w4_tile + (ks / 4) * DEC_BN * 128) + 2 * (ks % 4);
-                wgmma_m64n200k16_rs(logit, a_bias, desc, true);
+                wgmma_fc4(logit, a_bias, desc, true);
             }
             wgmma_commit();
             if (c + 1 < DEC_CHUNKS) { // the next chunk's fc3 is done; this chunk's fc4 may still run
                 wgmma_wait<1>();
                 fence_accumulators(h);
-                relu_to_a(a[(c + 1) % 2], h);
+                to_a((c + 1) % 2, tile, c + 1);
                 if (c + 2 == DEC_CHUNKS) load_z(tile + 2 * copies); // z_a's last reader is done
             }
         }
@@ -1193,51 +1318,55 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
         wgmma_wait<0>();
         fence_accumulators(logit);
         fence_accumulators(h);
-        relu_to_a(a[0], h);
+        to_a(0, tile + 2 * copies, 0);
         if (!live_tile) continue;
 
-        decoder_epilogue(logit, tile * 64 + warp * 16, cb, io);
+        decoder_epilogue<P>(logit, tile * 64 + warp * 16, cb, io);
     }
     if (wg == 0) named_bar_sync(BAR_TURN + 0, 256); // warpgroup 1's last hand-over
 #endif
 }
 
 // encoder_wgmma_kernel: encoder_mma_kernel's design on Hopper's wgmma. A block owns one slice of
-// 80 hidden units; fc1's rows for it arrive once by TMA (13 tiles of 80 x 64, the 128-byte
-// swizzle wgmma reads). Each warpgroup takes 64-image tasks: per 64 pixels its warps widen their
-// 16 rows into A fragments in registers (pixel_fragments, as on mma.sync) and issue 4
-// m64n80k16 wgmmas from them, while the next block's pixels are loaded and widened into the
-// other register buffer. Each warp then finishes its 16 images with encoder_finish, the same
-// code as the mma.sync kernel. Four warpgroups a block (124 registers a thread, 182 KB of shared
-// memory): at B = 10000 the 157 tasks of a slice take 2 rounds of its 104 warpgroups, not 3 of
-// 78, and the encoder runs in 39.2 us instead of 43.0; five spread too thin at small batches.
+// 80 rows of fc1 (bf16: 80 hidden units; fp32: 40 units' hi and lo parts); they arrive once by TMA
+// (13 tiles of 80 x 64, the 128-byte swizzle wgmma reads). Each warpgroup takes 64-image tasks:
+// per 64 pixels its warps widen their 16 rows into A fragments in registers (pixel_fragments, as
+// on mma.sync) and issue 4 m64n80k16 wgmmas from them, while the next block's pixels are loaded
+// and widened into the other register buffer. Each warp then finishes its 16 images with
+// encoder_finish, the same code as the mma.sync kernel. Four warpgroups a block (bf16: 124
+// registers a thread, 182 KB of shared memory): at B = 10000 the 157 tasks of a slice take 2
+// rounds of its 104 warpgroups, not 3 of 78, and the bf16 encoder runs in 39.2 us instead of 43.0;
+// five spread too thin at small batches.
 enum { ENC_WG_GROUPS = 4, ENC_WG_SLICES = FC1_K / 64 };
-struct EncoderWgmmaSmem {
-    bf16 w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
-    bf16 w_enc[MULV_DIM][ENC_PITCH];
+template <Precision P> struct EncoderWgmmaSmem {
+    typename Path<P>::T w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
+    typename Path<P>::T w_enc[MULV_DIM][Path<P>::ENC_W_COLS + 8];
     float z[4 * ENC_WG_GROUPS][TASK_ROWS][LATENT_DIM], kl_terms[4 * ENC_WG_GROUPS][TASK_ROWS][LATENT_DIM];
     uint64_t loaded;
 };
 static_assert(sizeof(bf16) * ENC_BN * 64 % 1024 == 0, "every weight tile starts 1024-byte aligned");
-enum { ENC_WG_SMEM = sizeof(EncoderWgmmaSmem) + 1024 };
+template <Precision P> constexpr int enc_wg_smem() { return sizeof(EncoderWgmmaSmem<P>) + 1024; }
 
+template <Precision P>
 __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
     encoder_wgmma_kernel(const __grid_constant__ CUtensorMap w1_map, const EncoderIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
+    typedef typename Path<P>::T T;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
-    EncoderWgmmaSmem& sm = *reinterpret_cast<EncoderWgmmaSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
+    EncoderWgmmaSmem<P>& sm = *reinterpret_cast<EncoderWgmmaSmem<P>*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
     auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
     allow_dependent_launch();
-    const int slice = blockIdx.x % ENC_SLICES, copies = gridDim.x / ENC_SLICES, col0 = slice * ENC_BN;
+    const int slice = blockIdx.x % Path<P>::ENC_SLICES, copies = gridDim.x / Path<P>::ENC_SLICES;
+    const int row0 = slice * ENC_BN; // of fc1's rows in the kernels' layout
     if (threadIdx.x == 0) {
         const uint32_t bar = addr(&sm.loaded);
         mbar_init(bar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         mbar_arrive_expect_tx(bar, sizeof(sm.w1));
-        for (int s = 0; s < ENC_WG_SLICES; s++) tma_load_2d(addr(&sm.w1[s][0][0]), &w1_map, bar, 64 * s, col0);
+        for (int s = 0; s < ENC_WG_SLICES; s++) tma_load_2d(addr(&sm.w1[s][0][0]), &w1_map, bar, 64 * s, row0);
     }
-    copy_block_async(&sm.w_enc[0][0], ENC_PITCH, io.enc_w + col0, HIDDEN_DIM, MULV_DIM, ENC_BN); // its [fc21|fc22]
+    copy_enc_weights<P>(sm.w_enc, io, slice);
     cp_async_wait<0>();
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
@@ -1245,7 +1374,7 @@ __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
     const int wg = threadIdx.x / 128, warp = threadIdx.x / 32;
     const uint32_t w1_tile = addr(&sm.w1[0][0][0]);
     const int tasks = ceil_div(io.M, 64); // whole warpgroups: a task past the rows is never dealt
-    for (int task = blockIdx.x / ENC_SLICES + copies * wg; task < tasks; task += copies * ENC_WG_GROUPS) {
+    for (int task = blockIdx.x / Path<P>::ENC_SLICES + copies * wg; task < tasks; task += copies * ENC_WG_GROUPS) {
         const int row16 = task * 64 + (warp % 4) * 16;
         const PixelRows rows(io.pixels, row16, io.M);
         float acc[2 * ENC_BN / 4];
@@ -1256,17 +1385,17 @@ __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
         #pragma unroll
         for (int u = 0; u < ENC_WG_SLICES; u++) {
             if (u + ENC_PREFETCH < ENC_WG_SLICES) rows.load(px[u + ENC_PREFETCH], u + ENC_PREFETCH);
-            pixel_fragments(a[u % 2], px[u]);
+            pixel_fragments<T>(a[u % 2], px[u]);
             wgmma_fence();
             #pragma unroll
             for (int j = 0; j < 4; j++) // k16 step 4u + j: slice u, +32 bytes per step
-                wgmma_m64n80k16_rs(acc, a[u % 2][j], smem_desc_128b(w1_tile + u * ENC_BN * 128) + 2 * j, u + j > 0);
+                wgmma_m64n80k16_rs<T>(acc, a[u % 2][j], smem_desc_128b(w1_tile + u * ENC_BN * 128) + 2 * j, u + j > 0);
             wgmma_commit();
             wgmma_wait<1>(); // the group before, which read a[(u + 1) % 2], is done
         }
         wgmma_wait<0>();
         fence_accumulators(acc);
-        encoder_finish(acc, sm.w_enc, row16, slice, io, sm.z[warp], sm.kl_terms[warp]);
+        encoder_finish<P>(acc, sm.w_enc, row16, slice, io, sm.z[warp], sm.kl_terms[warp]);
     }
 #endif
 }
@@ -1290,8 +1419,7 @@ __global__ void has_wgmma_kernel(int* out) {
 
 // Where sample_z_kernel writes; NULL: not wanted.
 struct SampleOut {
-    float* z;          // [rows][20] in fp32: the fp32 decoder's input
-    uint4* z_rows;     // [rows][4]: the bf16 decoder's input (store_z_row, below)
+    uint4* z_rows;     // [rows][Z_K / 8]: the decoder's input (store_z_row)
     float* kl;         // [rows]: KL(q(z|x) || N(0, I)) of the row's image, the ELBO's
     float* log_ratio;  // [rows]: log p(z) - log q(z|x), --iwae's
 };
@@ -1301,6 +1429,7 @@ struct SampleOut {
 // sample = r % K), so sample 0 is the ELBO's draw. With z = mu + sigma eps the Gaussian terms
 // log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel. One thread
 // per row; its sums run over j in order, whatever the batch.
+template <Precision P>
 __global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, const float* __restrict__ eps_in,
                                 int rows, int K, uint32_t first_image, uint64_t seed, bool z_is_mu) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
@@ -1322,9 +1451,7 @@ __global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, c
             ratio += eps[i] * eps[i] + mulv_row[LATENT_DIM + j] - z[j] * z[j];
         }
     }
-    if (out.z)
-        for (int j = 0; j < LATENT_DIM; j++) out.z[(size_t)r * LATENT_DIM + j] = z[j];
-    if (out.z_rows) store_z_row(out.z_rows + (size_t)r * 4, z);
+    if (out.z_rows) store_z_row<P>(out.z_rows + (size_t)r * Path<P>::Z_K / 8, z);
     if (out.kl) out.kl[r] = -0.5f * kl;
     if (out.log_ratio) out.log_ratio[r] = 0.5f * ratio;
 }
@@ -1375,17 +1502,6 @@ static void launch(void (*kernel)(Params...), long long items, int per_block, in
     cudaCheck(cudaGetLastError());
 }
 
-template <typename TX>
-static void linear_fp32(float* Y, const TX* X, const float* W, const float* bias, int M, int N, int K, Activation act,
-                        cudaStream_t stream) {
-    const dim3 grid(ceil_div(N, LIN_TILE), ceil_div(M, LIN_TILE));
-    if (act == ACT_RELU)
-        linear_fp32_kernel<TX, ACT_RELU><<<grid, LIN_THREADS, 0, stream>>>(Y, X, W, bias, M, N, K);
-    else
-        linear_fp32_kernel<TX, ACT_NONE><<<grid, LIN_THREADS, 0, stream>>>(Y, X, W, bias, M, N, K);
-    cudaCheck(cudaGetLastError());
-}
-
 // cuTensorMapEncodeTiled is a driver API function; the runtime hands out its address, so the
 // program needs no -lcuda.
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -1401,18 +1517,18 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return encode;
 }
 
-// TMA descriptor of a row-major [rows][cols] bf16 matrix read in boxes of box_rows x 64 columns
+// TMA descriptor of a row-major [rows][cols] matrix of 16-bit values read in boxes of box_rows x 64 columns
 // (one 128-byte swizzle row; box_cols = 32: 64-byte rows, 64-byte swizzle). Reads past `rows` or
 // `cols` return zeros. A host struct: encoding allocates nothing, and the kernel takes it by
 // value, so a captured CUDA graph keeps its copy.
-static CUtensorMap bf16_tensor_map(const bf16* base, int rows, int cols, int box_rows, int box_cols = 64) {
+static CUtensorMap tensor_map_16bit(const void* base, int rows, int cols, int box_rows, int box_cols = 64) {
     CUtensorMap map;
     const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}; // innermost first
-    const cuuint64_t row_pitch[1] = {(cuuint64_t)cols * sizeof(bf16)};
+    const cuuint64_t row_pitch[1] = {(cuuint64_t)cols * 2};
     const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows}, element_strides[2] = {1, 1};
     const CUtensorMapSwizzle swizzle = box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
-    if (box_cols != 64 && box_cols != 32) fail("internal: TMA boxes are 32 or 64 bf16 wide, not %d", box_cols);
-    const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)base, dims, row_pitch,
+    if (box_cols != 64 && box_cols != 32) fail("internal: TMA boxes are 32 or 64 values wide, not %d", box_cols);
+    const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, (void*)base, dims, row_pitch,
                                             box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
@@ -1420,40 +1536,59 @@ static CUtensorMap bf16_tensor_map(const bf16* base, int rows, int cols, int box
     return map;
 }
 
-// The encoder over io.M images: Hopper's wgmma kernel when `wgmma`, else the mma.sync one. `blocks`:
-// one per SM, whole groups of the 5 slices, no more than there are tasks.
-static void encoder_bf16(const EncoderIO& io, const bf16* fc1_wp, const CUtensorMap& w1_map, bool wgmma, int blocks,
-                         cudaStream_t stream) {
-    const int tasks = ceil_div(io.M, wgmma ? 64 : TASK_ROWS);
-    const int copies = blocks / ENC_SLICES < tasks ? blocks / ENC_SLICES : tasks;
+// The encoder over io.M images in precision P: Hopper's wgmma kernel when `wgmma`, else the
+// mma.sync one; one block per SM of `sms`, whole groups of the slices, no more than there are tasks.
+template <Precision P>
+static void encoder_launch(const EncoderIO& io, const void* fc1_wp, const CUtensorMap& w1_map, bool wgmma, int sms,
+                           cudaStream_t stream) {
+    constexpr int SLICES = Path<P>::ENC_SLICES;
+    const int tasks = ceil_div(io.M, wgmma ? 64 : TASK_ROWS), copies = sms / SLICES < tasks ? sms / SLICES : tasks;
     if (wgmma)
-        encoder_wgmma_kernel<<<ENC_SLICES * copies, ENC_WG_GROUPS * 128, ENC_WG_SMEM, stream>>>(w1_map, io);
+        encoder_wgmma_kernel<P><<<SLICES * copies, ENC_WG_GROUPS * 128, enc_wg_smem<P>(), stream>>>(w1_map, io);
     else
-        encoder_mma_kernel<<<ENC_SLICES * copies, ENC_WARPS * 32, sizeof(EncoderSmem), stream>>>(fc1_wp, io);
+        encoder_mma_kernel<P><<<SLICES * copies, ENC_WARPS * 32, sizeof(EncoderSmem<P>), stream>>>(
+            static_cast<const typename Path<P>::T*>(fc1_wp), io);
     cudaCheck(cudaGetLastError());
 }
 
-// The decoder over io.rows z rows: Hopper's wgmma kernel when `wgmma`, else the mma.sync one.
-// Blocks come in groups of the 4 column blocks, at most `blocks` (one per SM) and no more than
-// there are tasks (64-row tiles for wgmma, 16 rows for mma.sync).
+// The decoder over io.rows z rows in precision P: Hopper's wgmma kernel when `wgmma`, else the
+// mma.sync one. Blocks come in groups of the column blocks, at most one per SM of `sms` and no
+// more than there are tasks (64-row tiles for wgmma, 16 rows for mma.sync).
 // `overlap`: a programmatic dependent launch (sm_90+), so the decoder loads its weights while the
 // kernel before it finishes.
-static void decoder_bf16(const DecoderIO& io, const bf16* fc4_wb, const bf16* fc3_wb, const CUtensorMap& w4_map,
-                         const CUtensorMap& w3_map, bool wgmma, int blocks, bool overlap, cudaStream_t stream) {
+template <Precision P>
+static void decoder_launch(const DecoderIO& io, const void* fc4_wb, const void* fc3_wb, const CUtensorMap& w4_map,
+                           const CUtensorMap& w3_map, bool wgmma, int sms, bool overlap, cudaStream_t stream) {
+    typedef typename Path<P>::T T;
+    constexpr int BLOCKS = Path<P>::DEC_COL_BLOCKS;
     const int copies_needed = ceil_div(io.rows, wgmma ? 64 : TASK_ROWS);
-    const int copies = blocks / DEC_COL_BLOCKS < copies_needed ? blocks / DEC_COL_BLOCKS : copies_needed;
+    const int copies = sms / BLOCKS < copies_needed ? sms / BLOCKS : copies_needed;
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(DEC_COL_BLOCKS * copies), cfg.stream = stream, cfg.attrs = &attr, cfg.numAttrs = overlap;
+    cfg.gridDim = dim3(BLOCKS * copies), cfg.stream = stream, cfg.attrs = &attr, cfg.numAttrs = overlap;
     if (wgmma) {
-        cfg.blockDim = dim3(DEC_WG_THREADS), cfg.dynamicSmemBytes = DEC_WG_SMEM;
-        cudaCheck(cudaLaunchKernelEx(&cfg, decoder_wgmma_kernel, w4_map, w3_map, io));
+        cfg.blockDim = dim3(DEC_WG_THREADS), cfg.dynamicSmemBytes = dec_wg_smem<P>();
+        cudaCheck(cudaLaunchKernelEx(&cfg, decoder_wgmma_kernel<P>, w4_map, w3_map, io));
     } else {
-        cfg.blockDim = dim3(DEC_MMA_WARPS * 32), cfg.dynamicSmemBytes = sizeof(DecoderMmaSmem);
-        cudaCheck(cudaLaunchKernelEx(&cfg, decoder_mma_kernel, fc4_wb, fc3_wb, io));
+        cfg.blockDim = dim3(DEC_MMA_WARPS * 32), cfg.dynamicSmemBytes = sizeof(DecoderMmaSmem<P>);
+        cudaCheck(cudaLaunchKernelEx(&cfg, decoder_mma_kernel<P>, static_cast<const T*>(fc4_wb),
+                                     static_cast<const T*>(fc3_wb), io));
     }
+}
+
+// More than the default 48 KB of dynamic shared memory for precision P's kernels, allowed once.
+template <Precision P> static void allow_shared_memory(bool wgmma) {
+    cudaCheck(cudaFuncSetAttribute(encoder_mma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(EncoderSmem<P>)));
+    cudaCheck(cudaFuncSetAttribute(decoder_mma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(DecoderMmaSmem<P>)));
+    if (!wgmma) return;
+    cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   enc_wg_smem<P>()));
+    cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   dec_wg_smem<P>()));
 }
 
 // Whether the code loaded for the current GPU has decoder_wgmma_kernel's body (an sm_90a build
@@ -1472,7 +1607,6 @@ static bool gpu_has_wgmma() {
 // ----------------------------------------------------------------------------
 // the model
 
-typedef enum { PRECISION_FP32, PRECISION_BF16 } Precision;
 static const char* PRECISION_NAMES[] = {"fp32", "bf16"};
 
 typedef struct {
@@ -1481,27 +1615,25 @@ typedef struct {
     cudaStream_t stream;
     float* params; // one device allocation holding the fp32 tensors below
     const float *fc1_w, *fc1_b;
-    const float *enc_w, *enc_b; // fc21 then fc22 stacked: one GEMM yields [mu | logvar]
+    const float *enc_w, *enc_b; // fc21 then fc22 stacked: one layer yields [mu | logvar]
     const float *fc3_w, *fc3_b, *fc4_w, *fc4_b;
-    // fp32 activations for up to max_batch images, row-major [image][feature]. The bf16 path has
-    // no h1 or h3 (they stay on chip) and writes mulv, z, logits and recon only when asked to.
+    // fp32 activations for up to max_batch images, row-major [image][feature], written only when
+    // asked for (h1 and h3 stay on chip; the fp32 path has them for the tests)
     float *h1, *mulv, *z, *h3, *logits, *recon;
     // the decoder's rows (decoder_rows of them; --iwae's K per image): log p(z) - log q(z|x), and
-    // each row's BCE as parts for the caller to add: 4 in bf16 (the column blocks'), 1 in fp32
+    // each row's BCE as the column blocks' parts for the caller to add
     int decoder_rows, bce_parts_per_row;
     float *row_log_ratio, *bce_parts;
-    // bf16 path: weights converted once at load, the encoder's and decoder's buffers
-    bf16* params_bf16;
-    const bf16 *fc1_wp, *enc_w16;      // [400][832] in the encoder's K order (fc1_weights_kernel), [40][400]
-    const bf16 *fc3_wb, *fc4_wb;       // [400][32], [784][408]: weights and bias parts (weights_with_bias_kernel)
-    uint4* z_rows;                     // [decoder_rows][4]
-    float* enc_partials;               // [max_batch][5][40]
+    // the weights in the kernels' layouts (weights_kernel), once at load, in the path's 16-bit type
+    void* params16;
+    const void *fc1_wp, *enc_w16, *fc3_wb, *fc4_wb;
+    uint4* z_rows;                       // [decoder_rows][Z_K / 8]
+    float* enc_partials;                 // [max_batch][slices][40]
     unsigned *enc_tickets, *dec_tickets; // per 16 images, per 16 decoder rows; zero between launches
-    bool wgmma;         // encoder and decoder on Hopper's wgmma kernels (set at init; tests turn it off to
-                        // check the kernels other GPUs run)
-    bool overlap;       // the decoder launched while the kernel before it runs (sm_90+)
-    int encoder_blocks; // persistent blocks: one per SM, whole groups of the encoder's 5 slices
-    int decoder_blocks; // and of the decoder's 4 column blocks
+    bool wgmma;   // encoder and decoder on Hopper's wgmma kernels (set at init; tests turn it off to check
+                  // the kernels other GPUs run)
+    bool overlap; // the decoder launched while the kernel before it runs (sm_90+)
+    int sms;      // persistent blocks: at most one per SM
     CUtensorMap w1_map, w4_map, w3_map;
 } VAE;
 
@@ -1511,7 +1643,7 @@ typedef struct {
     bool z_is_mu;          // z = mu (no noise): the deterministic reconstruction
     const float* eps;      // device [B][20] noise to use instead of the generator (tests), or NULL
     bool want_recon;       // also write recon = sigmoid(logits)
-    bool keep_activations; // bf16 path: also write mulv, z and logits (the fp32 path always does)
+    bool keep_activations; // also write mulv, z and logits (and fp32's h1 and h3)
 } ForwardOptions;
 
 static void* device_alloc(size_t bytes, const char* what, int batch) {
@@ -1524,9 +1656,36 @@ static void* device_alloc(size_t bytes, const char* what, int batch) {
     return p;
 }
 
+// The weights in precision P's layouts and the GPU-specific state (vae_init's second half).
+template <Precision P> static void vae_init_path(VAE* m) {
+    typedef typename Path<P>::T T;
+    constexpr int COPIES = Path<P>::SPLIT ? 2 : 1;
+    const size_t fc1 = (size_t)Path<P>::ENC_SLICES * ENC_BN * FC1_K,
+                 enc = (size_t)MULV_DIM * Path<P>::ENC_SLICES * Path<P>::ENC_W_COLS,
+                 fc3 = (size_t)HIDDEN_DIM * Path<P>::Z_K, fc4 = (size_t)COPIES * INPUT_DIM * FC4_K;
+    T* p = (T*)device_alloc((fc1 + enc + fc3 + fc4) * sizeof(T), "the 16-bit weights", m->max_batch);
+    m->params16 = p;
+    auto convert = [&](Layer layer, const float* w, const float* b, size_t count) {
+        T* dst = p;
+        p += count;
+        launch(weights_kernel<P>, count, 256, 256, m->stream, dst, layer, w, b, (long long)count);
+        return dst;
+    };
+    m->fc1_wp = convert(LAYER_FC1, m->fc1_w, NULL, fc1);
+    m->enc_w16 = convert(LAYER_ENC, m->enc_w, NULL, enc);
+    m->fc3_wb = convert(LAYER_FC3, m->fc3_w, m->fc3_b, fc3);
+    m->fc4_wb = convert(LAYER_FC4, m->fc4_w, m->fc4_b, fc4);
+    m->bce_parts_per_row = Path<P>::DEC_COL_BLOCKS;
+    allow_shared_memory<P>(m->wgmma);
+    if (!m->wgmma) return;
+    m->w1_map = tensor_map_16bit(m->fc1_wp, Path<P>::ENC_SLICES * ENC_BN, FC1_K, ENC_BN);
+    m->w4_map = tensor_map_16bit(m->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
+    m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
+}
+
 // max_batch: images per forward pass, and the most samples per image --iwae may take.
-// decoder_rows: rows per --iwae decoder pass (at least max_batch). In bf16 a row costs 92 bytes
-// and no activations, so its passes can be far longer than the fp32 path's.
+// decoder_rows: rows per --iwae decoder pass (at least max_batch). A row costs at most 172 bytes
+// (fp32's z row, the BCE parts, the log ratio) and no activations, so its passes can be far longer.
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, int decoder_rows = 0) {
     memset(m, 0, sizeof(*m));
     m->max_batch = max_batch;
@@ -1549,112 +1708,84 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     m->fc3_w = dst[FC3_W], m->fc3_b = dst[FC3_B];
     m->fc4_w = dst[FC4_W], m->fc4_b = dst[FC4_B];
 
+    int device, major;
+    cudaCheck(cudaGetDevice(&device));
+    cudaCheck(cudaDeviceGetAttribute(&m->sms, cudaDevAttrMultiProcessorCount, device));
+    cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    m->overlap = major >= 9;
+    m->wgmma = gpu_has_wgmma();
+    if (precision == PRECISION_FP32) vae_init_path<PRECISION_FP32>(m);
+    else vae_init_path<PRECISION_BF16>(m);
+
     const size_t B = (size_t)max_batch;
-    const bool bf16_path = precision == PRECISION_BF16;
-    m->decoder_rows = bf16_path && decoder_rows > max_batch ? decoder_rows : max_batch;
+    m->decoder_rows = decoder_rows > max_batch ? decoder_rows : max_batch;
     const size_t R = (size_t)m->decoder_rows;
-    if (!bf16_path) { // bf16 keeps h1 and h3 on chip
+    if (precision == PRECISION_FP32) { // the tests' view of the hidden layers
         m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1", max_batch);
         m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3", max_batch);
     }
-    m->bce_parts_per_row = bf16_path ? DEC_COL_BLOCKS : 1;
     m->bce_parts = (float*)device_alloc(R * m->bce_parts_per_row * sizeof(float), "BCE parts", max_batch);
     m->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar", max_batch);
     m->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z", max_batch);
     m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits", max_batch);
     m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
     m->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios", max_batch);
-    if (!bf16_path) return;
-
-    const size_t fc1 = (size_t)HIDDEN_DIM * FC1_K, enc = MULV_DIM * HIDDEN_DIM, fc3 = HIDDEN_DIM * FC3_K_PADDED,
-                 fc4 = (size_t)INPUT_DIM * FC4_K;
-    bf16* p = (bf16*)device_alloc((fc1 + enc + fc3 + fc4) * sizeof(bf16), "the bf16 weights", max_batch);
-    m->params_bf16 = p;
-    launch(fc1_weights_kernel, fc1, 256, 256, m->stream, p, m->fc1_w), m->fc1_wp = p, p += fc1;
-    auto convert = [&](const float* w, const float* b, int rows, int cols, int dst_cols) {
-        bf16* dst = p;
-        p += (size_t)rows * dst_cols;
-        launch(weights_with_bias_kernel, (size_t)rows * dst_cols, 256, 256, m->stream, dst, w, b, rows, cols, dst_cols);
-        return dst;
-    };
-    m->enc_w16 = convert(m->enc_w, NULL, MULV_DIM, HIDDEN_DIM, HIDDEN_DIM);
-    m->fc3_wb = convert(m->fc3_w, m->fc3_b, HIDDEN_DIM, LATENT_DIM, FC3_K_PADDED);
-    m->fc4_wb = convert(m->fc4_w, m->fc4_b, INPUT_DIM, HIDDEN_DIM, FC4_K);
-    m->z_rows = (uint4*)device_alloc(R * 4 * sizeof(uint4), "z rows", max_batch);
-    m->enc_partials = (float*)device_alloc(B * ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials", max_batch);
+    const int z_k = precision == PRECISION_FP32 ? Path<PRECISION_FP32>::Z_K : Path<PRECISION_BF16>::Z_K;
+    m->z_rows = (uint4*)device_alloc(R * z_k * 2, "z rows", max_batch);
+    m->enc_partials =
+        (float*)device_alloc(B * MAX_ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials", max_batch);
     const size_t enc_tickets = ceil_div(max_batch, TASK_ROWS), dec_tickets = ceil_div(m->decoder_rows, TASK_ROWS);
     m->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets", max_batch);
     m->dec_tickets = m->enc_tickets + enc_tickets;
     cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
-
-    // more than the default 48 KB of dynamic shared memory, allowed once
-    cudaCheck(cudaFuncSetAttribute(encoder_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)sizeof(EncoderSmem)));
-    cudaCheck(cudaFuncSetAttribute(decoder_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)sizeof(DecoderMmaSmem)));
-    int device, sms;
-    cudaCheck(cudaGetDevice(&device));
-    cudaCheck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    m->decoder_blocks = DEC_COL_BLOCKS * (sms / DEC_COL_BLOCKS);
-    m->encoder_blocks = ENC_SLICES * (sms / ENC_SLICES);
-    int major;
-    cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    m->overlap = major >= 9;
-    m->wgmma = gpu_has_wgmma();
-    if (m->wgmma) {
-        cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DEC_WG_SMEM));
-        cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ENC_WG_SMEM));
-        m->w1_map = bf16_tensor_map(m->fc1_wp, HIDDEN_DIM, FC1_K, ENC_BN);
-        m->w4_map = bf16_tensor_map(m->fc4_wb, INPUT_DIM, FC4_K, DEC_BN);
-        m->w3_map = bf16_tensor_map(m->fc3_wb, HIDDEN_DIM, FC3_K_PADDED, HIDDEN_DIM / 2, FC3_K_PADDED);
-    }
     cudaCheck(cudaStreamSynchronize(m->stream));
 }
 
 static void vae_free(VAE* m) {
-    void* buffers[] = {m->params,      m->h1,     m->mulv,         m->z,         m->h3,         m->logits, m->recon,
-                       m->row_log_ratio, m->bce_parts, m->params_bf16, m->z_rows, m->enc_partials, m->enc_tickets};
+    void* buffers[] = {m->params,      m->h1,        m->mulv,     m->z,          m->h3,         m->logits, m->recon,
+                       m->row_log_ratio, m->bce_parts, m->params16, m->z_rows, m->enc_partials, m->enc_tickets};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
 }
 
-// The decoder over `rows` latents in the model's precision, from z ([rows][20]; fp32) or m->z_rows
-// (bf16). With pixels, row r is scored against image r / rows_per_image: its BCE goes to bce[r],
-// or with bce NULL stays in m->bce_parts for the caller to add. logits (bf16: when given; fp32
-// always fills m->logits) and recon when given.
-static void vae_decoder(VAE* m, const float* z, const uint8_t* pixels, int rows, int rows_per_image, float* bce,
-                        float* logits, float* recon) {
-    if (m->precision == PRECISION_BF16) {
-        const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits,
-                              recon};
-        decoder_bf16(io, m->fc4_wb, m->fc3_wb, m->w4_map, m->w3_map, m->wgmma, m->decoder_blocks, m->overlap,
-                     m->stream);
-        return;
-    }
-    linear_fp32(m->h3, z, m->fc3_w, m->fc3_b, rows, HIDDEN_DIM, LATENT_DIM, ACT_RELU, m->stream);
-    linear_fp32(m->logits, m->h3, m->fc4_w, m->fc4_b, rows, INPUT_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
-    if (pixels != NULL || recon != NULL)
-        launch(bce_loss_kernel, rows, LOSS_WARPS, LOSS_WARPS * 32, m->stream, bce ? bce : m->bce_parts, recon,
-               m->logits, pixels, rows, rows_per_image);
+// The decoder over `rows` z rows in m->z_rows, in the model's precision. With pixels, row r is
+// scored against image r / rows_per_image: its BCE goes to bce[r], or with bce NULL stays in
+// m->bce_parts for the caller to add. logits, recon and h3 when given.
+static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,
+                        float* recon, float* h3 = NULL) {
+    const DecoderIO io = {m->z_rows, pixels,   rows,   rows_per_image, bce, m->bce_parts, m->dec_tickets,
+                          logits,    recon,    h3};
+    if (m->precision == PRECISION_FP32)
+        decoder_launch<PRECISION_FP32>(io, m->fc4_wb, m->fc3_wb, m->w4_map, m->w3_map, m->wgmma, m->sms, m->overlap,
+                                       m->stream);
+    else
+        decoder_launch<PRECISION_BF16>(io, m->fc4_wb, m->fc3_wb, m->w4_map, m->w3_map, m->wgmma, m->sms, m->overlap,
+                                       m->stream);
+}
+
+// The encoder in the model's precision over io.M images (io's weights filled in here).
+static void vae_encoder(VAE* m, EncoderIO io) {
+    io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.fc1_b = m->fc1_b, io.enc_w = m->enc_w16;
+    io.enc_b = m->enc_b;
+    if (m->precision == PRECISION_FP32)
+        encoder_launch<PRECISION_FP32>(io, m->fc1_wp, m->w1_map, m->wgmma, m->sms, m->stream);
+    else
+        encoder_launch<PRECISION_BF16>(io, m->fc1_wp, m->w1_map, m->wgmma, m->sms, m->stream);
 }
 
 // mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
 static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
-    if (m->precision == PRECISION_FP32) {
-        linear_fp32(m->h1, pixels, m->fc1_w, m->fc1_b, B, HIDDEN_DIM, INPUT_DIM, ACT_RELU, m->stream);
-        linear_fp32(m->mulv, m->h1, m->enc_w, m->enc_b, B, MULV_DIM, HIDDEN_DIM, ACT_NONE, m->stream);
-    } else {
-        const EncoderIO io = {m->z_rows, NULL,  m->mulv, NULL, m->enc_partials, m->enc_tickets, pixels, m->fc1_b,
-                              m->enc_w16, m->enc_b, NULL, B, 0, 0, true};
-        encoder_bf16(io, m->fc1_wp, m->w1_map, m->wgmma, m->encoder_blocks, m->stream);
-    }
+    EncoderIO io = {};
+    io.z_rows = m->z_rows, io.mulv_out = m->mulv, io.pixels = pixels, io.M = B, io.z_is_mu = true;
+    vae_encoder(m, io);
 }
 
 // recon = the decoder's images of B latents given in fp32 (a device pointer), in the model's precision.
 static void vae_decode(VAE* m, const float* z, int B) {
-    if (m->precision == PRECISION_BF16) launch(z_rows_kernel, B, 128, 128, m->stream, m->z_rows, z, B);
-    vae_decoder(m, z, NULL, B, 1, NULL, NULL, m->recon);
+    if (m->precision == PRECISION_FP32) launch(z_rows_kernel<PRECISION_FP32>, B, 128, 128, m->stream, m->z_rows, z, B);
+    else launch(z_rows_kernel<PRECISION_BF16>, B, 128, 128, m->stream, m->z_rows, z, B);
+    vae_decoder(m, NULL, B, 1, NULL, NULL, m->recon);
 }
 
 // Decodes rows first_row .. first_row + rows - 1 of the interpolations between pairs of images
@@ -1673,18 +1804,13 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
                         float* bce, float* kl) {
     if (B < 1 || B > m->max_batch) fail("internal: batch %d outside 1..%d", B, m->max_batch);
     const bool keep = opt->keep_activations;
-    if (m->precision == PRECISION_FP32) {
-        vae_encode(m, pixels, B);
-        const SampleOut out = {m->z, NULL, kl, NULL};
-        launch(sample_z_kernel, B, 128, 128, m->stream, out, m->mulv, opt->eps, B, 1, first_image, opt->seed,
-               opt->z_is_mu);
-    } else {
-        const EncoderIO io = {m->z_rows,  kl,       keep ? m->mulv : NULL, keep ? m->z : NULL, m->enc_partials,
-                              m->enc_tickets, pixels, m->fc1_b, m->enc_w16, m->enc_b, opt->eps, B, first_image,
-                              opt->seed, opt->z_is_mu};
-        encoder_bf16(io, m->fc1_wp, m->w1_map, m->wgmma, m->encoder_blocks, m->stream);
-    }
-    vae_decoder(m, m->z, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL);
+    EncoderIO io = {};
+    io.z_rows = m->z_rows, io.kl = kl, io.mulv_out = keep ? m->mulv : NULL, io.z_out = keep ? m->z : NULL;
+    io.h1 = keep ? m->h1 : NULL, io.pixels = pixels, io.eps = opt->eps, io.M = B, io.first_image = first_image;
+    io.seed = opt->seed, io.z_is_mu = opt->z_is_mu;
+    vae_encoder(m, io);
+    vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL,
+                keep ? m->h3 : NULL);
 }
 
 // Images per --iwae pass at K samples each: as many as the decoder's rows hold.
@@ -1699,8 +1825,8 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->max_batch) fail("internal: %d samples per image outside 1..%d", K, m->max_batch);
     const int images_per_pass = vae_iwae_images_per_pass(m, K);
-    const bool bf16_path = m->precision == PRECISION_BF16;
-    const SampleOut out = {bf16_path ? NULL : m->z, bf16_path ? m->z_rows : NULL, NULL, m->row_log_ratio};
+    const SampleOut out = {m->z_rows, NULL, m->row_log_ratio};
+    auto sample = m->precision == PRECISION_FP32 ? sample_z_kernel<PRECISION_FP32> : sample_z_kernel<PRECISION_BF16>;
     // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
     // holds few images (13 at K = 5000), far too few to fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
@@ -1709,11 +1835,11 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
         for (int first = group; first < group + group_size; first += images_per_pass) {
             const int left = group + group_size - first, images = left < images_per_pass ? left : images_per_pass;
             const int rows = images * K;
-            launch(sample_z_kernel, rows, 128, 128, m->stream, out, m->mulv + (size_t)(first - group) * MULV_DIM,
+            launch(sample, rows, 128, 128, m->stream, out, m->mulv + (size_t)(first - group) * MULV_DIM,
                    eps ? eps + (size_t)first * K * LATENT_DIM : NULL, rows, K, first_image + (uint32_t)first, seed,
                    false);
             // no tickets: the logsumexp adds each row's parts in the order they would
-            vae_decoder(m, m->z, pixels + (size_t)first * INPUT_DIM, rows, K, NULL, NULL, NULL);
+            vae_decoder(m, pixels + (size_t)first * INPUT_DIM, rows, K, NULL, NULL, NULL);
             launch(iwae_logsumexp_kernel, images, 1, LSE_THREADS, m->stream, log_px + first, m->bce_parts,
                    m->bce_parts_per_row, m->row_log_ratio, K);
         }
@@ -2070,7 +2196,7 @@ enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper
 // "/samples.ppm"); a longer argument would be cut silently and name another file.
 enum { MAX_PATH_ARG = 4000 };
 enum { IWAE_ROWS = 1 << 16 };  // decoder rows per --iwae pass (~0.6 GB of activations); K at most this
-enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per bf16 decoder pass (84 bytes each: z row, BCE parts, log ratio)
+enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per decoder pass (at most 172 bytes each: z row, BCE parts, log ratio)
 enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
 
 static bool parse_path(const char* flag, const char* value, const char** out, Error* err) {
@@ -2340,7 +2466,7 @@ static void init_cuda(cudaDeviceProp* prop) {
     Error err;
     if (!gpu_supported(prop->name, prop->major, prop->minor, &err)) fail("%s", err.msg);
     cudaFuncAttributes attr; // a binary built for other GPUs has no kernel this one can load
-    status = cudaFuncGetAttributes(&attr, bce_loss_kernel);
+    status = cudaFuncGetAttributes(&attr, iwae_logsumexp_kernel);
     if (status != cudaSuccess)
         fail("this vae has no code for the %s (sm_%d%d): %s. HINT: rebuild it here: make clean && make vae", prop->name,
              prop->major, prop->minor, cudaGetErrorString(status));

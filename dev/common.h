@@ -1,6 +1,6 @@
 // The dev/ drivers' harness: what a kernel study needs around its kernel, and no model code. vae.cu
 // comes first (with TESTING: no CLI), so the model's constants, the generator, the file parsers, the
-// PTX helpers and the fp32 kernels are the program's own and a driver cannot drift from them. This
+// PTX helpers and the kernels are the program's own and a driver cannot drift from them. This
 // file adds cuBLAS error checks, deterministic inputs, CPU float64 references, validation, the timing
 // protocol, the cuBLASLt baseline, the result tables and one validate-then-time driver per kernel
 // family. Each dev/*.cu writes out the kernel it studies; where that kernel has a name vae.cu also
@@ -90,8 +90,7 @@ struct Rng {
         state ^= state >> 12, state ^= state << 25, state ^= state >> 27;
         return static_cast<uint32_t>((state * 0x2545F4914F6CDD1Dull) >> 32);
     }
-    // Uniform in [-scale, -scale/64] U [scale/64, scale]: never zero, so an
-    // output that ignored an input would show up in validation.
+    // Uniform in [-scale, -scale/64] U [scale/64, scale]: never zero, so an ignored input shows in validation.
     float next_nonzero(float scale) {
         const float u = (next_u32() >> 8) * (1.0f / 16777216.0f);  // [0, 1)
         const float magnitude = scale * (1.0f / 64.0f + u * (63.0f / 64.0f));
@@ -104,8 +103,7 @@ inline void fill_random(std::vector<float>& v, uint64_t seed, float scale) {
     for (float& x : v) x = rng.next_nonzero(scale);
 }
 
-// Round host values to T's precision in place so the CPU reference sees
-// exactly the numbers the GPU gets.
+// Round host values to T's precision in place so the CPU reference sees exactly the numbers the GPU gets.
 template <typename T>
 void round_to(std::vector<float>& v) {
     for (float& x : v) x = ElemTraits<T>::to_float(ElemTraits<T>::from_float(x));
@@ -145,8 +143,7 @@ struct CheckResult {
     float bad_got = 0.0f, bad_ref = 0.0f;
 };
 
-// |got - ref| <= atol + rtol*|ref| elementwise; NaN (an unwritten, poisoned
-// element) always fails because every comparison with NaN is false.
+// |got - ref| <= atol + rtol*|ref| elementwise; NaN (an unwritten, poisoned element) always fails.
 inline CheckResult validate(const float* got, const float* ref, size_t n, double atol, double rtol) {
     CheckResult r;
     for (size_t i = 0; i < n; ++i) {
@@ -160,8 +157,7 @@ inline CheckResult validate(const float* got, const float* ref, size_t n, double
     return r;
 }
 
-// Fill a device buffer with 0xFF bytes: NaN in both fp32 and bf16, so any
-// output element a kernel forgets to write fails validation.
+// Fill a device buffer with 0xFF bytes: NaN in fp32, bf16 and fp16, so an unwritten output fails validation.
 inline void poison(void* dev_ptr, size_t bytes) { cudaCheck(cudaMemset(dev_ptr, 0xFF, bytes)); }
 
 template <typename T>
@@ -346,8 +342,7 @@ inline void print_table_header() {
     printf("|---|---|---|---|---|---|---|---|\n");
 }
 
-// "% of cuBLAS" is baseline time / variant time: 100% matches the library,
-// above 100% beats it.
+// "% of cuBLAS" is baseline time / variant time: 100% matches the library, above 100% beats it.
 inline void print_result_row(const char* variant, int M, int K, int N, Act act, float us,
                              float baseline_us, bool ok) {
     const double tflops = gemm_flops(M, N, K) / (us * 1e-6) / 1e12;
@@ -437,9 +432,8 @@ bool run_gemm_driver(const char* variant, const GemmLauncher<T>& launch) {
 }
 
 // ---- Memory roofline and result rows for bandwidth-bound kernels
-// Device-to-device cudaMemcpy of 512 MB timed like every kernel here (cold L2,
-// median): the practical bandwidth ceiling of this GPU, read + write. It is
-// measured once per driver run; ~4.3 TB/s on an H200.
+// Device-to-device cudaMemcpy of 512 MB timed like every kernel here (cold L2, median): the practical
+// bandwidth ceiling of this GPU, read + write, measured once per driver run; ~4.3 TB/s on an H200.
 inline double copy_bandwidth_gbs() {
     static double gbs = 0.0;
     if (gbs != 0.0) return gbs;
@@ -460,16 +454,14 @@ inline void print_kernel_header() {
     printf("| variant | problem | time us | throughput | %% of roofline | check |\n|---|---|---|---|---|---|\n");
 }
 
-// bytes: what the kernel must move at least (each input read once, each
-// output written once); the roofline is the measured copy bandwidth.
+// bytes: what the kernel must move at least (inputs read once, outputs written once); roofline: the copy.
 inline void print_mem_row(const char* variant, const char* problem, float us, double bytes) {
     const double gbs = bytes / (us * 1e-6) / 1e9;
     printf("| %s | %s | %.2f | %.0f GB/s | %.0f%% of copy | OK |\n", variant, problem, us, gbs,
            100.0 * gbs / copy_bandwidth_gbs());
 }
 
-// Compares and prints one line; returns false on a mismatch (the caller exits
-// non-zero). `what` names the output, `n` elements of it.
+// Compares and prints one line; false on a mismatch (the caller exits non-zero). `what`: the output, n elements.
 inline bool check_output(const char* variant, const char* what, int B, const float* got, const float* ref, size_t n,
                          size_t row_len, double atol, double rtol) {
     const CheckResult r = validate(got, ref, n, atol, rtol);
@@ -497,6 +489,15 @@ using Variant = std::pair<const char*, std::function<void(const Args&)>>;
 // One pixel's BCE in float64 from its logit: max(l,0) - x l + log(1 + e^-|l|), x = pixel / 255.
 inline double bce_term_ref(double l, double x) {
     return std::max(l, 0.0) - x * l + std::log1p(std::exp(-std::fabs(l)));
+}
+// What the loss_* and reparam_* variants build on (vae.cu's decoders now form the BCE in their
+// epilogue): the same term in fp32, and a sum over a warp's lanes in a fixed order.
+__device__ inline float bce_term(float logit, uint8_t pixel) {
+    return fmaxf(logit, 0.0f) - ((float)pixel / 255.0f) * logit + log1pf(expf(-fabsf(logit)));
+}
+__device__ inline float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
 }
 
 // z and KL of images first_image .. first_image + B - 1 in float64, eps from
@@ -644,15 +645,13 @@ inline bool run_convert_driver(const std::vector<Variant<ConvertArgs>>& variants
         size_t n, offset;  // offset: elements into the buffers; 1 makes both pointers misaligned
         bool timed;
     };
-    const Case cases[] = {
-        {"fc1.w 400x784", size_t(HIDDEN_DIM) * INPUT_DIM, 0, true},
-        {"fc21+22.w 40x400", size_t(kMulv) * HIDDEN_DIM, 0, true},
-        {"fc3.w 400x20", size_t(HIDDEN_DIM) * LATENT_DIM, 0, true},
-        {"fc4.w 784x400", size_t(INPUT_DIM) * HIDDEN_DIM, 0, true},
-        {"n=1", 1, 0, false}, {"n=37", 37, 0, false}, {"n=1023", 1023, 0, false}, {"n=4097", 4097, 0, false},
-        {"n=4097, both pointers +1 element", 4097, 1, false}, {"n=64M+3", kBig + 3, 0, false},
-        {"n=64M", kBig, 0, true},
-    };
+    const Case cases[] = {{"fc1.w 400x784", size_t(HIDDEN_DIM) * INPUT_DIM, 0, true},
+                          {"fc21+22.w 40x400", size_t(kMulv) * HIDDEN_DIM, 0, true},
+                          {"fc3.w 400x20", size_t(HIDDEN_DIM) * LATENT_DIM, 0, true},
+                          {"fc4.w 784x400", size_t(INPUT_DIM) * HIDDEN_DIM, 0, true},
+                          {"n=1", 1, 0, false}, {"n=37", 37, 0, false}, {"n=1023", 1023, 0, false},
+                          {"n=4097", 4097, 0, false}, {"n=4097, both pointers +1 element", 4097, 1, false},
+                          {"n=64M+3", kBig + 3, 0, false}, {"n=64M", kBig, 0, true}};
     const size_t cap = kBig + 8;
     std::vector<float> src(cap);
     fill_random(src, 21, 4.0f);

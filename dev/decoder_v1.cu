@@ -1,7 +1,7 @@
 // Decoder v1: the first step of the bf16 decoder, and the design vae.cu runs today - one design on two
 // instruction sets. This driver has no kernel of its own: it checks and times vae.cu's
 // decoder_mma_kernel (mma.sync, any GPU from sm_80) and decoder_wgmma_kernel (Hopper's wgmma + TMA,
-// sm_90a), both through vae.cu's decoder_bf16.
+// sm_90a), both through vae.cu's decoder_launch.
 //
 // The design: z rows in, per-row BCE out; h3 and the logits never reach memory.
 //   columns  fc4's 784 logits in 4 column blocks of 200 (the last starts at 584 and leaves its first
@@ -88,9 +88,9 @@ int main() {
     vae_init(&m, &weights, MAX_IMAGES, PRECISION_BF16, MAX_ROWS);
     const bool has_wgmma = m.wgmma;
     const int decoders = has_wgmma ? 2 : 1;
-    printf("decoders: mma.sync (%zu bytes of shared memory a block)%s; %d blocks\n", sizeof(DecoderMmaSmem),
-           has_wgmma ? " and wgmma" : "; no wgmma in this build or on this GPU (sm_90a): mma.sync alone",
-           m.decoder_blocks);
+    printf("decoders: mma.sync (%zu bytes of shared memory a block)%s; %d SMs\n",
+           sizeof(DecoderMmaSmem<PRECISION_BF16>),
+           has_wgmma ? " and wgmma" : "; no wgmma in this build or on this GPU (sm_90a): mma.sync alone", m.sms);
 
     // z: N(0,1) draws, latent 4q..4q+3 of row r from one Philox call; z rows as vae_decode makes them
     std::vector<float> z((size_t)MAX_ROWS * LATENT_DIM);
@@ -104,7 +104,7 @@ int main() {
     uint8_t* d_pixels;
     cudaCheck(cudaMalloc(&d_z, z.size() * sizeof(float)));
     cudaCheck(cudaMemcpy(d_z, z.data(), z.size() * sizeof(float), cudaMemcpyHostToDevice));
-    launch(z_rows_kernel, MAX_ROWS, 128, 128, m.stream, m.z_rows, d_z, (int)MAX_ROWS);
+    launch(z_rows_kernel<PRECISION_BF16>, MAX_ROWS, 128, 128, m.stream, m.z_rows, d_z, (int)MAX_ROWS);
     cudaCheck(cudaGetLastError());
     cudaCheck(cudaMalloc(&d_pixels, (size_t)MAX_IMAGES * INPUT_DIM));
     cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)MAX_IMAGES * INPUT_DIM, cudaMemcpyHostToDevice));
@@ -123,12 +123,12 @@ int main() {
             m.wgmma = d == 1;
             // the ELBO's pass: pixels in, per-row BCE out, no logits
             poison(d_bce, (MAX_ROWS + 1) * sizeof(float));
-            vae_decoder(&m, NULL, d_pixels, rows, 1, d_bce, NULL, NULL);
+            vae_decoder(&m, d_pixels, rows, 1, d_bce, NULL, NULL);
             cudaCheck(cudaStreamSynchronize(m.stream));
             cudaCheck(cudaMemcpy(bce[d].data(), d_bce, (rows + 1) * sizeof(float), cudaMemcpyDeviceToHost));
             // the pictures' pass: no pixels, logits out
             poison(d_logits, (size_t)(MAX_CHECK + 1) * INPUT_DIM * sizeof(float));
-            vae_decoder(&m, NULL, NULL, rows, 1, NULL, d_logits, NULL);
+            vae_decoder(&m, NULL, rows, 1, NULL, d_logits, NULL);
             cudaCheck(cudaStreamSynchronize(m.stream));
             cudaCheck(cudaMemcpy(logits.data(), d_logits, (size_t)(rows + 1) * INPUT_DIM * sizeof(float),
                                  cudaMemcpyDeviceToHost));
@@ -165,7 +165,7 @@ int main() {
         m.wgmma = d == 1;
         for (int rows : TIME_ROWS) {
             const int rows_per_image = rows <= MAX_IMAGES ? 1 : rows / MAX_IMAGES;
-            auto pass = [&] { vae_decoder(&m, NULL, d_pixels, rows, rows_per_image, d_bce, NULL, NULL); };
+            auto pass = [&] { vae_decoder(&m, d_pixels, rows, rows_per_image, d_bce, NULL, NULL); };
             const float hot = benchmark_us(pass, 200, 10, false), cold = benchmark_us(pass);
             const double flop = 2.0 * rows * ((double)LATENT_DIM * HIDDEN_DIM + (double)HIDDEN_DIM * INPUT_DIM);
             const double tf_hot = flop / (hot * 1e-6) / 1e12, tf_cold = flop / (cold * 1e-6) / 1e12;

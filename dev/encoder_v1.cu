@@ -1,5 +1,5 @@
 // Encoder v1: the first fused bf16 encoder - fc1 + ReLU, fc21/fc22, the sampling and the KL in one
-// launch - as vae.cu first had it, measured against today's encoder (vae.cu's encoder_bf16: the wgmma kernel on
+// launch - as vae.cu first had it, measured against today's encoder (vae.cu's encoder_launch: the wgmma kernel on
 // Hopper, the mma.sync one elsewhere).
 //
 // The design: a block per (slice, row tile), a fresh grid per batch.
@@ -153,7 +153,7 @@ __device__ inline void mma_mainloop_v1(float (&acc)[Tile::MT][Tile::NT][4], type
             #pragma unroll
             for (int mt = 0; mt < Tile::MT; mt++)
                 #pragma unroll
-                for (int nt = 0; nt < Tile::NT; nt++) mma_bf16_m16n8k16(acc[mt][nt], a[mt], b[nt]);
+                for (int nt = 0; nt < Tile::NT; nt++) mma_m16n8k16<bf16>(acc[mt][nt], a[mt], b[nt]);
         }
     }
     cp_async_wait<0>();
@@ -186,8 +186,8 @@ __device__ inline void for_each_acc_pair_v1(const float (&acc)[Tile::MT][Tile::N
 // adds the five in slice order 0..4 (whatever order they arrived in: bitwise reproducible and
 // batch invariant), adds the bias, draws eps (keyed by the image's global index) and writes the
 // z rows and KL. 800 bytes of partials an image; h1 (800 bytes in bf16) never leaves the chip.
-// (ENC_SLICES = 5, ENC_BN = 80, MULV_DIM = 40 and ENC_PITCH = 88 are vae.cu's: today's encoder
-// kept them.)
+// (ENC_BN = 80 and MULV_DIM = 40 are vae.cu's; ENC_SLICES = 5 is its bf16 path's.)
+constexpr int ENC_SLICES = Path<PRECISION_BF16>::ENC_SLICES, ENC_PITCH = ENC_BN + 8;
 typedef MmaTileV1<uint8_t, 2, 2, 2, 5, 3, 64> EncoderTileV1; // 64 images x 80 units, 4 warps, K in slices of 64
 static_assert(EncoderTileV1::BN == ENC_BN && HIDDEN_DIM % ENC_SLICES == 0 && ENC_BN % 16 == 0, "slices of k16 steps");
 static_assert(EncoderTileV1::THREADS / 32 * 16 == EncoderTileV1::BM, "the partial product: a warp per 16 rows");
@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(EncoderTileV1::THREADS)
         #pragma unroll
         for (int nt = 0; nt < MULV_DIM / 8; nt++) {
             const bf16* w = &sm.w_enc[nt * 8 + g][ks * 16 + 2 * t];
-            const uint32_t b[2] = {bf16x2_at(w), bf16x2_at(w + 8)};
-            mma_bf16_m16n8k16(part[nt], a, b);
+            const uint32_t b[2] = {pair_at(w), pair_at(w + 8)};
+            mma_m16n8k16<bf16>(part[nt], a, b);
         }
     }
     #pragma unroll
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(EncoderTileV1::THREADS)
         float sum = 0.0f; // each image's KL in a fixed order
         for (int j = 0; j < LATENT_DIM; j++) sum += sm.kl_terms[r][j];
         if (kl) kl[row0 + r] = -0.5f * sum;
-        store_z_row(z_rows + (size_t)(row0 + r) * 4, sm.z[r]);
+        store_z_row<PRECISION_BF16>(z_rows + (size_t)(row0 + r) * 4, sm.z[r]);
     }
 }
 
@@ -381,24 +381,26 @@ int main() {
     cudaCheck(cudaMemset(tickets_v1, 0, row_tiles * sizeof(unsigned)));
     cudaCheck(cudaMalloc(&d_mulv, (size_t)(MAX_B + 1) * MULV_DIM * sizeof(float))); // + 1: a row that must stay NaN
     cudaCheck(cudaMalloc(&d_kl, (size_t)(MAX_B + 1) * sizeof(float)));
-    launch(weights_with_bias_kernel, HIDDEN_DIM * INPUT_DIM, 256, 256, m.stream, fc1_w16, m.fc1_w, nullptr, HIDDEN_DIM,
-           INPUT_DIM, INPUT_DIM);
+    std::vector<bf16> fc1_host((size_t)HIDDEN_DIM * INPUT_DIM); // fc1 in bf16, row-major as in the file
+    for (size_t i = 0; i < fc1_host.size(); i++) fc1_host[i] = __float2bfloat16(weights.tensor[FC1_W][i]);
+    cudaCheck(cudaMemcpy(fc1_w16, fc1_host.data(), fc1_host.size() * sizeof(bf16), cudaMemcpyHostToDevice));
     cudaCheck(cudaFuncSetAttribute(encoder_v1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(EncoderSmemV1)));
     cudaCheck(cudaStreamSynchronize(m.stream));
     printf("v1: %d threads, %zu bytes of shared memory a block; production: %d blocks of %d threads, %zu bytes\n",
-           EncoderTileV1::THREADS, sizeof(EncoderSmemV1), m.encoder_blocks,
-           m.wgmma ? ENC_WG_GROUPS * 128 : ENC_WARPS * 32, m.wgmma ? (size_t)ENC_WG_SMEM : sizeof(EncoderSmem));
+           EncoderTileV1::THREADS, sizeof(EncoderSmemV1), m.sms, m.wgmma ? ENC_WG_GROUPS * 128 : ENC_WARPS * 32,
+           m.wgmma ? (size_t)enc_wg_smem<PRECISION_BF16>() : sizeof(EncoderSmem<PRECISION_BF16>));
 
     // z rows, KL and (when mulv is given) [mu | logvar] of B images; eps from the generator unless z = mu
     auto run_v1 = [&](int B, float* mulv, bool z_is_mu) {
-        encoder_v1_bf16(z_rows_v1, d_kl, mulv, partials_v1, tickets_v1, d_pixels, fc1_w16, m.fc1_b, m.enc_w16,
-                        m.enc_b, B, 42, z_is_mu, m.stream);
+        encoder_v1_bf16(z_rows_v1, d_kl, mulv, partials_v1, tickets_v1, d_pixels, fc1_w16, m.fc1_b,
+                        static_cast<const bf16*>(m.enc_w16), m.enc_b, B, 42, z_is_mu, m.stream);
     };
     auto run_production = [&](int B, float* mulv, bool z_is_mu) {
-        const EncoderIO io = {m.z_rows, d_kl,    mulv,      NULL, m.enc_partials, m.enc_tickets, d_pixels, m.fc1_b,
-                              m.enc_w16, m.enc_b, NULL, B, 0, 42, z_is_mu};
-        encoder_bf16(io, m.fc1_wp, m.w1_map, m.wgmma, m.encoder_blocks, m.stream);
+        EncoderIO io = {};
+        io.z_rows = m.z_rows, io.kl = d_kl, io.mulv_out = mulv, io.pixels = d_pixels, io.M = B, io.seed = 42;
+        io.z_is_mu = z_is_mu;
+        vae_encoder(&m, io);
     };
 
     // Validation: z = mu (no noise), so KL is a function of mu and logvar alone.

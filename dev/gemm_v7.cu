@@ -168,7 +168,7 @@ __global__ __launch_bounds__(WARPS_M * WARPS_N * 32) void gemm_mma_pipelined(
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                for (int ni = 0; ni < NI; ++ni) mma_bf16_m16n8k16(acc[mi][ni], a[mi], b[ni]);
+                for (int ni = 0; ni < NI; ++ni) mma_m16n8k16<bf16>(acc[mi][ni], a[mi], b[ni]);
         }
     }
 

@@ -136,7 +136,7 @@ __global__ __launch_bounds__(kThreads) void gemm_v7_sync_kernel(const bf16* __re
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                for (int ni = 0; ni < NI; ++ni) mma_bf16_m16n8k16(acc[mi][ni], a[mi], b[ni]);
+                for (int ni = 0; ni < NI; ++ni) mma_m16n8k16<bf16>(acc[mi][ni], a[mi], b[ni]);
         }
     }
     const int g = lane / 4, q = lane % 4;

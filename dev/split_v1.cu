@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(SPLIT_WARPS * 32)
     const int row0 = (blockIdx.y * SPLIT_WARPS + warp) * 16, col0 = blockIdx.x * WARP_COLS;
     float acc[WARP_COLS / 8][4] = {}, cor[WARP_COLS / 8][4] = {};
     auto pair = [&](const bf16* base, int row, int rows, int k) {
-        return row < rows ? bf16x2_at(base + (size_t)row * Kp + k) : 0u;
+        return row < rows ? pair_at(base + (size_t)row * Kp + k) : 0u;
     };
     for (int k0 = 0; k0 < Kp; k0 += 16) {
         uint32_t a[PA][4], b[PB][WARP_COLS / 8][2];
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(SPLIT_WARPS * 32)
                 if (j < 0 || j >= PB) continue;
                 #pragma unroll
                 for (int nt = 0; nt < WARP_COLS / 8; nt++)
-                    mma_bf16_m16n8k16(ORDER == OWN_ACCUMULATOR && sum > 0 ? cor[nt] : acc[nt], a[i], b[j][nt]);
+                    mma_m16n8k16<bf16>(ORDER == OWN_ACCUMULATOR && sum > 0 ? cor[nt] : acc[nt], a[i], b[j][nt]);
             }
         }
     }

@@ -1,0 +1,164 @@
+// Split v2: fp32 accuracy on the tensor cores in the fused encoder and decoder, as vae.cu's
+// --precision fp32 runs it (the kernels are vae.cu's; this driver checks and times them).
+//
+// Hypothesis: split_v1 needed six bf16 products (three parts each side) for 1e-5, because bf16
+// has 8 significant bits. fp16 has 11: two parts, hi = fp16(v) and lo = fp16(v - hi), carry 22
+// bits, and a w = ah wh + ah wl + al wh needs three products (al wl is 2^-22 of it). fp16 and bf16
+// run at the same rate, so that is half the tensor work of six bf16 products and two weight copies
+// instead of three, which is what lets the weights stay resident: fc1 in slices of 40 units (hi
+// and lo rows fill the 80 rows a bf16 slice has), fc4 in 9 column blocks of 88 (two copies beside
+// fc3, 209 KB). The lo parts are not scaled: below fp16's normal range (6e-5) they keep an
+// absolute precision of 3e-8, far below what a sum of 20 to 800 terms of size ~1 can show, so all
+// three products go into one accumulator, the small ones first.
+// Arithmetic: fc1 2 products (pixels are exact in fp16), fc21/22, fc3 and fc4 3: 2.6x the bf16
+// path's tensor work, plus fc3 recomputed by 9 column blocks instead of 4. Predicted: about 2.5x
+// the bf16 forward pass (59 us at B = 10000: ~150 us), against 758 us for the SIMT GEMMs it
+// replaces (gemm_v9) and 459-516 us for PyTorch's fastest fp32.
+// Result (H200): dev/README.md, "fp32 on the tensor cores".
+//
+// The driver runs vae_forward (z = mu) into NaN-poisoned activations on ragged batches with both
+// instruction sets and checks every activation against a float64 CPU forward pass, then times the
+// forward pass in both precisions beside cuBLASLt fp32 (CUBLAS_COMPUTE_32F, no TF32) running the
+// same four layers alone.
+//
+// Build and run from the repository root (needs data/: make data):
+//   make -C dev split_v2 && ./dev/split_v2
+#include "common.h"
+
+static const int CHECK_B[] = {1, 7, 37, 1023, 4097}; // ragged: multiples of neither 16 nor 64
+static const int TIME_B[] = {1024, 4096, 10000};
+enum { MAX_B = 10000, NUM_ACTS = 7 };
+// Per tensor, max |ours - float64| / max |float64|: vae.cu's bound for fp32 (test_vae) and for bf16.
+static const double TOL[] = {1e-5, 2e-2}; // by Precision
+
+// Every activation of B images (z = mu) in float64: [h1 | mu | logvar | h3 | logits | bce | kl].
+static std::vector<std::vector<double>> cpu_forward64(const HostWeights* w, const uint8_t* pixels, int B) {
+    const int widths[NUM_ACTS] = {HIDDEN_DIM, LATENT_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM, 1, 1};
+    std::vector<std::vector<double>> a(NUM_ACTS);
+    for (int t = 0; t < NUM_ACTS; t++) a[t].assign((size_t)B * widths[t], 0.0);
+    auto linear = [](double* y, const double* x, const float* W, const float* b, int out, int in, bool relu) {
+        for (int o = 0; o < out; o++) {
+            double acc = b[o];
+            for (int k = 0; k < in; k++) acc += (double)W[(size_t)o * in + k] * x[k];
+            y[o] = relu && acc < 0.0 ? 0.0 : acc;
+        }
+    };
+    std::vector<double> x(INPUT_DIM);
+    for (int i = 0; i < B; i++) {
+        for (int p = 0; p < INPUT_DIM; p++) x[p] = pixels[(size_t)i * INPUT_DIM + p] / 255.0;
+        double *h1 = &a[0][(size_t)i * HIDDEN_DIM], *mu = &a[1][(size_t)i * LATENT_DIM];
+        double *lv = &a[2][(size_t)i * LATENT_DIM], *h3 = &a[3][(size_t)i * HIDDEN_DIM];
+        double* l = &a[4][(size_t)i * INPUT_DIM];
+        linear(h1, x.data(), w->tensor[FC1_W], w->tensor[FC1_B], HIDDEN_DIM, INPUT_DIM, true);
+        linear(mu, h1, w->tensor[FC21_W], w->tensor[FC21_B], LATENT_DIM, HIDDEN_DIM, false);
+        linear(lv, h1, w->tensor[FC22_W], w->tensor[FC22_B], LATENT_DIM, HIDDEN_DIM, false);
+        linear(h3, mu, w->tensor[FC3_W], w->tensor[FC3_B], HIDDEN_DIM, LATENT_DIM, true);
+        linear(l, h3, w->tensor[FC4_W], w->tensor[FC4_B], INPUT_DIM, HIDDEN_DIM, false);
+        for (int p = 0; p < INPUT_DIM; p++) a[5][i] += vae::bce_term_ref(l[p], x[p]);
+        for (int j = 0; j < LATENT_DIM; j++) a[6][i] += -0.5 * (1.0 + lv[j] - mu[j] * mu[j] - std::exp(lv[j]));
+    }
+    return a;
+}
+
+int main() {
+    HostWeights weights = {};
+    Images images = {};
+    Error err;
+    if (!load_file("data/vae_weights.bin", parse_weights, &weights, &err) ||
+        !load_file("data/t10k-images-idx3-ubyte", parse_idx_images, &images, &err))
+        fail("%s (run from the repository root: ./dev/split_v2)", err.msg);
+    print_device_info();
+    const int max_check = *std::max_element(std::begin(CHECK_B), std::end(CHECK_B));
+    const auto ref = cpu_forward64(&weights, images.pixels, max_check); // the batches are prefixes of one another
+    uint8_t* d_pixels;
+    float* d_losses;
+    cudaCheck(cudaMalloc(&d_pixels, (size_t)MAX_B * INPUT_DIM));
+    cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)MAX_B * INPUT_DIM, cudaMemcpyHostToDevice));
+    cudaCheck(cudaMalloc(&d_losses, 2 * MAX_B * sizeof(float)));
+
+    // Validation: every activation of each batch, both precisions, both instruction sets.
+    bool ok = true;
+    printf("| precision | kernels | batch | h1 | mu | logvar | h3 | logits | bce | kl |\n"
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (Precision p : {PRECISION_FP32, PRECISION_BF16}) {
+        VAE m;
+        vae_init(&m, &weights, MAX_B, p);
+        const bool has_wgmma = m.wgmma;
+        for (int engine = 0; engine < (has_wgmma ? 2 : 1); engine++) {
+            m.wgmma = engine == 1;
+            for (int B : CHECK_B) {
+                poison(m.mulv, (size_t)MAX_B * MULV_DIM * 4), poison(m.logits, (size_t)MAX_B * INPUT_DIM * 4);
+                poison(d_losses, 2 * MAX_B * sizeof(float));
+                if (m.h1) poison(m.h1, (size_t)MAX_B * HIDDEN_DIM * 4), poison(m.h3, (size_t)MAX_B * HIDDEN_DIM * 4);
+                const ForwardOptions opt = {0, true, NULL, false, true};
+                vae_forward(&m, d_pixels, B, 0, &opt, d_losses, d_losses + MAX_B);
+                cudaCheck(cudaStreamSynchronize(m.stream));
+                const float* outs[NUM_ACTS] = {m.h1, m.mulv, m.mulv, m.h3, m.logits, d_losses, d_losses + MAX_B};
+                const size_t widths[NUM_ACTS] = {HIDDEN_DIM, LATENT_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM, 1, 1};
+                const size_t pitch[NUM_ACTS] = {HIDDEN_DIM, MULV_DIM, MULV_DIM, HIDDEN_DIM, INPUT_DIM, 1, 1};
+                printf("| %s | %s | %d |", PRECISION_NAMES[p], engine ? "wgmma" : "mma.sync", B);
+                for (int t = 0; t < NUM_ACTS; t++) {
+                    if (outs[t] == NULL) { // bf16 keeps h1 and h3 on chip
+                        printf(" - |");
+                        continue;
+                    }
+                    const size_t col = t == 2 ? LATENT_DIM : 0; // logvar: the second half of [mu | logvar]
+                    std::vector<float> all((size_t)B * pitch[t]), got((size_t)B * widths[t]);
+                    cudaCheck(cudaMemcpy(all.data(), outs[t], all.size() * sizeof(float), cudaMemcpyDeviceToHost));
+                    for (size_t i = 0; i < got.size(); i++)
+                        got[i] = all[i / widths[t] * pitch[t] + col + i % widths[t]];
+                    const double e = rel_err(got.data(), ref[t].data(), got.size());
+                    ok = ok && e <= TOL[p];
+                    printf(" %.2e%s |", e, e <= TOL[p] ? "" : " FAIL");
+                }
+                printf("\n");
+            }
+        }
+        m.wgmma = has_wgmma;
+        vae_free(&m);
+    }
+    if (!ok) {
+        printf("FAIL: an activation is outside its bound (fp32 %.0e, bf16 %.0e), nothing timed\n", TOL[0], TOL[1]);
+        return 1;
+    }
+
+    // Timing: the forward pass + loss (z = mu), L2 warm, against cuBLASLt fp32 on the four layers alone.
+    CublasLtLinear<float> cublas;
+    float *d_x, *d_h, *d_mulv, *d_y;
+    cudaCheck(cudaMalloc(&d_x, (size_t)MAX_B * INPUT_DIM * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_h, (size_t)MAX_B * HIDDEN_DIM * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_mulv, (size_t)MAX_B * MULV_DIM * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_y, (size_t)MAX_B * INPUT_DIM * sizeof(float)));
+    std::vector<float> x((size_t)MAX_B * INPUT_DIM);
+    for (size_t i = 0; i < x.size(); i++) x[i] = images.pixels[i] / 255.0f;
+    cudaCheck(cudaMemcpy(d_x, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+    VAE fp32, bf16_model;
+    vae_init(&fp32, &weights, MAX_B, PRECISION_FP32);
+    vae_init(&bf16_model, &weights, MAX_B, PRECISION_BF16);
+    printf("\nus per forward pass + loss (z = mu), median of 200, L2 warm; cuBLASLt fp32: its four GEMMs with\n"
+           "bias and ReLU fused, nothing else\n"
+           "| batch | vae.cu fp32 | vae.cu bf16 | cuBLASLt fp32 layers | fp32 vs cuBLAS fp32 | fp32 vs bf16 path |\n"
+           "|---:|---:|---:|---:|---:|---:|\n");
+    for (int B : TIME_B) {
+        const ForwardOptions opt = {0, true, NULL, false, false};
+        auto forward = [&](VAE* m) { vae_forward(m, d_pixels, B, 0, &opt, d_losses, d_losses + MAX_B); };
+        const float us32 = benchmark_us([&] { forward(&fp32); }, 200, 10, false);
+        const float us16 = benchmark_us([&] { forward(&bf16_model); }, 200, 10, false);
+        const float us_cublas = benchmark_us(
+            [&] {
+                cublas({d_x, fp32.fc1_w, fp32.fc1_b, d_h, B, HIDDEN_DIM, INPUT_DIM, Act::Relu});
+                cublas({d_h, fp32.enc_w, fp32.enc_b, d_mulv, B, MULV_DIM, HIDDEN_DIM, Act::None});
+                cublas({d_mulv, fp32.fc3_w, fp32.fc3_b, d_h, B, HIDDEN_DIM, LATENT_DIM, Act::Relu});
+                cublas({d_h, fp32.fc4_w, fp32.fc4_b, d_y, B, INPUT_DIM, HIDDEN_DIM, Act::None});
+            },
+            200, 10, false);
+        printf("| %d | %.1f | %.1f | %.1f | %.2fx faster | %.0f%% of its speed |\n", B, us32, us16, us_cublas,
+               us_cublas / us32, 100.0 * us16 / us32);
+    }
+    cudaCheck(cudaGetLastError());
+    vae_free(&fp32), vae_free(&bf16_model);
+    for (void* p : {(void*)d_x, (void*)d_h, (void*)d_mulv, (void*)d_y, (void*)d_pixels, (void*)d_losses})
+        cudaCheck(cudaFree(p));
+    free(weights.data), free(images.pixels);
+    return 0;
+}
