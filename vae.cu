@@ -485,7 +485,6 @@ enum {
     TASK_ROWS = 16,        // rows of one warp's task (encoder and decoder): the unit of a cross-block merge
     BIAS_PARTS = 3,
     FC4_K = HIDDEN_DIM + 8, // fc4's K with the bias parts: 816-byte rows, a 16-byte multiple for TMA
-    MAX_DEC_COL_BLOCKS = Path<PRECISION_FP32>::DEC_COL_BLOCKS,
 };
 template <Precision P> __host__ __device__ constexpr int dec_overlap() {
     return Path<P>::DEC_COL_BLOCKS * Path<P>::DEC_BN - INPUT_DIM;
