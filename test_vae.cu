@@ -924,6 +924,35 @@ static void test_cli(int num_images, const Images* images) {
         {{"--interp", "5", "--precision", "bf16"}, true},
         {{"--interp", "5", "-s", "3"}, false},
         {{"--interp", "5", "--iwae", "3"}, false},
+        // --ais and --bdmc
+        {{"--ais", "1000", "--chains", "16", "--leapfrog", "10", "--ais-init", "q", "-n", "64", "--csv", "x"}, true},
+        {{"--ais", "100000", "--chains", "128", "--leapfrog", "1000", "--ais-init=prior", "--precision", "bf16"}, true},
+        {{"--ais", "1", "--chains", "1", "--leapfrog", "1", "-s", "3", "--image", "a.pgm"}, true},
+        {{"--ais", "0"}, false},
+        {{"--ais", "100001"}, false},
+        {{"--ais", "10", "--chains", "0"}, false},
+        {{"--ais", "10", "--chains", "129"}, false},
+        {{"--ais", "10", "--leapfrog", "0"}, false},
+        {{"--ais", "10", "--leapfrog", "1001"}, false},
+        {{"--ais", "10", "--ais-init", "posterior"}, false},
+        {{"--ais", "10", "--zmu"}, false},
+        {{"--ais", "10", "-b", "64"}, false},
+        {{"--ais", "10", "-o", "x"}, false},
+        {{"--ais", "10", "--iwae", "5"}, false},
+        {{"--ais", "10", "--bench"}, false},
+        {{"--chains", "16"}, false},
+        {{"--leapfrog", "5"}, false},
+        {{"--ais-init", "prior"}, false},
+        {{"--iwae", "5", "--chains", "16"}, false},
+        {{"--bdmc", "64", "--ais", "100", "--chains", "8", "--leapfrog", "5", "--ais-init", "prior", "-s", "2"}, true},
+        {{"--ais", "100", "--bdmc", "100000", "--precision", "bf16", "-q"}, true},
+        {{"--bdmc", "64"}, false},
+        {{"--bdmc", "0", "--ais", "10"}, false},
+        {{"--bdmc", "100001", "--ais", "10"}, false},
+        {{"--bdmc", "8", "--ais", "10", "-n", "5"}, false},
+        {{"--bdmc", "8", "--ais", "10", "--csv", "x.csv"}, false},
+        {{"--bdmc", "8", "--ais", "10", "--image", "a.pgm"}, false},
+        {{"--bdmc", "8", "--ais", "10", "-d", "d"}, false},
         // --image
         {{"--image", "a.pgm"}, true},
         {{"--image", "a.pgm", "--image=b.pgm", "--invert", "--csv", "-", "-o", "x"}, true},
@@ -968,6 +997,15 @@ static void test_cli(int num_images, const Images* images) {
           "a message names the flag as it was spelled: %s", err.msg);
     check(!parse_line({"--iwae", "8", "-b", "5"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "-b") &&
               strstr(err.msg, "HINT"), "a flag a mode does not read is refused, not ignored: %s", err.msg);
+    check(parse_line({"--ais", "500", "--chains", "8", "--leapfrog", "3", "--ais-init", "prior"}, &cfg, &err, line,
+                     sizeof(line)) &&
+              cfg.mode == MODE_AIS && cfg.ais_t == 500 && cfg.chains == 8 && cfg.leapfrog == 3 && cfg.ais_from_prior,
+          "--ais 500 --chains 8 --leapfrog 3 --ais-init prior reach the config");
+    check(parse_line({"--bdmc", "7", "--ais", "9"}, &cfg, &err, line, sizeof(line)) && cfg.mode == MODE_BDMC &&
+              cfg.bdmc_n == 7 && cfg.ais_t == 9 && cfg.chains == 16 && cfg.leapfrog == 10 && !cfg.ais_from_prior,
+          "--bdmc 7 --ais 9: BDMC with the defaults C = 16, L = 10, from q");
+    check(!parse_line({"--bdmc", "7"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "--ais T"),
+          "--bdmc without --ais asks for T: %s", err.msg);
     check(!gpu_supported("Tesla T4", 7, 5, &err) && strstr(err.msg, "Tesla T4") && strstr(err.msg, "7.5") &&
               strstr(err.msg, "8.0"), "a GPU below sm_80 is refused with its name and capability: %s", err.msg);
     check(gpu_supported("A100", 8, 0, &err) && gpu_supported("H200", 9, 0, &err) && gpu_supported("B200", 10, 0, &err),
@@ -1694,6 +1732,274 @@ static void test_gpu_iwae(VAE* m, const HostWeights* w, const uint8_t* d_pixels,
 }
 
 
+// ----------------------------------------------------------------------------
+// AIS (--ais, --bdmc): the gradient, the transitions, the estimator
+
+// BCE(x, logits(z)) and grad_z BCE in float64: the decoder forward, then its backward pass w.r.t. z.
+static double cpu_bce_grad(const HostWeights* w, const uint8_t* pixels, const double* z, double* grad) {
+    double pre[HIDDEN_DIM], h[HIDDEN_DIM], dh[HIDDEN_DIM] = {}, bce = 0.0;
+    for (int k = 0; k < HIDDEN_DIM; k++) {
+        pre[k] = w->tensor[FC3_B][k];
+        for (int j = 0; j < LATENT_DIM; j++) pre[k] += (double)w->tensor[FC3_W][k * LATENT_DIM + j] * z[j];
+        h[k] = fmax(pre[k], 0.0);
+    }
+    for (int i = 0; i < INPUT_DIM; i++) {
+        const float* row = w->tensor[FC4_W] + (size_t)i * HIDDEN_DIM;
+        double l = w->tensor[FC4_B][i];
+        for (int k = 0; k < HIDDEN_DIM; k++) l += (double)row[k] * h[k];
+        const double x = pixels[i] / 255.0, g = 1.0 / (1.0 + exp(-l)) - x;
+        bce += fmax(l, 0.0) - x * l + log1p(exp(-fabs(l)));
+        for (int k = 0; k < HIDDEN_DIM; k++) dh[k] += g * row[k];
+    }
+    for (int j = 0; j < LATENT_DIM; j++) grad[j] = 0.0;
+    for (int k = 0; k < HIDDEN_DIM; k++)
+        if (pre[k] > 0.0)
+            for (int j = 0; j < LATENT_DIM; j++) grad[j] += dh[k] * w->tensor[FC3_W][k * LATENT_DIM + j];
+    return bce;
+}
+
+// The reference itself, by central differences (h = 1e-5: truncation ~1e-10, rounding ~1e-9).
+static void test_cpu_ais_gradient(const HostWeights* w, const Images* images) {
+    printf("host float64 gradient of BCE w.r.t. z against central differences\n");
+    double worst = 0.0, scale = 0.0;
+    for (int image : {0, 1, 4242}) {
+        double z[LATENT_DIM], grad[LATENT_DIM], unused[LATENT_DIM];
+        for (int j = 0; j < LATENT_DIM; j++) z[j] = 0.8 * sin(1.7 * j + image);
+        const uint8_t* x = images->pixels + (size_t)image * INPUT_DIM;
+        cpu_bce_grad(w, x, z, grad);
+        for (int j = 0; j < LATENT_DIM; j++) {
+            const double h = 1e-5, zj = z[j];
+            z[j] = zj + h;
+            const double up = cpu_bce_grad(w, x, z, unused);
+            z[j] = zj - h;
+            const double down = cpu_bce_grad(w, x, z, unused);
+            z[j] = zj;
+            worst = fmax(worst, fabs((up - down) / (2 * h) - grad[j])), scale = fmax(scale, fabs(grad[j]));
+        }
+    }
+    check(worst <= 1e-6 * scale, "grad_z BCE vs central differences, 3 images x 20 latents: max abs %.2e (%.2e of the "
+          "largest)", worst, worst / scale);
+}
+
+// One AIS launch of the tests and its results on the host.
+typedef struct {
+    int T, chains, leapfrog;
+    bool from_prior, adapt;
+    float step;
+    uint64_t seed;
+    const double* beta;   // host [T + 1], or NULL: ais_schedule
+    const float* z_start; // host [n][20]: the reverse run, or NULL
+} AisSpec;
+typedef struct {
+    double *log_w, *log_px;
+    int* accepted;
+    float *z, *grad0, *bce0, *delta_h, *step, *ess, *acceptance;
+} AisOut;
+
+static AisOut gpu_ais(VAE* m, const uint8_t* d_pixels, int first, int n, const AisSpec& spec) {
+    const size_t rows = (size_t)n * spec.chains;
+    double *d_beta, *d_log_w, *d_log_px;
+    int* d_accepted;
+    float *d_f, *d_z_start = NULL;
+    const size_t floats = rows * (3 * LATENT_DIM + 2) + 3 * (size_t)n; // z, grad0, bce0, delta_h | step, ess, accept
+    cudaCheck(cudaMalloc(&d_beta, (spec.T + 1) * sizeof(double)));
+    cudaCheck(cudaMalloc(&d_log_w, rows * sizeof(double)));
+    cudaCheck(cudaMalloc(&d_log_px, n * sizeof(double)));
+    cudaCheck(cudaMalloc(&d_accepted, rows * sizeof(int)));
+    cudaCheck(cudaMalloc(&d_f, floats * sizeof(float)));
+    poison(d_log_w, rows * sizeof(double)), poison(d_accepted, rows * sizeof(int)), poison(d_f, floats * sizeof(float));
+    double* beta = (double*)malloc((spec.T + 1) * sizeof(double));
+    if (spec.beta) memcpy(beta, spec.beta, (spec.T + 1) * sizeof(double));
+    else ais_schedule(beta, spec.T);
+    cudaCheck(cudaMemcpy(d_beta, beta, (spec.T + 1) * sizeof(double), cudaMemcpyHostToDevice));
+    free(beta);
+    if (spec.z_start) {
+        cudaCheck(cudaMalloc(&d_z_start, (size_t)n * LATENT_DIM * sizeof(float)));
+        cudaCheck(cudaMemcpy(d_z_start, spec.z_start, (size_t)n * LATENT_DIM * sizeof(float), cudaMemcpyHostToDevice));
+    }
+    AisIO io = {};
+    io.pixels = d_pixels + (size_t)first * INPUT_DIM, io.z_start = d_z_start, io.beta = d_beta, io.n = n;
+    io.chains = spec.chains, io.T = spec.T, io.leapfrog = spec.leapfrog, io.first_image = (uint32_t)first;
+    io.seed = spec.seed, io.reverse = spec.z_start != NULL, io.adapt = spec.adapt, io.step0 = spec.step;
+    io.log_w = d_log_w, io.accepted = d_accepted, io.z_out = d_f, io.grad0 = d_f + rows * LATENT_DIM;
+    io.bce0 = d_f + 2 * rows * LATENT_DIM, io.delta_h = io.bce0 + rows, io.step_out = io.delta_h + rows;
+    vae_ais(m, io, spec.from_prior);
+    launch(ais_estimate_kernel, n, 128, 128, m->stream, d_log_px, io.step_out + n, io.step_out + 2 * n, d_log_w,
+           d_accepted, n, spec.chains, spec.T - 1, io.reverse);
+    cudaCheck(cudaStreamSynchronize(m->stream));
+    AisOut out;
+    out.log_w = (double*)malloc(rows * sizeof(double)), out.log_px = (double*)malloc(n * sizeof(double));
+    out.accepted = (int*)malloc(rows * sizeof(int));
+    out.z = to_host(d_f, floats);
+    out.grad0 = out.z + rows * LATENT_DIM, out.bce0 = out.z + 2 * rows * LATENT_DIM, out.delta_h = out.bce0 + rows;
+    out.step = out.delta_h + rows, out.ess = out.step + n, out.acceptance = out.ess + n;
+    cudaCheck(cudaMemcpy(out.log_w, d_log_w, rows * sizeof(double), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(out.log_px, d_log_px, n * sizeof(double), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(out.accepted, d_accepted, rows * sizeof(int), cudaMemcpyDeviceToHost));
+    void* buffers[] = {d_beta, d_log_w, d_log_px, d_accepted, d_f, d_z_start};
+    for (void* p : buffers) cudaCheck(cudaFree(p));
+    return out;
+}
+static void ais_out_free(AisOut* o) { free(o->log_w), free(o->log_px), free(o->accepted), free(o->z); }
+
+static double mean_log_px(const AisOut& o, int n) {
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += o.log_px[i];
+    return sum / n;
+}
+
+static double fp32_ais_mean = NAN; // the fp32 run's whole-test-set mean at T = 100, compared against by bf16
+
+static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, const uint8_t* d_pixels, bool quick) {
+    const Precision p = m->precision;
+    const double tol = TOLERANCE[p];
+    printf("GPU %s AIS: the gradient against float64, T = 1 against IWAE\n", PRECISION_NAMES[p]);
+    const int first = 100, n = 7, C = 16;
+    const AisSpec one = {1, C, 10, false, true, AIS_STEP_START, 5, NULL, NULL};
+    AisOut a = gpu_ais(m, d_pixels, first, n, one);
+    double* grad64 = (double*)malloc((size_t)n * C * LATENT_DIM * sizeof(double));
+    double bce64[n * 16];
+    for (int r = 0; r < n * C; r++) {
+        double z[LATENT_DIM];
+        for (int j = 0; j < LATENT_DIM; j++) z[j] = a.z[r * LATENT_DIM + j]; // T = 1: no transition, z is the start
+        bce64[r] = cpu_bce_grad(w, images->pixels + (size_t)(first + r / C) * INPUT_DIM, z, grad64 + r * LATENT_DIM);
+    }
+    check_diff("grad", diff(a.grad0, grad64, (size_t)n * C * LATENT_DIM), tol, "  (112 chains' grad_z BCE)");
+    check_diff("BCE", diff(a.bce0, bce64, (size_t)n * C), tol);
+    float iwae[n];
+    gpu_iwae(m, d_pixels, first, n, C, 5, NULL, iwae);
+    // the same z (the same eps, keyed alike); the log p0 terms and the logsumexp run in another order and
+    // precision (float32 in IWAE). fp32: the same decoder arithmetic, so 1e-5. bf16: AIS runs fc3 in ~fp32
+    // (ais_gradient) where IWAE's decoder rounds z and W3 to bf16, so the two differ at bf16's tolerance
+    check_diff("T=1=IWAE", diff(iwae, a.log_px, n), p == PRECISION_FP32 ? 1e-5 : tol,
+               "  (--ais 1 --chains 16 against --iwae 16, per image)");
+    free(grad64);
+    ais_out_free(&a);
+
+    printf("GPU %s AIS: at b = 0 the chains keep N(0, I); the energy error of a leapfrog trajectory\n",
+           PRECISION_NAMES[p]);
+    {
+        const int T = 41, images4 = 4, chains = 128;
+        double zero[T + 1] = {};
+        const AisSpec still = {T, chains, 10, true, true, AIS_STEP_START, 9, zero, NULL};
+        AisOut s = gpu_ais(m, d_pixels, 0, images4, still);
+        const int rows = images4 * chains;
+        double worst_mean = 0.0, worst_var = 0.0;
+        int moved = 0;
+        for (int j = 0; j < LATENT_DIM; j++) {
+            double sum = 0.0, sum_sq = 0.0;
+            for (int r = 0; r < rows; r++) {
+                const double v = s.z[r * LATENT_DIM + j];
+                sum += v, sum_sq += v * v;
+            }
+            const double mean = sum / rows, var = sum_sq / rows - mean * mean;
+            worst_mean = fmax(worst_mean, fabs(mean) / sqrt(1.0 / rows));
+            worst_var = fmax(worst_var, fabs(var - 1.0) / sqrt(2.0 / rows));
+        }
+        for (int r = 0; r < rows; r++) moved += s.accepted[r] > 0;
+        check(worst_mean < 4.0 && worst_var < 4.0 && moved > rows / 2,
+              "%d chains after %d transitions at b = 0: every latent's mean and variance within 4 standard errors of "
+              "N(0, 1) (worst %.2f, %.2f); %d chains moved", rows, T - 1, worst_mean, worst_var, moved);
+        ais_out_free(&s);
+    }
+    if (p == PRECISION_FP32) { // bf16's energies carry rounding noise (~0.1 nat) that no step size removes
+        double mean_error[2];
+        for (int half = 0; half < 2; half++) {
+            const AisSpec jump = {2, C, 10, false, false, half ? 0.02f : 0.04f, 3, NULL, NULL};
+            AisOut e = gpu_ais(m, d_pixels, 0, 8, jump);
+            double sum = 0.0;
+            for (int r = 0; r < 8 * C; r++) sum += fabs(e.delta_h[r]);
+            mean_error[half] = sum / (8 * C);
+            ais_out_free(&e);
+        }
+        const double ratio = mean_error[0] / mean_error[1];
+        check(ratio > 3.0 && ratio < 5.5, "halving the leapfrog step cuts the energy error %.2fx (|H1 - H0| %.2e -> "
+              "%.2e; expected ~4, second order)", ratio, mean_error[0], mean_error[1]);
+    }
+
+    printf("GPU %s AIS: determinism and batch invariance (bitwise)\n", PRECISION_NAMES[p]);
+    {
+        const int count = 37;
+        const AisSpec spec = {20, C, 3, false, true, AIS_STEP_START, 11, NULL, NULL};
+        AisOut all = gpu_ais(m, d_pixels, 0, count, spec), again = gpu_ais(m, d_pixels, 0, count, spec);
+        bool same = !memcmp(all.log_w, again.log_w, count * C * sizeof(double));
+        check(same, "T = 20: a rerun gives bitwise-identical log weights");
+        for (int size : {1, 7}) {
+            bool ok = true;
+            for (int start = 0; start + size <= count && ok; start += size == 1 ? 9 : size) {
+                AisOut part = gpu_ais(m, d_pixels, start, size, spec);
+                ok = !memcmp(part.log_w, all.log_w + (size_t)start * C, (size_t)size * C * sizeof(double)) &&
+                     !memcmp(part.z, all.z + (size_t)start * C * LATENT_DIM, (size_t)size * C * LATENT_DIM * 4);
+                ais_out_free(&part);
+            }
+            check(ok, "T = 20: images in launches of %d give the same log weights and z as %d together", size, count);
+        }
+        ais_out_free(&all), ais_out_free(&again);
+    }
+
+    printf("GPU %s AIS: the estimate tightens with T\n", PRECISION_NAMES[p]);
+    {
+        const int count = 1024; // the T = 100 -> 1000 step is ~0.04 nats; 1024 images average the noise below that
+        double nll[4];
+        const int Ts[4] = {1, 10, 100, 1000};
+        for (int i = 0; i < 4; i++) {
+            const AisSpec spec = {Ts[i], C, 10, false, true, AIS_STEP_START, 0, NULL, NULL};
+            AisOut o = gpu_ais(m, d_pixels, 0, count, spec);
+            nll[i] = -mean_log_px(o, count);
+            ais_out_free(&o);
+        }
+        VAE big; // K = 5000 rows per image need a model sized for --iwae
+        vae_init(&big, w, IWAE_ROWS, p, IWAE_PASS_ROWS);
+        static float iwae[count];
+        gpu_iwae(&big, d_pixels, 0, count, 5000, 0, NULL, iwae);
+        vae_free(&big);
+        double iwae_nll = 0.0;
+        for (int i = 0; i < count; i++) iwae_nll -= iwae[i] / count;
+        check(nll[0] > nll[1] && nll[1] > nll[2] && nll[2] > nll[3] && nll[3] < iwae_nll,
+              "%d images: NLL %.4f (T = 1) > %.4f (10) > %.4f (100) > %.4f (1000); below IWAE-5000's %.4f", count,
+              nll[0], nll[1], nll[2], nll[3], iwae_nll);
+    }
+    // BDMC through ./vae: the bounds must close as T grows
+    double gaps[3];
+    const char* Ts[3] = {"10", "100", "1000"};
+    bool bdmc_ok = vae_bin != NULL;
+    for (int i = 0; i < 3 && bdmc_ok; i++) {
+        VaeRun r = run_vae({"--bdmc", "64", "--ais", Ts[i], "--precision", PRECISION_NAMES[p], "-q"});
+        double lower = NAN, upper = NAN;
+        const char *lo = r.out ? strstr(r.out, "lower bound") : NULL, *up = r.out ? strstr(r.out, "upper bound") : NULL;
+        bdmc_ok = r.status == 0 && lo && up && sscanf(lo, "lower bound %lf", &lower) == 1 &&
+                  sscanf(up, "upper bound %lf", &upper) == 1;
+        gaps[i] = upper - lower;
+        if (!bdmc_ok) printf("  ./vae --bdmc 64 --ais %s: exit %d, %s\n", Ts[i], r.status, r.err ? r.err : "");
+        vae_run_free(&r);
+    }
+    if (bdmc_ok)
+        check(gaps[0] > gaps[1] && gaps[1] > gaps[2] && gaps[2] >= 0.0 && gaps[2] < 0.05,
+              "BDMC, 64 simulated images: upper - lower %.4f (T = 10) > %.4f (100) > %.4f (1000) >= 0, below 0.05",
+              gaps[0], gaps[1], gaps[2]);
+    else
+        check(false, "./vae --bdmc 64 --ais T ran and printed both bounds");
+    if (quick) {
+        skip("AIS over the whole test set, fp32 against bf16", "--quick");
+        return;
+    }
+    const AisSpec spec = {100, C, 10, false, true, AIS_STEP_START, 0, NULL, NULL};
+    double sum = 0.0;
+    for (int start = 0; start < images->count; start += 4096) {
+        const int size = images->count - start < 4096 ? images->count - start : 4096;
+        AisOut o = gpu_ais(m, d_pixels, start, size, spec);
+        sum += mean_log_px(o, size) * size;
+        ais_out_free(&o);
+    }
+    const double mean = sum / images->count;
+    if (p == PRECISION_FP32) fp32_ais_mean = mean;
+    else if (fp32_ais_mean == fp32_ais_mean)
+        check(fabs(mean - fp32_ais_mean) < 0.02, "T = 100 over the %d test images: bf16's mean log p(x) %.4f within "
+              "0.02 of fp32's %.4f", images->count, mean, fp32_ais_mean);
+    else
+        skip("AIS, fp32 against bf16", "the fp32 run did not run");
+}
+
 static const char* TEST_USAGE =
     "usage: test_vae [--quick] [--gpu-only] [--precision fp32|bf16]\n"
     "  --quick      a GPU subset sized for compute-sanitizer: batch invariance on %d images in\n"
@@ -1756,6 +2062,7 @@ int main(int argc, char** argv) {
         if (loaded) {
             test_cpu_forward(&weights, &images, &ds);
             test_cpu_iwae(&weights, &images, &iwae);
+            test_cpu_ais_gradient(&weights, &images);
             char pgm_path[96];
             snprintf(pgm_path, sizeof(pgm_path), "%s/first.pgm", scratch);
             check(have_scratch && write_pgm(pgm_path, images.pixels, false, 255, false), "write %s", pgm_path);
@@ -1812,6 +2119,8 @@ int main(int argc, char** argv) {
         if (quick) skip(what[3], "--quick");
         else test_gpu_test_set(&m, &weights, &images, d_pixels, images.count);
         test_gpu_iwae(&m, &weights, d_pixels, &iwae, quick ? 0 : images.count);
+        if (m.ais_clusters > 0) test_gpu_ais(&m, &weights, &images, d_pixels, quick);
+        else skip("GPU AIS", "this GPU and build have no sm_90a code (AIS runs on Hopper)");
         if (m.wgmma) test_gpu_decoder_engines(&m, d_pixels, &ds, invariance_images, quick ? QUICK_SMALL_BATCH : 1);
         else
             skip(what[5], "this GPU and build have no wgmma: mma.sync was the kernel tested above");

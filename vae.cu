@@ -338,6 +338,7 @@ template <> struct Path<PRECISION_BF16> {
     static constexpr int ENC_STEPS = 5, ENC_W_COLS = 80;  // h1's k16 steps into fc21/22; their columns a slice
     static constexpr int DEC_BN = 200, DEC_COL_BLOCKS = 4; // fc4's logits per decoder block (one m64n200 wgmma)
     static constexpr int Z_K = 32;                        // a z row's K
+    static constexpr int AIS_CLUSTER = 4, AIS_BN = 200;   // ais_kernel: fc4's column blocks, one a block
 };
 template <> struct Path<PRECISION_FP32> {
     typedef fp16 T;
@@ -346,6 +347,7 @@ template <> struct Path<PRECISION_FP32> {
     static constexpr int ENC_STEPS = 3, ENC_W_COLS = 96;  // 40 units padded to 48, hi then lo
     static constexpr int DEC_BN = 88, DEC_COL_BLOCKS = 9; // two 88-row copies of fc4 fit beside fc3 (209 KB)
     static constexpr int Z_K = 64;
+    static constexpr int AIS_CLUSTER = 8, AIS_BN = 104;   // 8 of 104 in two copies, beside fc3's two (222 KB)
 };
 
 // The 16-bit types' conversions, the same names for both (device code).
@@ -485,6 +487,7 @@ enum {
     TASK_ROWS = 16,        // rows of one warp's task (encoder and decoder): the unit of a cross-block merge
     BIAS_PARTS = 3,
     FC4_K = HIDDEN_DIM + 8, // fc4's K with the bias parts: 816-byte rows, a 16-byte multiple for TMA
+    AIS_W3_K = 24,          // ais_kernel's fc3 rows [W3 | bias parts | 0]: 48 bytes, conflict-free loads
 };
 template <Precision P> __host__ __device__ constexpr int dec_overlap() {
     return Path<P>::DEC_COL_BLOCKS * Path<P>::DEC_BN - INPUT_DIM;
@@ -512,7 +515,7 @@ static_assert(Path<PRECISION_BF16>::ENC_UNITS == ENC_BN && 2 * Path<PRECISION_FP
 
 // The weights in the kernels' layouts, once at load: element i of layer `layer` from the fp32
 // tensors (w[rows][cols], b), in the path's 16-bit type (the layouts: the section's header).
-enum Layer { LAYER_FC1, LAYER_ENC, LAYER_FC3, LAYER_FC4 };
+enum Layer { LAYER_FC1, LAYER_ENC, LAYER_FC3, LAYER_FC4, LAYER_AIS_FC3 };
 template <Precision P>
 __global__ void weights_kernel(typename Path<P>::T* __restrict__ dst, Layer layer, const float* __restrict__ w,
                                const float* __restrict__ b, long long count) {
@@ -538,6 +541,11 @@ __global__ void weights_kernel(typename Path<P>::T* __restrict__ dst, Layer laye
         if (k < LATENT_DIM) v = w[n * LATENT_DIM + k];
         else if (k < LATENT_DIM + BIAS_PARTS) v = b[n], part = k - LATENT_DIM;
         else if (Q::SPLIT && zk < 2 * LATENT_DIM) v = w[n * LATENT_DIM + zk % LATENT_DIM], part = zk / LATENT_DIM;
+    } else if (layer == LAYER_AIS_FC3) { // [parts][400][24]: [W3 | bias parts | 0], fp32 also [W3l | 0]
+        const int n = (int)(i / AIS_W3_K % HIDDEN_DIM), k = (int)(i % AIS_W3_K);
+        const int copy = (int)(i / AIS_W3_K / HIDDEN_DIM);
+        if (k < LATENT_DIM) v = w[n * LATENT_DIM + k], part = copy;
+        else if (copy == 0 && k < LATENT_DIM + BIAS_PARTS) v = b[n], part = k - LATENT_DIM;
     } else { // [parts][784][408]: [W4 | bias parts | 0], fp32 also [W4l | 0]
         const int n = (int)(i / FC4_K % INPUT_DIM), k = (int)(i % FC4_K), copy = (int)(i / FC4_K / INPUT_DIM);
         if (k < HIDDEN_DIM) v = w[(size_t)n * HIDDEN_DIM + k], part = copy;
@@ -1490,6 +1498,548 @@ __global__ void __launch_bounds__(LSE_THREADS)
     }
 }
 // ----------------------------------------------------------------------------
+// kernels: annealed importance sampling (--ais T, --bdmc N), Hamiltonian Monte Carlo in the latent space
+//
+// AIS (Neal 2001; for decoder-based models Wu et al., ICLR 2017) moves C chains per image from
+// p0 = q(z|x) (or the prior N(0, I)) towards the posterior through f_b(z) = p0(z)^(1-b) p(x, z)^b,
+// 0 = b_0 < b_1 < ... < b_T = 1. Each chain carries a float64 log weight
+//   log w = sum_t (b_t - b_{t-1}) [log p(x, z_{t-1}) - log p0(z_{t-1})]
+// and log p(x) ~ logsumexp over the chains - log C. Between two weights z moves by one HMC
+// transition that leaves f_b invariant: momentum p ~ N(0, I), L leapfrog steps on the energy
+// U_b(z) = -log f_b(z), a Metropolis test on U + |p|^2 / 2 (without it AIS is biased). The work is
+// the gradient of log p(x|z) = -BCE(x, logits(z)), the decoder's backward pass w.r.t. z:
+//   grad_z BCE = W3^T (mask . (W4^T (sigmoid(logits) - x)))        mask = fc3's ReLU
+// 1.29 MFLOP per evaluation (four 20x400 or 400x784 products), L evaluations per transition.
+// BDMC (Grosse et al. 2015) runs the same chains backwards from an exact posterior sample: its
+// weights bound log p(x) from above as the forward ones do from below.
+// A warp's 16 chains hold, per thread (g = lane / 4, t = lane % 4), rows g and g + 8 and latents
+// 8 (i / 2) + 2t + i % 2, i = 0..5 (those below 20): the layout of an m16n8 accumulator over the 20
+// latents, so the gradient's accumulators are the state's own registers.
+enum {
+    AIS_WARPS = 8,
+    AIS_ROWS = AIS_WARPS * TASK_ROWS, // chains of one tile: AIS_ROWS / C images
+    AIS_LATENTS = 6,                  // latents a thread holds per row
+    STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4,
+};
+// the step size per image: its start, its bounds, and the acceptance it is adapted toward
+[[maybe_unused]] constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
+[[maybe_unused]] constexpr float AIS_TARGET_ACCEPT = 0.65f;
+// FLOPs of one gradient evaluation: forward 20x400 + 400x784 multiply-adds, backward the same
+constexpr double AIS_FLOPS_PER_EVAL = 4.0 * (LATENT_DIM * HIDDEN_DIM + HIDDEN_DIM * INPUT_DIM);
+
+// What one AIS launch reads and writes. Row r of the launch is chain r % C of image r / C.
+struct AisIO {
+    const uint8_t* pixels; // [n][784]
+    const float* mulv;     // [n][40]: p0 = N(mu, exp(logvar)): q(z|x), or zeros for the prior
+    const float* z_start;  // [n][20]: where every chain of an image starts (BDMC's reverse run), or NULL: z ~ p0
+    const double* beta;    // [T + 1]: the schedule, 0 .. 1
+    int n, chains, T, leapfrog;
+    uint32_t first_image;  // the generator's image index of image 0
+    uint64_t seed;
+    bool reverse;          // run the schedule from b_T to b_0: the weights of BDMC's upper bound
+    bool adapt;            // adapt the step size (tests fix it)
+    float step0;
+    double* log_w;         // [n * C]
+    int* accepted;         // [n * C]: transitions accepted
+    float* step_out;       // [n]: the step size at the end
+    float *z_out, *grad0, *bce0, *delta_h; // tests, or NULL: [n * C][20] final z; the first evaluation's
+                                          // grad BCE [n * C][20] and BCE [n * C]; the last H0 - H1 [n * C]
+};
+
+template <Precision P> struct AisSmem {
+    typename Path<P>::T w4[Path<P>::SPLIT ? 2 : 1][Path<P>::AIS_BN][FC4_K]; // the block's columns of fc4
+    fp16 w3[2][HIDDEN_DIM][AIS_W3_K];                                       // all of fc3, hi and lo parts
+    float share[AIS_ROWS][AIS_W3_K];              // the block's share of each row's grad (0..19) and BCE (20)
+    uint8_t mask[AIS_WARPS][HIDDEN_DIM / 16][32]; // fc3's ReLU, a byte per lane and 16 hidden units
+    float step[AIS_ROWS];                         // the tile's images' step sizes
+    int accepted[AIS_ROWS];                       // their chains' acceptances in this transition
+};
+
+__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ inline void ldmatrix_x2_trans(uint32_t& r0, uint32_t& r1, const void* row) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
+// Thread block clusters (sm_90): the blocks of a cluster run together, reach each other's shared
+// memory (mapa + ld.shared::cluster) and meet at a barrier split into arrive and wait.
+__device__ inline void cluster_arrive() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ inline void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+__device__ inline uint32_t cluster_special(int which) {
+    uint32_t v = 0;
+#if __CUDA_ARCH__ >= 900
+    if (which == 0) asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(v));
+    else if (which == 1) asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(v));
+    else asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(v));
+#endif
+    return v;
+}
+// Two floats at p in the shared memory of block `rank` of the cluster.
+__device__ inline float2 cluster_load2(const float* p, uint32_t rank) {
+    float2 v = make_float2(0.0f, 0.0f);
+#if __CUDA_ARCH__ >= 900
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"((uint32_t)__cvta_generic_to_shared(p)),
+                 "r"(rank));
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
+// Two values as an A register pair and, for fp16, their lo parts.
+template <typename T> __device__ inline void pack_parts(uint32_t& hi, uint32_t& lo, float a, float b) {
+    hi = pack2<T>(a, b);
+    if constexpr (std::is_same<T, fp16>::value) {
+        const float2 back = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+        lo = pack2<T>(a - back.x, b - back.y);
+    } else {
+        lo = 0u;
+    }
+}
+__device__ inline float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// BCE(x, logits(z)) and grad_z BCE for a warp's 16 rows z[half][i] (the thread's, as above):
+// this block's columns col0 .. col0 + AIS_BN - 1 of the product (its first `skip` n8 blocks are the
+// block before's), then the cluster's shares added in rank order, so every block gets the same
+// bits. x_row[half]: the row's image's pixels from col0.
+template <Precision P>
+__device__ inline void ais_gradient(AisSmem<P>& sm, const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
+                                    int skip, float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
+    typedef Path<P> Q;
+    typedef typename Q::T T;
+    // fc3 in fp16 hi and lo parts in both paths (three products, ~fp32): near the posterior's mode grad
+    // changes by its curvature (~100) times any error in z or W3 z, and bf16's 2^-9 moved it by 7% (fp16's
+    // 2^-11 alone: 2.3%). The backward product through W3 is linear in dh: one product in bf16.
+    typedef fp16 T3;
+    constexpr int BN = Q::AIS_BN, K_STEPS = (BN + 15) / 16; // fc4's backward K: the block's columns
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    // z as fc3's A fragments, K = 32: the latents, 1 at K = 20..22 (times the bias parts), zeros
+    uint32_t za[2][4] = {}, za_lo[2][4] = {};
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        pack_parts<T3>(za[0][half], za_lo[0][half], z[half][0], z[half][1]);
+        pack_parts<T3>(za[0][2 + half], za_lo[0][2 + half], z[half][2], z[half][3]);
+        const float k20 = t < 2 ? z[half][4] : 1.0f, k21 = t < 2 ? z[half][5] : t == 2 ? 1.0f : 0.0f;
+        pack_parts<T3>(za[1][half], za_lo[1][half], k20, k21);
+    }
+    // forward: fc3 16 hidden units at a time, their ReLU straight into fc4 (decoder_mma_kernel's loop)
+    const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
+    float logit[BN / 2] = {};
+    #pragma unroll 1
+    for (int c = 0; c < HIDDEN_DIM / 16; c++) {
+        float h[8] = {};
+        #pragma unroll
+        for (int j = 0; j < 2; j++)
+            #pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                const int n = 16 * c + 8 * j + g, k = 16 * kk + 2 * t;
+                const uint32_t b[2] = {pair_at(&sm.w3[0][n][k]), kk == 0 ? pair_at(&sm.w3[0][n][k + 8]) : 0u};
+                const uint32_t b_lo[2] = {pair_at(&sm.w3[1][n][k]), kk == 0 ? pair_at(&sm.w3[1][n][k + 8]) : 0u};
+                mma_parts<T3>(&h[4 * j], za[kk], za_lo[kk], b, b_lo);
+            }
+        uint32_t bits = 0;
+        #pragma unroll
+        for (int i = 0; i < 8; i++) bits |= (h[i] > 0.0f ? 1u : 0u) << i;
+        sm.mask[warp][c][lane] = (uint8_t)bits;
+        uint32_t a[1][4], a_lo[1][4];
+        relu_to_a<T>(a, a_lo, h);
+        #pragma unroll
+        for (int nt = 0; nt < BN / 8; nt += 2) {
+            const T* row = &sm.w4[0][nt * 8 + b_row][16 * c + b_k];
+            const T* row_lo = row + BN * FC4_K;
+            if (nt + 1 < BN / 8) {
+                uint32_t r[4], q[4] = {};
+                ldmatrix_x4(r, row);
+                if constexpr (Q::SPLIT) ldmatrix_x4(q, row_lo);
+                const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]}, c1[2] = {q[2], q[3]};
+                mma_parts<T>(&logit[4 * nt], a[0], a_lo[0], b0, c0);
+                mma_parts<T>(&logit[4 * nt + 4], a[0], a_lo[0], b1, c1);
+            } else { // the odd last n8 block
+                uint32_t b[2], b_lo[2] = {};
+                ldmatrix_x2(b[0], b[1], row - (lane / 16) * 8 * FC4_K);
+                if constexpr (Q::SPLIT) ldmatrix_x2(b_lo[0], b_lo[1], row_lo - (lane / 16) * 8 * FC4_K);
+                mma_parts<T>(&logit[4 * nt], a[0], a_lo[0], b, b_lo);
+            }
+        }
+    }
+    const uint32_t a_bias[4] = {bias_ones<T>(t), bias_ones<T>(t), 0u, 0u};
+    #pragma unroll
+    for (int nt = 0; nt < BN / 8; nt++) {
+        const uint32_t b[2] = {pair_at(&sm.w4[0][nt * 8 + g][HIDDEN_DIM + 2 * t]), 0u};
+        mma_m16n8k16<T>(&logit[4 * nt], a_bias, b);
+    }
+    // epilogue: the BCE share (decoder_epilogue's sum), and sigmoid(l) - x in place of the logits
+    float bce_share[2];
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float dot = 0.0f, abs_sum = 0.0f, prod0 = 1.0f, prod1 = 1.0f;
+        #pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            const uint32_t px = *reinterpret_cast<const uint16_t*>(&x_row[half][8 * j + 2 * t]);
+            float* l = &logit[4 * j + 2 * half];
+            const float x0 = byte_as_float(px, 0) * (1.0f / 255.0f), x1 = byte_as_float(px, 1) * (1.0f / 255.0f);
+            const float e0 = fast_exp2(-fabsf(l[0]) * 1.4426950409f), e1 = fast_exp2(-fabsf(l[1]) * 1.4426950409f);
+            if (j >= skip) {
+                dot = fmaf(0.5f - x0, l[0], fmaf(0.5f - x1, l[1], dot));
+                abs_sum += fabsf(l[0]) + fabsf(l[1]);
+                prod0 = fmaf(prod0, e0, prod0), prod1 = fmaf(prod1, e1, prod1);
+            }
+            l[0] = j >= skip ? __fdividef(l[0] >= 0.0f ? 1.0f : e0, 1.0f + e0) - x0 : 0.0f;
+            l[1] = j >= skip ? __fdividef(l[1] >= 0.0f ? 1.0f : e1, 1.0f + e1) - x1 : 0.0f;
+        }
+        bce_share[half] = quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1));
+    }
+    // backward: dh3 = (sigmoid - x) W4 over the block's columns (B: ldmatrix.trans of the same rows),
+    // masked by the ReLU, then grad += dh3 W3, 16 hidden units at a time
+    uint32_t ga[K_STEPS][4], ga_lo[K_STEPS][4];
+    #pragma unroll
+    for (int s = 0; s < K_STEPS; s++) {
+        pack_parts<T>(ga[s][0], ga_lo[s][0], logit[8 * s], logit[8 * s + 1]);
+        pack_parts<T>(ga[s][1], ga_lo[s][1], logit[8 * s + 2], logit[8 * s + 3]);
+        if (2 * s + 1 < BN / 8) {
+            pack_parts<T>(ga[s][2], ga_lo[s][2], logit[8 * s + 4], logit[8 * s + 5]);
+            pack_parts<T>(ga[s][3], ga_lo[s][3], logit[8 * s + 6], logit[8 * s + 7]);
+        } else {
+            ga[s][2] = ga[s][3] = ga_lo[s][2] = ga_lo[s][3] = 0u;
+        }
+    }
+    const int t_row = lane % 8 + ((lane / 8) % 2) * 8, t_col = (lane / 16) * 8; // ldmatrix_x4_trans: k16 x two n8
+    float dz[3][4] = {};
+    #pragma unroll 1
+    for (int c = 0; c < HIDDEN_DIM / 16; c++) {
+        float dh[8] = {};
+        #pragma unroll
+        for (int s = 0; s < K_STEPS; s++) {
+            if (16 * s + 16 <= BN) {
+                const T* row = &sm.w4[0][16 * s + t_row][16 * c + t_col];
+                uint32_t r[4], q[4] = {};
+                ldmatrix_x4_trans(r, row);
+                if constexpr (Q::SPLIT) ldmatrix_x4_trans(q, row + BN * FC4_K);
+                const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]}, c1[2] = {q[2], q[3]};
+                mma_parts<T>(&dh[0], ga[s], ga_lo[s], b0, c0);
+                mma_parts<T>(&dh[4], ga[s], ga_lo[s], b1, c1);
+            } else { // a last half step: 8 columns, K 8..15 of B zero
+                const T* row = &sm.w4[0][16 * s + lane % 8][16 * c + ((lane / 8) % 2) * 8];
+                uint32_t r0, r1, q0 = 0u, q1 = 0u;
+                ldmatrix_x2_trans(r0, r1, row);
+                if constexpr (Q::SPLIT) ldmatrix_x2_trans(q0, q1, row + BN * FC4_K);
+                const uint32_t b0[2] = {r0, 0u}, b1[2] = {r1, 0u}, c0[2] = {q0, 0u}, c1[2] = {q1, 0u};
+                mma_parts<T>(&dh[0], ga[s], ga_lo[s], b0, c0);
+                mma_parts<T>(&dh[4], ga[s], ga_lo[s], b1, c1);
+            }
+        }
+        const uint32_t bits = sm.mask[warp][c][lane];
+        #pragma unroll
+        for (int i = 0; i < 8; i++) dh[i] = (bits >> i) & 1u ? dh[i] : 0.0f;
+        uint32_t a[4], a_lo[4];
+        pack_parts<T3>(a[0], a_lo[0], dh[0], dh[1]);
+        pack_parts<T3>(a[1], a_lo[1], dh[2], dh[3]);
+        pack_parts<T3>(a[2], a_lo[2], dh[4], dh[5]);
+        pack_parts<T3>(a[3], a_lo[3], dh[6], dh[7]);
+        uint32_t r[4], q[4] = {}, r2[2], q2[2] = {};
+        const T3* row = &sm.w3[0][16 * c + t_row][0];
+        ldmatrix_x4_trans(r, row + t_col);
+        ldmatrix_x2_trans(r2[0], r2[1], row + 16);
+        if constexpr (Q::SPLIT) {
+            ldmatrix_x4_trans(q, row + HIDDEN_DIM * AIS_W3_K + t_col);
+            ldmatrix_x2_trans(q2[0], q2[1], row + HIDDEN_DIM * AIS_W3_K + 16);
+        }
+        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]}, c1[2] = {q[2], q[3]};
+        if constexpr (Q::SPLIT) {
+            mma_parts<T3>(dz[0], a, a_lo, b0, c0), mma_parts<T3>(dz[1], a, a_lo, b1, c1);
+            mma_parts<T3>(dz[2], a, a_lo, r2, q2);
+        } else {
+            mma_m16n8k16<T3>(dz[0], a, b0), mma_m16n8k16<T3>(dz[1], a, b1), mma_m16n8k16<T3>(dz[2], a, r2);
+        }
+    }
+    // merge: wait until every block has read the last shares, store this one's, meet, add all in rank order
+    cluster_wait();
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float* share = sm.share[warp * TASK_ROWS + g + 8 * half];
+        #pragma unroll
+        for (int nt = 0; nt < 3; nt++) {
+            const int col = 8 * nt + 2 * t;
+            if (col < LATENT_DIM)
+                *reinterpret_cast<float2*>(&share[col]) = make_float2(dz[nt][2 * half], dz[nt][2 * half + 1]);
+            else if (col == LATENT_DIM)
+                share[col] = bce_share[half];
+        }
+    }
+    cluster_arrive();
+    cluster_wait();
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const float* share = sm.share[warp * TASK_ROWS + g + 8 * half];
+        float2 sum[3] = {}, bce_sum = {};
+        #pragma unroll
+        for (uint32_t rank = 0; rank < (uint32_t)Q::AIS_CLUSTER; rank++) {
+            #pragma unroll
+            for (int nt = 0; nt < 3; nt++) {
+                if (8 * nt + 2 * t >= LATENT_DIM) continue;
+                const float2 v = cluster_load2(&share[8 * nt + 2 * t], rank);
+                sum[nt].x += v.x, sum[nt].y += v.y;
+            }
+            bce_sum.x += cluster_load2(&share[LATENT_DIM], rank).x;
+        }
+        #pragma unroll
+        for (int i = 0; i < AIS_LATENTS; i++) grad[half][i] = i % 2 ? sum[i / 2].y : sum[i / 2].x;
+        bce[half] = bce_sum.x;
+    }
+    cluster_arrive();
+}
+
+// Two N(0, 1) draws (pair `pair` of a 20-vector) and one uniform in (0, 1] keyed by (seed, stream,
+// image, chain, counter): the counter carries the transition, so no draw depends on the batch.
+__host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
+                                              uint32_t counter) {
+    return philox4x32(make_uint4(counter, image, chain, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
+}
+__host__ __device__ inline float2 gaussian_pair(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
+                                                uint32_t counter) {
+    const uint4 r = philox_keyed(seed, stream, image, chain, counter);
+    return box_muller(r.x, r.y);
+}
+__host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
+                                               uint32_t counter) {
+    return ((philox_keyed(seed, stream, image, chain, counter).x >> 8) + 1) * (1.0f / 16777216.0f);
+}
+
+// ais_kernel (sm_90a: thread block clusters): a cluster of AIS_CLUSTER blocks (bf16: 4, fp32: 8)
+// takes a tile of 128 chains (128 / C images, all C chains of each) and runs all its T - 1
+// transitions on chip. Block r keeps column block r of fc4 resident (bf16: 200 logits, 163 KB;
+// fp32: 104 in hi and lo copies, 170 KB) and all of fc3; its 8 warps each evaluate 16 chains'
+// gradient over those columns (ais_gradient: forward, sigmoid - x in registers, backward), and
+// the blocks add their 84-byte shares per row through distributed shared memory. Every block then
+// runs the same HMC arithmetic on the same bits, so each holds z: nothing but the shares moves.
+// Streaming fc4 instead would move 627 KB (bf16) per block per evaluation.
+// The energies in float32 (H ~ 100: the Metropolis test sees differences of ~1e-5 nats), the
+// weights in float64. A chain's p, u and start are keyed by (seed, image, chain, transition).
+template <Precision P>
+__global__ void __launch_bounds__(AIS_WARPS * 32, 1)
+    ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3, const AisIO io) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
+    typedef Path<P> Q;
+    constexpr int BN = Q::AIS_BN, CLUSTER = Q::AIS_CLUSTER;
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
+    const uint32_t rank = cluster_special(0);
+    const int col0 = rank < CLUSTER - 1 ? rank * BN : INPUT_DIM - BN;
+    const int skip = rank < CLUSTER - 1 ? 0 : (CLUSTER * BN - INPUT_DIM) / 8; // n8 blocks left to the block before
+    for (int copy = 0; copy < (Q::SPLIT ? 2 : 1); copy++)
+        copy_block_async(&sm.w4[copy][0][0], FC4_K, fc4_wb + ((size_t)copy * INPUT_DIM + col0) * FC4_K, FC4_K, BN,
+                         FC4_K);
+    for (int copy = 0; copy < 2; copy++)
+        copy_block_async(&sm.w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
+                         HIDDEN_DIM, AIS_W3_K);
+    cp_async_wait<0>();
+    __syncthreads();
+    cluster_arrive(); // the first evaluation's wait: every block has started
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int C = io.chains, per_tile = AIS_ROWS / C, tiles = ceil_div(io.n, per_tile);
+    for (int tile = cluster_special(1); tile < tiles; tile += cluster_special(2)) {
+        int local[2], image[2], chain[2];
+        bool live[2];
+        const uint8_t* x_row[2];
+        float z[2][AIS_LATENTS], mu[2][AIS_LATENTS], inv_var[2][AIS_LATENTS], logvar_sum[2];
+        #pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int row = warp * TASK_ROWS + g + 8 * half;
+            local[half] = row / C, chain[half] = row % C, image[half] = tile * per_tile + local[half];
+            live[half] = local[half] < per_tile && image[half] < io.n;
+            const int im = live[half] ? image[half] : 0; // dead rows run along on image 0, write nothing
+            x_row[half] = io.pixels + (size_t)im * INPUT_DIM + col0;
+            logvar_sum[half] = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < AIS_LATENTS; i++) {
+                const int j = 8 * (i / 2) + 2 * t + i % 2;
+                mu[half][i] = inv_var[half][i] = z[half][i] = 0.0f;
+                if (j >= LATENT_DIM) continue;
+                const float* mulv = io.mulv + (size_t)im * MULV_DIM;
+                const float m = mulv[j], logvar = mulv[LATENT_DIM + j];
+                float kl_term;
+                mu[half][i] = m, inv_var[half][i] = expf(-logvar), logvar_sum[half] += logvar;
+                z[half][i] = io.z_start ? io.z_start[(size_t)im * LATENT_DIM + j]
+                                        : latent_z(m, logvar, gaussian(io.seed, STREAM_POSTERIOR, io.first_image + im,
+                                                                       chain[half], j), &kl_term);
+            }
+            logvar_sum[half] = quad_sum(logvar_sum[half]);
+        }
+        if (threadIdx.x < per_tile) sm.step[threadIdx.x] = io.step0, sm.accepted[threadIdx.x] = 0;
+        __syncthreads();
+
+        float grad[2][AIS_LATENTS], bce[2];
+        ais_gradient<P>(sm, z, x_row, skip, grad, bce);
+        const size_t row0 = (size_t)tile * per_tile * C + warp * TASK_ROWS + g; // rows of the launch
+        if (io.grad0 && rank == 0)
+            #pragma unroll
+            for (int half = 0; half < 2; half++)
+                #pragma unroll
+                for (int i = 0; i < AIS_LATENTS; i++) {
+                    const int j = 8 * (i / 2) + 2 * t + i % 2;
+                    if (live[half] && j < LATENT_DIM) io.grad0[(row0 + 8 * half) * LATENT_DIM + j] = grad[half][i];
+                    if (live[half] && j == 0) io.bce0[row0 + 8 * half] = bce[half];
+                }
+        // log p(x, z) - log p0(z) and U_b(z) = -b log p(x, z) - (1 - b) log p0(z), per row (the log
+        // 2 pi terms cancel): log p(x, z) = -BCE - |z|^2 / 2, log p0(z) = -sum (z - mu)^2 / var + logvar, / 2
+        auto log_densities = [&](const float (&zz)[2][AIS_LATENTS], const float (&b)[2], float (&lpxz)[2],
+                                 float (&lp0)[2]) {
+            #pragma unroll
+            for (int half = 0; half < 2; half++) {
+                float sq = 0.0f, mahal = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < AIS_LATENTS; i++) {
+                    const float d = zz[half][i] - mu[half][i];
+                    sq = fmaf(zz[half][i], zz[half][i], sq), mahal = fmaf(d * d, inv_var[half][i], mahal);
+                }
+                lpxz[half] = -b[half] - 0.5f * quad_sum(sq), lp0[half] = -0.5f * (quad_sum(mahal) + logvar_sum[half]);
+            }
+        };
+        double log_w[2] = {0.0, 0.0};
+        int accepted[2] = {0, 0};
+        float delta_h[2] = {0.0f, 0.0f};
+        for (int s = 1; s <= io.T; s++) {
+            const int at = io.reverse ? io.T + 1 - s : s; // the weight's step of the schedule
+            const double d_beta = io.beta[at] - io.beta[at - 1];
+            float lpxz[2], lp0[2];
+            log_densities(z, bce, lpxz, lp0);
+            #pragma unroll
+            for (int half = 0; half < 2; half++)
+                log_w[half] += (io.reverse ? -d_beta : d_beta) * (double)(lpxz[half] - lp0[half]);
+            if (s == io.T) break;
+            const float beta = (float)io.beta[io.reverse ? io.T - s : s]; // the transition's target f_beta
+            // HMC: momentum, the start's H, L leapfrog steps, the Metropolis test
+            float p[2][AIS_LATENTS], z0[2][AIS_LATENTS], grad0[2][AIS_LATENTS], bce0[2], step[2], h0[2];
+            #pragma unroll
+            for (int half = 0; half < 2; half++) {
+                float kinetic = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < AIS_LATENTS; i += 2) {
+                    const int j = 8 * (i / 2) + 2 * t;
+                    const uint32_t im = io.first_image + image[half];
+                    const float2 e = j < LATENT_DIM
+                                         ? gaussian_pair(io.seed, STREAM_MOMENTUM, im, chain[half], 16 * s + j / 2)
+                                         : make_float2(0.0f, 0.0f);
+                    p[half][i] = e.x, p[half][i + 1] = e.y;
+                    kinetic = fmaf(e.x, e.x, fmaf(e.y, e.y, kinetic));
+                }
+                h0[half] = -beta * lpxz[half] - (1.0f - beta) * lp0[half] + 0.5f * quad_sum(kinetic);
+                step[half] = sm.step[local[half] < per_tile ? local[half] : 0];
+                bce0[half] = bce[half];
+                #pragma unroll
+                for (int i = 0; i < AIS_LATENTS; i++) z0[half][i] = z[half][i], grad0[half][i] = grad[half][i];
+            }
+            // p -= eps/2 grad U first, then L times: z += eps p, the gradient, p -= eps grad U (eps/2 at the end)
+            auto kick = [&](float scale) {
+                #pragma unroll
+                for (int half = 0; half < 2; half++)
+                    #pragma unroll
+                    for (int i = 0; i < AIS_LATENTS; i++) {
+                        const float grad_u = beta * (grad[half][i] + z[half][i]) +
+                                             (1.0f - beta) * (z[half][i] - mu[half][i]) * inv_var[half][i];
+                        p[half][i] = fmaf(-scale * step[half], grad_u, p[half][i]);
+                    }
+            };
+            kick(0.5f);
+            for (int l = 1; l <= io.leapfrog; l++) {
+                #pragma unroll
+                for (int half = 0; half < 2; half++)
+                    #pragma unroll
+                    for (int i = 0; i < AIS_LATENTS; i++) z[half][i] = fmaf(step[half], p[half][i], z[half][i]);
+                ais_gradient<P>(sm, z, x_row, skip, grad, bce);
+                kick(l < io.leapfrog ? 1.0f : 0.5f);
+            }
+            log_densities(z, bce, lpxz, lp0);
+            #pragma unroll
+            for (int half = 0; half < 2; half++) {
+                float kinetic = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < AIS_LATENTS; i++) kinetic = fmaf(p[half][i], p[half][i], kinetic);
+                const float h1 = -beta * lpxz[half] - (1.0f - beta) * lp0[half] + 0.5f * quad_sum(kinetic);
+                const float u = uniform_open0(io.seed, STREAM_ACCEPT, io.first_image + image[half], chain[half], s);
+                const bool accept = logf(u) < h0[half] - h1; // false for a non-finite proposal
+                delta_h[half] = h0[half] - h1;
+                if (!accept) {
+                    bce[half] = bce0[half];
+                    #pragma unroll
+                    for (int i = 0; i < AIS_LATENTS; i++) z[half][i] = z0[half][i], grad[half][i] = grad0[half][i];
+                }
+                accepted[half] += accept;
+                if (accept && live[half] && t == 0) atomicAdd(&sm.accepted[local[half]], 1);
+            }
+            __syncthreads();
+            if (threadIdx.x < per_tile) { // each image's step size, from the acceptance of its C chains
+                const float rate = (float)sm.accepted[threadIdx.x] / C, old = sm.step[threadIdx.x];
+                if (io.adapt)
+                    sm.step[threadIdx.x] = fminf(fmaxf(old * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN),
+                                                 AIS_STEP_MAX);
+                sm.accepted[threadIdx.x] = 0;
+            }
+            __syncthreads();
+        }
+        if (rank == 0) {
+            #pragma unroll
+            for (int half = 0; half < 2; half++) {
+                if (!live[half]) continue;
+                const size_t row = row0 + 8 * half;
+                if (t == 0) io.log_w[row] = log_w[half], io.accepted[row] = accepted[half];
+                if (t == 0 && io.delta_h) io.delta_h[row] = delta_h[half];
+                if (io.z_out)
+                    #pragma unroll
+                    for (int i = 0; i < AIS_LATENTS; i++) {
+                        const int j = 8 * (i / 2) + 2 * t + i % 2;
+                        if (j < LATENT_DIM) io.z_out[row * LATENT_DIM + j] = z[half][i];
+                    }
+            }
+            if (threadIdx.x < per_tile && tile * per_tile + (int)threadIdx.x < io.n)
+                io.step_out[tile * per_tile + threadIdx.x] = sm.step[threadIdx.x];
+        }
+        __syncthreads(); // the step sizes are the next tile's
+    }
+    cluster_wait(); // no block leaves while another may still read its shares
+#endif
+}
+
+// Per image, from its C chains in order, in float64: log p(x) ~ logsumexp log w - log C (for the
+// reverse run, the upper bound -(logsumexp(-log w) ... ) = -(logsumexp log w - log C)), the effective
+// sample size (sum w)^2 / sum w^2 of the weights, and the acceptance rate over the transitions.
+__global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restrict__ ess,
+                                    float* __restrict__ acceptance, const double* __restrict__ log_w,
+                                    const int* __restrict__ accepted, int n, int C, int transitions, bool reverse) {
+    const int image = blockIdx.x * blockDim.x + threadIdx.x;
+    if (image >= n) return;
+    const double* w = log_w + (size_t)image * C;
+    double top = -INFINITY;
+    long long taken = 0;
+    for (int c = 0; c < C; c++) top = fmax(top, w[c]), taken += accepted[(size_t)image * C + c];
+    double sum = 0.0, sum_sq = 0.0;
+    for (int c = 0; c < C; c++) {
+        const double e = exp(w[c] - top);
+        sum += e, sum_sq += e * e;
+    }
+    const double estimate = top + log(sum) - log((double)C);
+    log_px[image] = reverse ? -estimate : estimate;
+    ess[image] = (float)(sum * sum / sum_sq);
+    acceptance[image] = transitions > 0 ? (float)((double)taken / ((double)C * transitions)) : 0.0f;
+}
+
+// ----------------------------------------------------------------------------
 // launchers (every launch goes to the model's stream, so a forward pass can be graph-captured)
 
 // The small kernels: `items` rows (or elements), `per_block` of them to a block of `threads`
@@ -1577,6 +2127,34 @@ static void decoder_launch(const DecoderIO& io, const void* fc4_wb, const void* 
     }
 }
 
+// ais_kernel over io.n images in precision P: a grid of clusters of AIS_CLUSTER blocks, `clusters`
+// of them (the most the GPU runs at once, ais_max_clusters) or one per tile when there are fewer.
+template <Precision P>
+static cudaLaunchConfig_t ais_config(cudaLaunchAttribute* attr, int clusters, cudaStream_t stream) {
+    attr->id = cudaLaunchAttributeClusterDimension;
+    attr->val.clusterDim.x = Path<P>::AIS_CLUSTER, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(Path<P>::AIS_CLUSTER * clusters), cfg.blockDim = dim3(AIS_WARPS * 32);
+    cfg.dynamicSmemBytes = sizeof(AisSmem<P>), cfg.stream = stream, cfg.attrs = attr, cfg.numAttrs = 1;
+    return cfg;
+}
+template <Precision P>
+static void ais_launch(const AisIO& io, const void* fc4_wb, const void* ais_w3, int clusters, cudaStream_t stream) {
+    typedef typename Path<P>::T T;
+    const int tiles = ceil_div(io.n, AIS_ROWS / io.chains);
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = ais_config<P>(&attr, clusters < tiles ? clusters : tiles, stream);
+    cudaCheck(cudaLaunchKernelEx(&cfg, ais_kernel<P>, static_cast<const T*>(fc4_wb), static_cast<const fp16*>(ais_w3),
+                                 io));
+}
+template <Precision P> static int ais_max_clusters() {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = ais_config<P>(&attr, 1, 0);
+    int clusters = 0;
+    cudaCheck(cudaOccupancyMaxActiveClusters(&clusters, ais_kernel<P>, &cfg));
+    return clusters;
+}
+
 // More than the default 48 KB of dynamic shared memory for precision P's kernels, allowed once.
 template <Precision P> static void allow_shared_memory(bool wgmma) {
     cudaCheck(cudaFuncSetAttribute(encoder_mma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1584,6 +2162,8 @@ template <Precision P> static void allow_shared_memory(bool wgmma) {
     cudaCheck(cudaFuncSetAttribute(decoder_mma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(DecoderMmaSmem<P>)));
     if (!wgmma) return;
+    cudaCheck(
+        cudaFuncSetAttribute(ais_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(AisSmem<P>)));
     cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    enc_wg_smem<P>()));
     cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1629,6 +2209,8 @@ typedef struct {
     uint4* z_rows;                       // [decoder_rows][Z_K / 8]
     float* enc_partials;                 // [max_batch][slices][40]
     unsigned *enc_tickets, *dec_tickets; // per 16 images, per 16 decoder rows; zero between launches
+    const void* ais_w3;                  // fc3 for ais_kernel: [parts][400][24]
+    int ais_clusters;                    // ais_kernel's clusters at once; 0 without sm_90a code (--ais needs it)
     bool wgmma;   // encoder and decoder on Hopper's wgmma kernels (set at init; tests turn it off to check
                   // the kernels other GPUs run)
     bool overlap; // the decoder launched while the kernel before it runs (sm_90+)
@@ -1661,8 +2243,9 @@ template <Precision P> static void vae_init_path(VAE* m) {
     constexpr int COPIES = Path<P>::SPLIT ? 2 : 1;
     const size_t fc1 = (size_t)Path<P>::ENC_SLICES * ENC_BN * FC1_K,
                  enc = (size_t)MULV_DIM * Path<P>::ENC_SLICES * Path<P>::ENC_W_COLS,
-                 fc3 = (size_t)HIDDEN_DIM * Path<P>::Z_K, fc4 = (size_t)COPIES * INPUT_DIM * FC4_K;
-    T* p = (T*)device_alloc((fc1 + enc + fc3 + fc4) * sizeof(T), "the 16-bit weights", m->max_batch);
+                 fc3 = (size_t)HIDDEN_DIM * Path<P>::Z_K, fc4 = (size_t)COPIES * INPUT_DIM * FC4_K,
+                 ais_fc3 = (size_t)2 * HIDDEN_DIM * AIS_W3_K; // fp16 hi and lo in both paths (ais_gradient)
+    T* p = (T*)device_alloc((fc1 + enc + fc3 + fc4 + ais_fc3) * sizeof(T), "the 16-bit weights", m->max_batch);
     m->params16 = p;
     auto convert = [&](Layer layer, const float* w, const float* b, size_t count) {
         T* dst = p;
@@ -1674,9 +2257,13 @@ template <Precision P> static void vae_init_path(VAE* m) {
     m->enc_w16 = convert(LAYER_ENC, m->enc_w, NULL, enc);
     m->fc3_wb = convert(LAYER_FC3, m->fc3_w, m->fc3_b, fc3);
     m->fc4_wb = convert(LAYER_FC4, m->fc4_w, m->fc4_b, fc4);
+    m->ais_w3 = p;
+    launch(weights_kernel<PRECISION_FP32>, ais_fc3, 256, 256, m->stream, (fp16*)p, LAYER_AIS_FC3, m->fc3_w, m->fc3_b,
+           (long long)ais_fc3);
     m->bce_parts_per_row = Path<P>::DEC_COL_BLOCKS;
     allow_shared_memory<P>(m->wgmma);
     if (!m->wgmma) return;
+    m->ais_clusters = ais_max_clusters<P>();
     m->w1_map = tensor_map_16bit(m->fc1_wp, Path<P>::ENC_SLICES * ENC_BN, FC1_K, ENC_BN);
     m->w4_map = tensor_map_16bit(m->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
     m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
@@ -1822,7 +2409,7 @@ static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_row
 // Asynchronous on m->stream.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
-    if (K < 1 || K > m->max_batch) fail("internal: %d samples per image outside 1..%d", K, m->max_batch);
+    if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
     const int images_per_pass = vae_iwae_images_per_pass(m, K);
     const SampleOut out = {m->z_rows, NULL, m->row_log_ratio};
     auto sample = m->precision == PRECISION_FP32 ? sample_z_kernel<PRECISION_FP32> : sample_z_kernel<PRECISION_BF16>;
@@ -1843,6 +2430,31 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                    m->bce_parts_per_row, m->row_log_ratio, K);
         }
     }
+}
+
+// The AIS schedule b_0 .. b_T: Wu et al.'s sigmoid schedule, s(t) = sigmoid(4 (2t / T - 1)) scaled
+// to b_0 = 0, b_T = 1 (dense at both ends, where f_b changes fastest per step).
+static void ais_schedule(double* beta, int T) {
+    const double s0 = 1.0 / (1.0 + exp(4.0)), s1 = 1.0 / (1.0 + exp(-4.0));
+    for (int t = 0; t <= T; t++) beta[t] = (1.0 / (1.0 + exp(-4.0 * (2.0 * t / T - 1.0))) - s0) / (s1 - s0);
+    beta[0] = 0.0, beta[T] = 1.0;
+}
+
+// AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder,
+// or N(0, I) when from_prior; the caller fills in the rest of io (the schedule, the outputs, the
+// reverse run's z_start). Asynchronous on m->stream.
+static void vae_ais(VAE* m, AisIO io, bool from_prior) {
+    if (m->ais_clusters == 0)
+        fail("AIS runs on Hopper GPUs (sm_90) only: its kernel uses thread block clusters. HINT: run --ais on an "
+             "H100 or H200 with a binary built for sm_90a (make vae does that there)");
+    if (io.n < 1 || io.n > m->max_batch) fail("internal: %d AIS images outside 1..%d", io.n, m->max_batch);
+    if (from_prior) cudaCheck(cudaMemsetAsync(m->mulv, 0, (size_t)io.n * MULV_DIM * sizeof(float), m->stream));
+    else vae_encode(m, io.pixels, io.n);
+    io.mulv = m->mulv;
+    if (m->precision == PRECISION_FP32)
+        ais_launch<PRECISION_FP32>(io, m->fc4_wb, m->ais_w3, m->ais_clusters, m->stream);
+    else
+        ais_launch<PRECISION_BF16>(io, m->fc4_wb, m->ais_w3, m->ais_clusters, m->stream);
 }
 
 // ----------------------------------------------------------------------------
@@ -2078,13 +2690,14 @@ static bool gpu_supported(const char* name, int major, int minor, Error* err) {
                      "or later). HINT: run on a newer NVIDIA GPU", name, major, minor);
 }
 
-typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP } Mode;
-static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp"};
+typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP, MODE_AIS, MODE_BDMC } Mode;
+static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bdmc"};
 
 // Every option: long name, short letter (0: none), whether it takes a value.
 enum Option {
     OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
-    OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_VERSION, OPT_HELP, NUM_OPTIONS
+    OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_AIS, OPT_CHAINS, OPT_LEAPFROG,
+    OPT_AIS_INIT, OPT_BDMC, OPT_VERSION, OPT_HELP, NUM_OPTIONS
 };
 static const struct {
     const char* name;
@@ -2095,7 +2708,8 @@ static const struct {
     {"count", 'n', true},   {"batch-size", 'b', true},   {"seed", 's', true},         {"zmu", 0, false},
     {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
     {"iwae", 0, true},      {"bench", 0, false},         {"bench-batches", 0, true},  {"interp", 0, true},
-    {"version", 0, false},  {"help", 'h', false},
+    {"ais", 0, true},       {"chains", 0, true},         {"leapfrog", 0, true},       {"ais-init", 0, true},
+    {"bdmc", 0, true},      {"version", 0, false},       {"help", 'h', false},
 };
 #define OPT_BIT(o) (1u << (o))
 // The options each mode reads; any other one given with it is refused rather than ignored.
@@ -2113,6 +2727,13 @@ static const unsigned MODE_OPTIONS[] = {
     // interp: decodes latent means (no noise) in the chosen precision, writes interp.ppm
     OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_OUT) | OPT_BIT(OPT_QUIET) |
         OPT_BIT(OPT_INTERP),
+    // ais: the chains sample their own z (no --zmu) in launches it sizes (no -b), writes no images
+    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_IMAGE) | OPT_BIT(OPT_INVERT) | OPT_BIT(OPT_COUNT) |
+        OPT_BIT(OPT_SEED) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_CSV) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_AIS) |
+        OPT_BIT(OPT_CHAINS) | OPT_BIT(OPT_LEAPFROG) | OPT_BIT(OPT_AIS_INIT),
+    // bdmc: simulates its own images (no inputs but the weights)
+    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_SEED) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_AIS) |
+        OPT_BIT(OPT_CHAINS) | OPT_BIT(OPT_LEAPFROG) | OPT_BIT(OPT_AIS_INIT) | OPT_BIT(OPT_BDMC),
 };
 
 enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16 };
@@ -2133,6 +2754,9 @@ typedef struct {
     bool quiet;
     int iwae_k;     // --iwae: samples per image
     int interp_n;   // --interp: images whose every pair is interpolated
+    int ais_t, chains, leapfrog; // --ais: intermediate distributions, chains per image, leapfrog steps
+    bool ais_from_prior;         // --ais-init prior: p0 = N(0, I) instead of q(z|x)
+    int bdmc_n;                  // --bdmc: simulated images
     int bench_batches[MAX_BENCH_BATCHES], num_bench_batches;
     bool help, version;
     unsigned given;                 // OPT_BIT of every option on the command line
@@ -2170,6 +2794,14 @@ static const char* USAGE =
     "      --bench-batches L  --bench's batch sizes, comma-separated (default 1024,2048,4096,10000)\n"
     "      --interp N       every pair of the first N test images (2..1000), 11 steps each, decoded\n"
     "                       batched and one pair per call: both times; the first pairs in interp.ppm\n"
+    "      --ais T          log p(x) by annealed importance sampling over T distributions (1..100000), HMC\n"
+    "                       in the latent space (Hopper GPUs): mean NLL, acceptance, time, beside the ELBO and\n"
+    "                       IWAE; --csv writes index,label,log_px,ess,acceptance\n"
+    "      --chains C       --ais: chains per image (1..128, default 16)\n"
+    "      --leapfrog L     --ais: leapfrog steps per HMC transition (1..1000, default 10; 1 is MALA)\n"
+    "      --ais-init P     --ais: start from q (the encoder's q(z|x), default) or prior (N(0, I))\n"
+    "      --bdmc N         with --ais T: N simulated images (z ~ p(z), x ~ p(x|z), binary), forward AIS\n"
+    "                       (a lower bound of log p(x)) and reverse AIS from the true z (an upper bound)\n"
     "      --version        version, commit, CUDA runtime and driver\n"
     "  -h, --help           this help\n";
 
@@ -2197,6 +2829,7 @@ enum { MAX_PATH_ARG = 4000 };
 enum { IWAE_ROWS = 1 << 16 };  // decoder rows per --iwae pass (~0.6 GB of activations); K at most this
 enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per decoder pass (at most 172 bytes each: z row, BCE parts, log ratio)
 enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
+enum { AIS_MAX_T = 100000, AIS_MAX_LEAPFROG = 1000, BDMC_MAX_IMAGES = 100000 };
 
 static bool parse_path(const char* flag, const char* value, const char** out, Error* err) {
     if (value[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
@@ -2248,6 +2881,27 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
         if (!parse_number(flag, value, 2, INTERP_MAX_IMAGES, &v, err)) return false;
         cfg->interp_n = (int)v, cfg->mode = MODE_INTERP;
         return true;
+    case OPT_AIS:
+        if (!parse_number(flag, value, 1, AIS_MAX_T, &v, err)) return false;
+        cfg->ais_t = (int)v, cfg->mode = cfg->mode == MODE_BDMC ? MODE_BDMC : MODE_AIS;
+        return true;
+    case OPT_BDMC:
+        if (!parse_number(flag, value, 1, BDMC_MAX_IMAGES, &v, err)) return false;
+        cfg->bdmc_n = (int)v, cfg->mode = MODE_BDMC;
+        return true;
+    case OPT_CHAINS:
+        if (!parse_number(flag, value, 1, AIS_ROWS, &v, err)) return false;
+        cfg->chains = (int)v;
+        return true;
+    case OPT_LEAPFROG:
+        if (!parse_number(flag, value, 1, AIS_MAX_LEAPFROG, &v, err)) return false;
+        cfg->leapfrog = (int)v;
+        return true;
+    case OPT_AIS_INIT:
+        if (!strcmp(value, "q")) cfg->ais_from_prior = false;
+        else if (!strcmp(value, "prior")) cfg->ais_from_prior = true;
+        else return set_error(err, "%s needs q or prior, got '%s'. HINT: vae -h lists the options", flag, value);
+        return true;
     case OPT_BENCH_BATCHES: {
         cfg->num_bench_batches = 0;
         for (const char* item = value;; item++) {
@@ -2274,6 +2928,7 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
 static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     memset(cfg, 0, sizeof(*cfg));
     cfg->weights_path = "data/vae_weights.bin", cfg->data_dir = "data", cfg->out_dir = "out", cfg->batch = 4096;
+    cfg->chains = 16, cfg->leapfrog = 10;
     for (int o = 0; o < NUM_OPTIONS; o++) // how messages name an option the command line did not spell
         if (OPTIONS[o].letter != 0) snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "-%c", OPTIONS[o].letter);
         else snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "--%s", OPTIONS[o].name);
@@ -2336,7 +2991,7 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     if (cfg->help || cfg->version) return true;
 
     // one mode, and only the options it reads
-    const int modes[] = {OPT_IWAE, OPT_BENCH, OPT_INTERP};
+    const int modes[] = {OPT_IWAE, OPT_BENCH, OPT_INTERP, OPT_AIS};
     for (int a : modes)
         for (int b : modes)
             if (a < b && (cfg->given & OPT_BIT(a)) && (cfg->given & OPT_BIT(b)))
@@ -2345,9 +3000,19 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     const char* mode_flag = cfg->mode == MODE_IWAE    ? cfg->flag[OPT_IWAE]
                           : cfg->mode == MODE_BENCH   ? cfg->flag[OPT_BENCH]
                           : cfg->mode == MODE_INTERP ? cfg->flag[OPT_INTERP]
+                          : cfg->mode == MODE_AIS    ? cfg->flag[OPT_AIS]
+                          : cfg->mode == MODE_BDMC   ? cfg->flag[OPT_BDMC]
                                                       : "the evaluation";
+    if (cfg->mode == MODE_BDMC && !(cfg->given & OPT_BIT(OPT_AIS)))
+        return set_error(err, "%s runs AIS both ways and needs its T. HINT: add --ais T (e.g. --ais 1000)",
+                         cfg->flag[OPT_BDMC]);
     if (cfg->z_is_mu && cfg->mode == MODE_IWAE)
         return set_error(err, "--iwae samples z by definition; --zmu does not apply. HINT: drop --zmu");
+    if (cfg->mode == MODE_ELBO && (cfg->given & (OPT_BIT(OPT_CHAINS) | OPT_BIT(OPT_LEAPFROG) | OPT_BIT(OPT_AIS_INIT))))
+        for (int o : {OPT_CHAINS, OPT_LEAPFROG, OPT_AIS_INIT})
+            if (cfg->given & OPT_BIT(o))
+                return set_error(err, "%s applies to --ais only. HINT: add --ais T or drop %s", cfg->flag[o],
+                                 cfg->flag[o]);
     if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(OPT_BENCH_BATCHES)))
         return set_error(err, "%s applies to --bench only. HINT: add --bench or drop %s", cfg->flag[OPT_BENCH_BATCHES],
                          cfg->flag[OPT_BENCH_BATCHES]);
@@ -2579,20 +3244,25 @@ typedef struct {
     const Labels* labels;
 } Inputs;
 
-// Per-image results as CSV after one '#' line naming what produced them; "-" is stdout.
-// log_px is NULL outside --iwae.
-static void write_csv(const Config* cfg, const Inputs* in, const float* bce, const float* kl, const float* log_px) {
+// Per-image results as CSV after one '#' line naming what produced them; "-" is stdout. `columns`
+// names the float columns after index and label, `values` holds them.
+static void write_csv(const Config* cfg, const Inputs* in, const char* columns, const float* const* values,
+                      int num_values) {
     const bool to_stdout = !strcmp(cfg->csv_path, "-");
     FILE* f = to_stdout ? stdout : output_open(cfg->csv_path, "per-image results");
     if (f == NULL) fail("--csv %s: cannot write (%s). HINT: pass a writable path", cfg->csv_path, strerror(errno));
-    bool ok = fprintf(f, "# vae.cu %s (commit %s): mode %s, precision %s, seed %llu, z %s, weights %s, images %s\n",
+    char run[160] = "";
+    if (cfg->mode == MODE_AIS)
+        snprintf(run, sizeof(run), ", T %d, chains %d, leapfrog %d, from %s", cfg->ais_t, cfg->chains, cfg->leapfrog,
+                 cfg->ais_from_prior ? "the prior" : "q(z|x)");
+    bool ok = fprintf(f, "# vae.cu %s (commit %s): mode %s, precision %s, seed %llu, z %s%s, weights %s, images %s\n",
                       VAE_VERSION, VAE_GIT_COMMIT, MODE_NAMES[cfg->mode], PRECISION_NAMES[cfg->precision],
-                      (unsigned long long)cfg->seed, cfg->z_is_mu ? "mu" : "sampled", cfg->weights_path,
+                      (unsigned long long)cfg->seed, cfg->z_is_mu ? "mu" : "sampled", run, cfg->weights_path,
                       in->images) > 0;
-    ok = ok && fprintf(f, "index,label,bce,kl%s\n", log_px != NULL ? ",log_px" : "") > 0;
+    ok = ok && fprintf(f, "index,label,%s\n", columns) > 0;
     for (int i = 0; i < in->count && ok; i++) {
-        ok = fprintf(f, "%d,%d,%.6f,%.6f", i, label_of(in->labels, i), bce[i], kl[i]) > 0;
-        if (ok && log_px != NULL) ok = fprintf(f, ",%.6f", log_px[i]) > 0;
+        ok = fprintf(f, "%d,%d", i, label_of(in->labels, i)) > 0;
+        for (int v = 0; v < num_values && ok; v++) ok = fprintf(f, ",%.6f", values[v][i]) > 0;
         ok = ok && fputc('\n', f) != EOF;
     }
     if (to_stdout ? fflush(f) != 0 : fclose(f) != 0) ok = false;
@@ -2648,7 +3318,10 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
     fprintf(console, "mean BCE   %10.4f\n", mean_bce);
     fprintf(console, "mean KL    %10.4f\n", mean_kl);
     fprintf(console, "mean loss  %10.4f   (BCE + KL = -ELBO)\n", mean_bce + mean_kl);
-    if (cfg->csv_path != NULL) write_csv(cfg, in, bce, kl, NULL);
+    if (cfg->csv_path != NULL) {
+        const float* values[] = {bce, kl};
+        write_csv(cfg, in, "bce,kl", values, 2);
+    }
     write_images(&m, images, in->labels, count, d_pixels, cfg);
     free(bce);
     vae_free(&m);
@@ -2702,11 +3375,211 @@ static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pi
         fprintf(console, "mean NLL   %10.4f   (-log p(x), nats; one image: no standard error)\n", -mean);
     fprintf(console, "time       %10.2f ms (%.3g decoder passes/s, progress reports included)\n", ms,
             (double)count * K / (ms * 1e-3));
-    if (cfg->csv_path != NULL) write_csv(cfg, in, bce, kl, log_px);
+    if (cfg->csv_path != NULL) {
+        const float* values[] = {bce, kl, log_px};
+        write_csv(cfg, in, "bce,kl,log_px", values, 3);
+    }
     free(results);
     cudaCheck(cudaFree(d_log_px));
     cudaCheck(cudaEventDestroy(start));
     cudaCheck(cudaEventDestroy(stop));
+    vae_free(&m);
+}
+
+// The device buffers of an AIS run over n images of C chains: the schedule, per chain its log
+// weight and acceptances, per image the step size and the estimates.
+typedef struct {
+    double *beta, *log_w, *log_px;
+    int* accepted;
+    float *step, *ess, *acceptance;
+} AisBuffers;
+
+static AisBuffers ais_buffers(int n, const Config* cfg) {
+    const size_t rows = (size_t)n * cfg->chains;
+    AisBuffers b;
+    b.beta = (double*)device_alloc((cfg->ais_t + 1) * sizeof(double), "the AIS schedule", n);
+    b.log_w = (double*)device_alloc(rows * sizeof(double), "the AIS log weights", n);
+    b.accepted = (int*)device_alloc(rows * sizeof(int), "the AIS acceptances", n);
+    b.log_px = (double*)device_alloc(n * sizeof(double), "log p(x)", n);
+    b.step = (float*)device_alloc((size_t)3 * n * sizeof(float), "the AIS step sizes", n);
+    b.ess = b.step + n, b.acceptance = b.step + 2 * n;
+    double* beta = (double*)malloc((cfg->ais_t + 1) * sizeof(double));
+    if (beta == NULL) fail("out of host memory for the AIS schedule");
+    ais_schedule(beta, cfg->ais_t);
+    cudaCheck(cudaMemcpy(b.beta, beta, (cfg->ais_t + 1) * sizeof(double), cudaMemcpyHostToDevice));
+    free(beta);
+    return b;
+}
+
+static void ais_buffers_free(AisBuffers* b) {
+    void* buffers[] = {b->beta, b->log_w, b->accepted, b->log_px, b->step};
+    for (void* p : buffers) cudaCheck(cudaFree(p));
+}
+
+// AIS over images 0 .. n-1 at d_pixels (forward, or reverse from d_z_start [n][20]) in launches of
+// whole rounds of the GPU's clusters, ~2% of the images each, progress between them; then each
+// image's estimates. Returns the time in ms.
+static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, const AisBuffers* b,
+                     const float* d_z_start, const char* what) {
+    const int C = cfg->chains, round = m->ais_clusters * (AIS_ROWS / C), rounds = ceil_div(n, round);
+    int slice = round * ceil_div(rounds, 50);
+    if (slice > m->max_batch) slice = m->max_batch / round * round;
+    AisIO io = {};
+    io.beta = b->beta, io.chains = C, io.T = cfg->ais_t, io.leapfrog = cfg->leapfrog, io.seed = cfg->seed;
+    io.reverse = d_z_start != NULL, io.adapt = true, io.step0 = AIS_STEP_START;
+    cudaEvent_t start, stop;
+    cudaCheck(cudaEventCreate(&start));
+    cudaCheck(cudaEventCreate(&stop));
+    cudaCheck(cudaEventRecord(start, m->stream));
+    for (int first = 0; first < n; first += slice) {
+        io.n = n - first < slice ? n - first : slice, io.first_image = (uint32_t)first;
+        io.pixels = d_pixels + (size_t)first * INPUT_DIM;
+        io.z_start = d_z_start ? d_z_start + (size_t)first * LATENT_DIM : NULL;
+        io.log_w = b->log_w + (size_t)first * C, io.accepted = b->accepted + (size_t)first * C;
+        io.step_out = b->step + first;
+        vae_ais(m, io, cfg->ais_from_prior);
+        cudaCheck(cudaStreamSynchronize(m->stream));
+        report_progress(what, first + io.n, n);
+    }
+    cudaCheck(cudaEventRecord(stop, m->stream));
+    cudaCheck(cudaEventSynchronize(stop));
+    float ms;
+    cudaCheck(cudaEventElapsedTime(&ms, start, stop));
+    cudaCheck(cudaEventDestroy(start));
+    cudaCheck(cudaEventDestroy(stop));
+    launch(ais_estimate_kernel, n, 128, 128, m->stream, b->log_px, b->ess, b->acceptance, b->log_w, b->accepted, n, C,
+           cfg->ais_t - 1, d_z_start != NULL);
+    return ms;
+}
+
+enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
+static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
+    vae_init(m, w, AIS_BATCH, cfg->precision, decoder_rows);
+    if (m->ais_clusters == 0) vae_ais(m, AisIO{}, false); // its message: AIS needs Hopper's code
+}
+
+// --ais T: each image's log p(x) by AIS, beside the ELBO and IWAE with as many decoder evaluations.
+static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pixels, const Config* cfg) {
+    const int count = in->count, C = cfg->chains, T = cfg->ais_t, L = cfg->leapfrog;
+    const long long evals_per_image = (long long)C * (1 + (long long)(T - 1) * L); // gradient evaluations
+    const bool iwae = evals_per_image <= IWAE_PASS_ROWS; // IWAE's K: one image's rows fit a decoder pass
+    VAE m;
+    ais_init(&m, w, cfg, iwae ? IWAE_PASS_ROWS : 0);
+    AisBuffers b = ais_buffers(count, cfg);
+    Config warm = *cfg;
+    warm.ais_t = 2, warm.leapfrog = 1;
+    ais_run(&m, d_pixels, 1, &warm, &b, NULL, "warm-up"); // untimed: module loading stays out
+    const float ms = ais_run(&m, d_pixels, count, cfg, &b, NULL, "ais");
+
+    double* log_px = (double*)malloc((size_t)count * sizeof(double));
+    float* results = (float*)malloc((size_t)7 * count * sizeof(float));
+    if (log_px == NULL || results == NULL) fail("out of host memory for %d results", count);
+    float *step = results, *ess = results + count, *acceptance = results + 2 * count, *bce = results + 3 * count;
+    float *kl = results + 4 * count, *iwae_px = results + 5 * count, *ais_px = results + 6 * count, elbo_ms;
+    cudaCheck(cudaMemcpy(log_px, b.log_px, (size_t)count * sizeof(double), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(step, b.step, (size_t)3 * count * sizeof(float), cudaMemcpyDeviceToHost));
+    evaluate(&m, d_pixels, count, count < 4096 ? count : 4096, cfg, bce, kl, &elbo_ms);
+    if (iwae) {
+        float* d_iwae = (float*)device_alloc((size_t)count * sizeof(float), "IWAE's log p(x)", count);
+        vae_iwae(&m, d_pixels, count, 0, (int)evals_per_image, cfg->seed, NULL, d_iwae);
+        cudaCheck(cudaMemcpy(iwae_px, d_iwae, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
+        cudaCheck(cudaFree(d_iwae));
+    }
+    double sum = 0.0, sum_sq = 0.0, accept = 0.0, ess_sum = 0.0, iwae_sum = 0.0;
+    float step_min = step[0], step_max = step[0];
+    for (int i = 0; i < count; i++) {
+        sum += log_px[i], sum_sq += log_px[i] * log_px[i], accept += acceptance[i], ess_sum += ess[i];
+        iwae_sum += iwae ? iwae_px[i] : 0.0, ais_px[i] = (float)log_px[i];
+        step_min = fminf(step_min, step[i]), step_max = fmaxf(step_max, step[i]);
+        if (cfg->num_image_files > 0)
+            fprintf(console, "%s: -ELBO %.4f  log p(x) %.4f (AIS), %.4f (IWAE)\n", cfg->image_paths[i], bce[i] + kl[i],
+                    log_px[i], iwae ? iwae_px[i] : NAN);
+    }
+    const double mean = sum / count, var = count > 1 ? (sum_sq - count * mean * mean) / (count - 1) : 0.0;
+    const double elbo = -(mean_of(bce, count) + mean_of(kl, count)), evals = (double)count * evals_per_image;
+    fprintf(console, "AIS, T = %d distributions, C = %d chains, L = %d leapfrog steps, from %s; %d images (%s)\n", T,
+            C, L, cfg->ais_from_prior ? "the prior" : "q(z|x)", count, PRECISION_NAMES[cfg->precision]);
+    if (count > 1)
+        fprintf(console, "mean NLL    %10.4f   (-log p(x), nats; standard error %.4f)\n", -mean,
+                sqrt(fmax(var, 0.0) / count));
+    else
+        fprintf(console, "mean NLL    %10.4f   (-log p(x), nats; one image: no standard error)\n", -mean);
+    if (T > 1)
+        fprintf(console, "acceptance  %10.4f   (mean; step sizes %.4g .. %.4g; effective sample size %.2f of %d)\n",
+                accept / count, step_min, step_max, ess_sum / count, C);
+    fprintf(console, "time        %10.3f s  (%.3g gradient evaluations/s, %.1f TFLOP/s of decoder work)\n", ms * 1e-3,
+            evals / (ms * 1e-3), evals * AIS_FLOPS_PER_EVAL / (ms * 1e9));
+    if (iwae)
+        fprintf(console, "inference gap: -ELBO %.4f > IWAE (K = %lld, as many decoder evaluations) %.4f > AIS %.4f "
+                "nats\n", -elbo, evals_per_image, -iwae_sum / count, -mean);
+    else
+        fprintf(console, "inference gap: -ELBO %.4f > AIS %.4f nats (IWAE with %lld samples a image: over a decoder "
+                "pass, not run)\n", -elbo, -mean, evals_per_image);
+    if (cfg->csv_path != NULL) {
+        const float* values[] = {ais_px, ess, acceptance};
+        write_csv(cfg, in, "log_px,ess,acceptance", values, 3);
+    }
+    free(log_px);
+    free(results);
+    ais_buffers_free(&b);
+    vae_free(&m);
+}
+
+// --bdmc N --ais T: N images simulated from the model (z ~ N(0, I) keyed by the image, x ~
+// Bernoulli(sigmoid(logits)), binary), AIS forward from p0 (a stochastic lower bound of log p(x))
+// and reverse from the true z (an upper bound); their gap is how far AIS at this T is from exact.
+static void run_bdmc(const HostWeights* w, const Config* cfg) {
+    const int n = cfg->bdmc_n;
+    VAE m;
+    ais_init(&m, w, cfg, 0);
+    float* z = (float*)malloc((size_t)n * LATENT_DIM * sizeof(float) + (size_t)AIS_BATCH * INPUT_DIM * sizeof(float));
+    uint8_t* pixels = (uint8_t*)malloc((size_t)n * INPUT_DIM);
+    double* bounds = (double*)malloc((size_t)2 * n * sizeof(double));
+    if (z == NULL || pixels == NULL || bounds == NULL) fail("out of host memory for %d simulated images", n);
+    float* recon = z + (size_t)n * LATENT_DIM;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < LATENT_DIM; j++) z[i * LATENT_DIM + j] = gaussian(cfg->seed, STREAM_SIMULATE, i, 0, j);
+    float* d_z = (float*)device_alloc((size_t)n * LATENT_DIM * sizeof(float), "the simulated z", n);
+    uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)n * INPUT_DIM, "the simulated images", n);
+    cudaCheck(cudaMemcpy(d_z, z, (size_t)n * LATENT_DIM * sizeof(float), cudaMemcpyHostToDevice));
+    for (int first = 0; first < n; first += AIS_BATCH) {
+        const int B = n - first < AIS_BATCH ? n - first : AIS_BATCH;
+        vae_decode(&m, d_z + (size_t)first * LATENT_DIM, B);
+        cudaCheck(cudaMemcpy(recon, m.recon, (size_t)B * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
+        for (int i = 0; i < B; i++)
+            for (int p = 0; p < INPUT_DIM; p++)
+                pixels[(size_t)(first + i) * INPUT_DIM + p] =
+                    uniform_open0(cfg->seed, STREAM_SIMULATE, first + i, 1, p) <= recon[(size_t)i * INPUT_DIM + p] ? 255
+                                                                                                                  : 0;
+    }
+    cudaCheck(cudaMemcpy(d_pixels, pixels, (size_t)n * INPUT_DIM, cudaMemcpyHostToDevice));
+    AisBuffers b = ais_buffers(n, cfg);
+    float ms[2];
+    for (int reverse = 0; reverse < 2; reverse++) {
+        const char* what = reverse ? "bdmc reverse" : "bdmc forward";
+        ms[reverse] = ais_run(&m, d_pixels, n, cfg, &b, reverse ? d_z : NULL, what);
+        cudaCheck(
+            cudaMemcpy(bounds + (size_t)reverse * n, b.log_px, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost));
+    }
+    double lower = 0.0, upper = 0.0, gap_min = INFINITY, gap_max = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        const double gap = bounds[n + i] - bounds[i];
+        lower += bounds[i], upper += bounds[n + i], gap_min = fmin(gap_min, gap), gap_max = fmax(gap_max, gap);
+    }
+    fprintf(console, "BDMC, %d simulated images; AIS with T = %d, C = %d chains, L = %d leapfrog steps, from %s (%s)\n",
+            n, cfg->ais_t, cfg->chains, cfg->leapfrog, cfg->ais_from_prior ? "the prior" : "q(z|x)",
+            PRECISION_NAMES[cfg->precision]);
+    fprintf(console, "lower bound %10.4f   (mean log p(x), forward AIS; %.3f s)\n", lower / n, ms[0] * 1e-3);
+    fprintf(console, "upper bound %10.4f   (mean log p(x), reverse AIS from the true z; %.3f s)\n", upper / n,
+            ms[1] * 1e-3);
+    fprintf(console, "gap         %10.4f   (nats, upper - lower; per image %.4f .. %.4f)\n", (upper - lower) / n,
+            gap_min, gap_max);
+    free(z);
+    free(pixels);
+    free(bounds);
+    cudaCheck(cudaFree(d_z));
+    cudaCheck(cudaFree(d_pixels));
+    ais_buffers_free(&b);
     vae_free(&m);
 }
 
@@ -2904,6 +3777,19 @@ int main(int argc, char** argv) {
     Labels labels = {}; // none: every label is -1
     char images_path[MAX_PATH], labels_path[MAX_PATH];
     if (!load_file(cfg.weights_path, parse_weights, &weights, &err)) fail("%s", err.msg);
+    if (cfg.mode == MODE_BDMC) { // simulates its images: no test set
+        cudaDeviceProp prop;
+        init_cuda(&prop);
+        print_separator();
+        print_row("device", "%s", prop.name);
+        print_row("weights", "%s", cfg.weights_path);
+        print_row("bdmc", "%d simulated images, T = %d, C = %d, L = %d, from %s", cfg.bdmc_n, cfg.ais_t, cfg.chains,
+                  cfg.leapfrog, cfg.ais_from_prior ? "the prior" : "q(z|x)");
+        print_separator();
+        run_bdmc(&weights, &cfg);
+        free(weights.data);
+        return 0;
+    }
     if (cfg.num_image_files > 0) {
         load_image_files(&cfg, &images);
         snprintf(images_path, sizeof(images_path), "%d --image file%s", images.count, images.count > 1 ? "s" : "");
@@ -2952,6 +3838,9 @@ int main(int argc, char** argv) {
     if (cfg.mode == MODE_IWAE) print_row("iwae", "K = %d importance samples per image", cfg.iwae_k);
     if (cfg.mode == MODE_INTERP)
         print_row("interp", "all pairs of %d images, %d steps each", cfg.interp_n, INTERP_STEPS);
+    if (cfg.mode == MODE_AIS)
+        print_row("ais", "T = %d, C = %d chains, L = %d leapfrog steps, from %s", cfg.ais_t, cfg.chains, cfg.leapfrog,
+                  cfg.ais_from_prior ? "the prior" : "q(z|x)");
     print_separator();
 
     // the images stay on the device as uint8 for the whole run: no copies in the batch loop
@@ -2961,6 +3850,7 @@ int main(int argc, char** argv) {
     if (cfg.mode == MODE_ELBO) run_elbo(&weights, &images, &inputs, d_pixels, &cfg);
     else if (cfg.mode == MODE_IWAE) run_iwae(&weights, &inputs, d_pixels, &cfg);
     else if (cfg.mode == MODE_BENCH) run_bench(&weights, d_pixels, &cfg);
+    else if (cfg.mode == MODE_AIS) run_ais(&weights, &inputs, d_pixels, &cfg);
     else run_interp(&weights, d_pixels, &cfg);
     if (!outputs_commit(&err, quiet ? NULL : console)) fail("%s", err.msg);
 
