@@ -1577,15 +1577,29 @@ __device__ inline void cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
 }
-__device__ inline uint32_t cluster_special(int which) {
+// This block's rank in its cluster, the cluster's index in the grid, and the grid's count of clusters.
+__device__ inline uint32_t cluster_rank() {
     uint32_t v = 0;
 #if __CUDA_ARCH__ >= 900
-    if (which == 0) asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(v));
-    else if (which == 1) asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(v));
-    else asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(v));
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(v));
 #endif
     return v;
 }
+__device__ inline uint32_t cluster_index() {
+    uint32_t v = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(v));
+#endif
+    return v;
+}
+__device__ inline uint32_t cluster_count() {
+    uint32_t v = 1;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(v));
+#endif
+    return v;
+}
+
 // Two floats at p in the shared memory of block `rank` of the cluster.
 __device__ inline float2 cluster_load2(const float* p, uint32_t rank) {
     float2 v = make_float2(0.0f, 0.0f);
@@ -1838,7 +1852,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     constexpr int BN = Q::AIS_BN, CLUSTER = Q::AIS_CLUSTER;
     extern __shared__ __align__(16) uint8_t smem_raw[];
     AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
-    const uint32_t rank = cluster_special(0);
+    const uint32_t rank = cluster_rank();
     const int col0 = rank < CLUSTER - 1 ? rank * BN : INPUT_DIM - BN;
     const int skip = rank < CLUSTER - 1 ? 0 : (CLUSTER * BN - INPUT_DIM) / 8; // n8 blocks left to the block before
     for (int copy = 0; copy < (Q::SPLIT ? 2 : 1); copy++)
@@ -1853,7 +1867,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int C = io.chains, per_tile = AIS_ROWS / C, tiles = ceil_div(io.n, per_tile);
-    for (int tile = cluster_special(1); tile < tiles; tile += cluster_special(2)) {
+    for (int tile = cluster_index(); tile < tiles; tile += cluster_count()) {
         int local[2], image[2], chain[2];
         bool live[2];
         const uint8_t* x_row[2];
@@ -2443,10 +2457,13 @@ static void ais_schedule(double* beta, int T) {
 // AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder,
 // or N(0, I) when from_prior; the caller fills in the rest of io (the schedule, the outputs, the
 // reverse run's z_start). Asynchronous on m->stream.
-static void vae_ais(VAE* m, AisIO io, bool from_prior) {
+static void require_ais(const VAE* m) {
     if (m->ais_clusters == 0)
         fail("AIS runs on Hopper GPUs (sm_90) only: its kernel uses thread block clusters. HINT: run --ais on an "
              "H100 or H200 with a binary built for sm_90a (make vae does that there)");
+}
+static void vae_ais(VAE* m, AisIO io, bool from_prior) {
+    require_ais(m);
     if (io.n < 1 || io.n > m->max_batch) fail("internal: %d AIS images outside 1..%d", io.n, m->max_batch);
     if (from_prior) cudaCheck(cudaMemsetAsync(m->mulv, 0, (size_t)io.n * MULV_DIM * sizeof(float), m->stream));
     else vae_encode(m, io.pixels, io.n);
@@ -3008,11 +3025,9 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
                          cfg->flag[OPT_BDMC]);
     if (cfg->z_is_mu && cfg->mode == MODE_IWAE)
         return set_error(err, "--iwae samples z by definition; --zmu does not apply. HINT: drop --zmu");
-    if (cfg->mode == MODE_ELBO && (cfg->given & (OPT_BIT(OPT_CHAINS) | OPT_BIT(OPT_LEAPFROG) | OPT_BIT(OPT_AIS_INIT))))
-        for (int o : {OPT_CHAINS, OPT_LEAPFROG, OPT_AIS_INIT})
-            if (cfg->given & OPT_BIT(o))
-                return set_error(err, "%s applies to --ais only. HINT: add --ais T or drop %s", cfg->flag[o],
-                                 cfg->flag[o]);
+    for (int o : {OPT_CHAINS, OPT_LEAPFROG, OPT_AIS_INIT})
+        if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(o)))
+            return set_error(err, "%s applies to --ais only. HINT: add --ais T or drop %s", cfg->flag[o], cfg->flag[o]);
     if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(OPT_BENCH_BATCHES)))
         return set_error(err, "%s applies to --bench only. HINT: add --bench or drop %s", cfg->flag[OPT_BENCH_BATCHES],
                          cfg->flag[OPT_BENCH_BATCHES]);
@@ -3455,7 +3470,7 @@ static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, 
 enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
 static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
     vae_init(m, w, AIS_BATCH, cfg->precision, decoder_rows);
-    if (m->ais_clusters == 0) vae_ais(m, AisIO{}, false); // its message: AIS needs Hopper's code
+    require_ais(m);
 }
 
 // --ais T: each image's log p(x) by AIS, beside the ELBO and IWAE with as many decoder evaluations.
