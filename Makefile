@@ -63,7 +63,7 @@ test_vae: test_vae.cu vae.cu
 
 # the CUDA tests, the converter's tests (against torch.load when PyTorch is there), the Makefile's
 test: vae test_vae $(DATA)
-	./test_vae
+	VAE_TEST_PYTHON=$(PYTHON_TORCH) ./test_vae
 	$(or $(PYTHON_TORCH),$(PYTHON)) test_prepare_weights.py $(if $(DATA_SRC),--src $(DATA_SRC))
 	bash test_build.sh
 

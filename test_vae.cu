@@ -1789,19 +1789,22 @@ typedef struct {
     uint64_t seed;
     const double* beta;   // host [T + 1], or NULL: ais_schedule
     const float* z_start; // host [n][20]: the reverse run, or NULL
+    const float* p_start; // host [n * C][20]: the first transition's momenta, or NULL: drawn
 } AisSpec;
 typedef struct {
     double *log_w, *log_px;
     int* accepted;
     float *z, *grad0, *bce0, *delta_h, *step, *ess, *acceptance;
+    float* proposal; // [n * C][40]: the last trajectory's end (z, p)
 } AisOut;
 
 static AisOut gpu_ais(VAE* m, const uint8_t* d_pixels, int first, int n, const AisSpec& spec) {
     const size_t rows = (size_t)n * spec.chains;
     double *d_beta, *d_log_w, *d_log_px;
     int* d_accepted;
-    float *d_f, *d_z_start = NULL;
-    const size_t floats = rows * (3 * LATENT_DIM + 2) + 3 * (size_t)n; // z, grad0, bce0, delta_h | step, ess, accept
+    float *d_f, *d_z_start = NULL, *d_p_start = NULL;
+    // z, grad0, bce0, delta_h | step, ess, acceptance | proposal
+    const size_t floats = rows * (3 * LATENT_DIM + 2) + 3 * (size_t)n + rows * 2 * LATENT_DIM;
     cudaCheck(cudaMalloc(&d_beta, (spec.T + 1) * sizeof(double)));
     cudaCheck(cudaMalloc(&d_log_w, rows * sizeof(double)));
     cudaCheck(cudaMalloc(&d_log_px, n * sizeof(double)));
@@ -1817,12 +1820,17 @@ static AisOut gpu_ais(VAE* m, const uint8_t* d_pixels, int first, int n, const A
         cudaCheck(cudaMalloc(&d_z_start, (size_t)n * LATENT_DIM * sizeof(float)));
         cudaCheck(cudaMemcpy(d_z_start, spec.z_start, (size_t)n * LATENT_DIM * sizeof(float), cudaMemcpyHostToDevice));
     }
+    if (spec.p_start) {
+        cudaCheck(cudaMalloc(&d_p_start, rows * LATENT_DIM * sizeof(float)));
+        cudaCheck(cudaMemcpy(d_p_start, spec.p_start, rows * LATENT_DIM * sizeof(float), cudaMemcpyHostToDevice));
+    }
     AisIO io = {};
     io.pixels = d_pixels + (size_t)first * INPUT_DIM, io.z_start = d_z_start, io.beta = d_beta, io.n = n;
     io.chains = spec.chains, io.T = spec.T, io.leapfrog = spec.leapfrog, io.first_image = (uint32_t)first;
     io.seed = spec.seed, io.reverse = spec.z_start != NULL, io.adapt = spec.adapt, io.step0 = spec.step;
     io.log_w = d_log_w, io.accepted = d_accepted, io.z_out = d_f, io.grad0 = d_f + rows * LATENT_DIM;
     io.bce0 = d_f + 2 * rows * LATENT_DIM, io.delta_h = io.bce0 + rows, io.step_out = io.delta_h + rows;
+    io.p_start = d_p_start, io.proposal = io.step_out + 3 * n;
     vae_ais(m, io, spec.from_prior);
     launch(ais_estimate_kernel, n, 128, 128, m->stream, d_log_px, io.step_out + n, io.step_out + 2 * n, d_log_w,
            d_accepted, n, spec.chains, spec.T - 1, io.reverse);
@@ -1833,10 +1841,11 @@ static AisOut gpu_ais(VAE* m, const uint8_t* d_pixels, int first, int n, const A
     out.z = to_host(d_f, floats);
     out.grad0 = out.z + rows * LATENT_DIM, out.bce0 = out.z + 2 * rows * LATENT_DIM, out.delta_h = out.bce0 + rows;
     out.step = out.delta_h + rows, out.ess = out.step + n, out.acceptance = out.ess + n;
+    out.proposal = out.acceptance + n;
     cudaCheck(cudaMemcpy(out.log_w, d_log_w, rows * sizeof(double), cudaMemcpyDeviceToHost));
     cudaCheck(cudaMemcpy(out.log_px, d_log_px, n * sizeof(double), cudaMemcpyDeviceToHost));
     cudaCheck(cudaMemcpy(out.accepted, d_accepted, rows * sizeof(int), cudaMemcpyDeviceToHost));
-    void* buffers[] = {d_beta, d_log_w, d_log_px, d_accepted, d_f, d_z_start};
+    void* buffers[] = {d_beta, d_log_w, d_log_px, d_accepted, d_f, d_z_start, d_p_start};
     for (void* p : buffers) cudaCheck(cudaFree(p));
     return out;
 }
@@ -1848,6 +1857,135 @@ static double mean_log_px(const AisOut& o, int n) {
     return sum / n;
 }
 
+// Leapfrog is reversible: from its end (z_L, -p_L) the same L steps come back to (z_0, -p_0). One
+// chain per image, so each image's z_start is a chain's; fp32 only: bf16's gradient rounds z's
+// neighbourhood to different bits, so its trajectories are not exactly time-symmetric.
+static void test_gpu_leapfrog_reversible(VAE* m, const uint8_t* d_pixels) {
+    const int n = 64, L = 10;
+    const double beta[3] = {0.0, 0.5, 1.0}; // the one transition targets b = 0.5: both energy terms count
+    static float p0[n * LATENT_DIM], back_z[n * LATENT_DIM], back_p[n * LATENT_DIM];
+    for (int i = 0; i < n * LATENT_DIM; i++) p0[i] = (float)(1.3 * sin(0.37 * i + 1.0));
+    const AisSpec start = {1, 1, L, false, false, 0.03f, 21, NULL, NULL, NULL};
+    AisOut s = gpu_ais(m, d_pixels, 0, n, start); // T = 1: z is the start
+    const AisSpec forward = {2, 1, L, false, false, 0.03f, 21, beta, NULL, p0};
+    AisOut f = gpu_ais(m, d_pixels, 0, n, forward);
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < LATENT_DIM; j++) {
+            back_z[r * LATENT_DIM + j] = f.proposal[r * 2 * LATENT_DIM + j];
+            back_p[r * LATENT_DIM + j] = -f.proposal[r * 2 * LATENT_DIM + LATENT_DIM + j];
+        }
+    const AisSpec backward = {2, 1, L, false, false, 0.03f, 21, beta, back_z, back_p};
+    AisOut b = gpu_ais(m, d_pixels, 0, n, backward);
+    double worst_z = 0.0, worst_p = 0.0, moved = 0.0;
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < LATENT_DIM; j++) {
+            const int i = r * LATENT_DIM + j;
+            worst_z = fmax(worst_z, fabs(b.proposal[r * 2 * LATENT_DIM + j] - s.z[i]) / fmax(1.0, fabs(s.z[i])));
+            const double p_back = b.proposal[r * 2 * LATENT_DIM + LATENT_DIM + j];
+            worst_p = fmax(worst_p, fabs(p_back + p0[i]) / fmax(1.0, fabs(p0[i])));
+            moved = fmax(moved, fabs(back_z[i] - s.z[i]));
+        }
+    // fp32 rounding of z and p over 2 x 10 steps, grown by the trajectory's sensitivity: ~1e-6
+    check(worst_z < 1e-5 && worst_p < 1e-5 && moved > 0.1, "leapfrog (L = %d, 64 chains) run back from (z_L, -p_L) "
+          "returns to (z_0, -p_0): worst %.2e in z, %.2e in p (z moved up to %.2f)", L, worst_z, worst_p, moved);
+    ais_out_free(&s), ais_out_free(&f), ais_out_free(&b);
+}
+
+// A toy model whose log p(x) is exact by quadrature: fc3's columns for all but the two latents that
+// weigh most zeroed, so p(x|z) depends on (z_a, z_b) only and the other 18 integrate to 1. Its log
+// p(x) = log of the 2-D integral of p(x|z) N(z; 0, I), by the midpoint rule on a 1024^2 grid over
+// [-6, 6]^2 (h = 0.012, a few points per posterior standard deviation; the prior's mass beyond 6 is
+// e^-18), each point's BCE from the GPU decoder in fp32. AIS from the prior at T = 1000 must come
+// within 0.05 on average (its bias), and no image may exceed the exact value by 0.5 (a stochastic
+// lower bound can only pass it by its noise). fp32 only: in bf16 the decoder that scores the grid
+// rounds z and W3 where ais_kernel does not, a difference of the models rather than of AIS.
+static void test_gpu_ais_toy(const HostWeights* w, const uint8_t* d_pixels) {
+    HostWeights toy = *w;
+    toy.data = (float*)malloc(w->count * sizeof(float));
+    memcpy(toy.data, w->data, w->count * sizeof(float));
+    for (int t = 0; t < NUM_TENSORS; t++) toy.tensor[t] = toy.data + (w->tensor[t] - w->data);
+    float* w3 = toy.data + (w->tensor[FC3_W] - w->data);
+    double norm[LATENT_DIM] = {};
+    for (int k = 0; k < HIDDEN_DIM; k++)
+        for (int j = 0; j < LATENT_DIM; j++) norm[j] += (double)w3[k * LATENT_DIM + j] * w3[k * LATENT_DIM + j];
+    int a = 0, b = 1;
+    for (int j = 0; j < LATENT_DIM; j++) {
+        if (norm[j] > norm[a]) b = a, a = j;
+        else if (j != a && (norm[j] > norm[b] || b == a)) b = j;
+    }
+    for (int k = 0; k < HIDDEN_DIM; k++)
+        for (int j = 0; j < LATENT_DIM; j++)
+            if (j != a && j != b) w3[k * LATENT_DIM + j] = 0.0f;
+    const int G = 1024, rows = G * G, n = 32;
+    const double R = 6.0, h = 2.0 * R / G;
+    VAE toy_m;
+    vae_init(&toy_m, &toy, n, PRECISION_FP32, rows);
+    float* z = (float*)calloc((size_t)rows * LATENT_DIM, sizeof(float));
+    for (int r = 0; r < rows; r++) {
+        z[(size_t)r * LATENT_DIM + a] = (float)(-R + (r / G + 0.5) * h);
+        z[(size_t)r * LATENT_DIM + b] = (float)(-R + (r % G + 0.5) * h);
+    }
+    float *d_z, *d_bce;
+    cudaCheck(cudaMalloc(&d_z, (size_t)rows * LATENT_DIM * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_bce, (size_t)rows * sizeof(float)));
+    cudaCheck(cudaMemcpy(d_z, z, (size_t)rows * LATENT_DIM * sizeof(float), cudaMemcpyHostToDevice));
+    launch(z_rows_kernel<PRECISION_FP32>, rows, 128, 128, toy_m.stream, toy_m.z_rows, d_z, rows);
+    double exact[n];
+    for (int i = 0; i < n; i++) {
+        poison(d_bce, (size_t)rows * sizeof(float));
+        vae_decoder(&toy_m, d_pixels + (size_t)i * INPUT_DIM, rows, rows, d_bce, NULL, NULL);
+        float* bce = to_host(d_bce, rows);
+        double top = -INFINITY, sum = 0.0;
+        auto log_joint = [&](int r) {
+            const double za = z[(size_t)r * LATENT_DIM + a], zb = z[(size_t)r * LATENT_DIM + b];
+            return -(double)bce[r] - 0.5 * (za * za + zb * zb) - log(2.0 * M_PI);
+        };
+        for (int r = 0; r < rows; r++) top = fmax(top, log_joint(r));
+        for (int r = 0; r < rows; r++) sum += exp(log_joint(r) - top);
+        exact[i] = top + log(sum * h * h);
+        free(bce);
+    }
+    const AisSpec spec = {1000, 16, 10, true, true, AIS_STEP_START, 0, NULL, NULL, NULL};
+    AisOut o = gpu_ais(&toy_m, d_pixels, 0, n, spec);
+    double mean_diff = 0.0, worst_above = -INFINITY;
+    for (int i = 0; i < n; i++)
+        mean_diff += (o.log_px[i] - exact[i]) / n, worst_above = fmax(worst_above, o.log_px[i] - exact[i]);
+    check(fabs(mean_diff) < 0.05 && worst_above < 0.5, "toy model (latents %d, %d only), %d images: AIS T = 1000 from "
+          "the prior minus exact log p(x) %.4f on average (within 0.05), at most %+.4f (below 0.5); image 0 %.4f vs "
+          "%.4f", a, b, n, mean_diff, worst_above, o.log_px[0], exact[0]);
+    ais_out_free(&o);
+    cudaCheck(cudaFree(d_z)), cudaCheck(cudaFree(d_bce));
+    free(z), free(toy.data);
+    vae_free(&toy_m);
+}
+
+// Test 10: the trajectory against dev/ais_pytorch.py, an AIS written in PyTorch float64 from the
+// maths and fed the same keyed noise (its own Philox and Box-Muller): ./vae --ais 5 --chains 4
+// --leapfrog 3 over 8 images, per image log p(x) within 1e-5 in fp32 (2e-2 in bf16) and, in fp32,
+// the same acceptance: every one of the 128 Metropolis decisions alike. make test names the Python
+// with PyTorch (VAE_TEST_PYTHON).
+static void test_gpu_ais_pytorch(Precision p) {
+    const char* python = getenv("VAE_TEST_PYTHON");
+    if (vae_bin == NULL || python == NULL || python[0] == '\0') {
+        skip("AIS against PyTorch float64 (dev/ais_pytorch.py)", "needs ./vae and VAE_TEST_PYTHON (make test)");
+        return;
+    }
+    char csv[128], cmd[512], line[256], last[256] = "(no output)";
+    snprintf(csv, sizeof(csv), "%s/ais.csv", scratch);
+    VaeRun r = run_vae({"--ais", "5", "--chains", "4", "--leapfrog", "3", "-n", "8", "--precision",
+                        PRECISION_NAMES[p], "--csv", csv, "-q"});
+    const bool ran = r.status == 0;
+    vae_run_free(&r);
+    snprintf(cmd, sizeof(cmd), "%s dev/ais_pytorch.py --check %s --precision %s --transitions 5 --chains 4 "
+             "--leapfrog 3 2>&1", python, csv, PRECISION_NAMES[p]);
+    FILE* f = ran ? popen(cmd, "r") : NULL;
+    while (f != NULL && fgets(line, sizeof(line), f) != NULL) snprintf(last, sizeof(last), "%s", line);
+    const int status = f != NULL ? pclose(f) : -1;
+    last[strcspn(last, "\n")] = '\0';
+    check(ran && WIFEXITED(status) && WEXITSTATUS(status) == 0 && !strncmp(last, "ok", 2),
+          "the trajectory against PyTorch float64 with the same noise: %s", ran ? last : "./vae --ais 5 failed");
+}
+
 static double fp32_ais_mean = NAN; // the fp32 run's whole-test-set mean at T = 100, compared against by bf16
 
 static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, const uint8_t* d_pixels, bool quick) {
@@ -1855,7 +1993,7 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
     const double tol = TOLERANCE[p];
     printf("GPU %s AIS: the gradient against float64, T = 1 against IWAE\n", PRECISION_NAMES[p]);
     const int first = 100, n = 7, C = 16;
-    const AisSpec one = {1, C, 10, false, true, AIS_STEP_START, 5, NULL, NULL};
+    const AisSpec one = {1, C, 10, false, true, AIS_STEP_START, 5, NULL, NULL, NULL};
     AisOut a = gpu_ais(m, d_pixels, first, n, one);
     double* grad64 = (double*)malloc((size_t)n * C * LATENT_DIM * sizeof(double));
     double bce64[n * 16];
@@ -1881,7 +2019,7 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
     {
         const int T = 41, images4 = 4, chains = 128;
         double zero[T + 1] = {};
-        const AisSpec still = {T, chains, 10, true, true, AIS_STEP_START, 9, zero, NULL};
+        const AisSpec still = {T, chains, 10, true, true, AIS_STEP_START, 9, zero, NULL, NULL};
         AisOut s = gpu_ais(m, d_pixels, 0, images4, still);
         const int rows = images4 * chains;
         double worst_mean = 0.0, worst_var = 0.0;
@@ -1905,7 +2043,7 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
     if (p == PRECISION_FP32) { // bf16's energies carry rounding noise (~0.1 nat) that no step size removes
         double mean_error[2];
         for (int half = 0; half < 2; half++) {
-            const AisSpec jump = {2, C, 10, false, false, half ? 0.02f : 0.04f, 3, NULL, NULL};
+            const AisSpec jump = {2, C, 10, false, false, half ? 0.02f : 0.04f, 3, NULL, NULL, NULL};
             AisOut e = gpu_ais(m, d_pixels, 0, 8, jump);
             double sum = 0.0;
             for (int r = 0; r < 8 * C; r++) sum += fabs(e.delta_h[r]);
@@ -1915,24 +2053,28 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
         const double ratio = mean_error[0] / mean_error[1];
         check(ratio > 3.0 && ratio < 5.5, "halving the leapfrog step cuts the energy error %.2fx (|H1 - H0| %.2e -> "
               "%.2e; expected ~4, second order)", ratio, mean_error[0], mean_error[1]);
+        test_gpu_leapfrog_reversible(m, d_pixels);
+        test_gpu_ais_toy(w, d_pixels);
     }
+    test_gpu_ais_pytorch(p);
 
     printf("GPU %s AIS: determinism and batch invariance (bitwise)\n", PRECISION_NAMES[p]);
     {
-        const int count = 37;
-        const AisSpec spec = {20, C, 3, false, true, AIS_STEP_START, 11, NULL, NULL};
+        const int count = 1024;
+        const AisSpec spec = {20, C, 3, false, true, AIS_STEP_START, 11, NULL, NULL, NULL};
         AisOut all = gpu_ais(m, d_pixels, 0, count, spec), again = gpu_ais(m, d_pixels, 0, count, spec);
         bool same = !memcmp(all.log_w, again.log_w, count * C * sizeof(double));
         check(same, "T = 20: a rerun gives bitwise-identical log weights");
-        for (int size : {1, 7}) {
+        for (int size : {1, 7, 37}) {
             bool ok = true;
-            for (int start = 0; start + size <= count && ok; start += size == 1 ? 9 : size) {
+            for (int start : {0, size, 3 * size + 1, 500, count - size}) {
                 AisOut part = gpu_ais(m, d_pixels, start, size, spec);
-                ok = !memcmp(part.log_w, all.log_w + (size_t)start * C, (size_t)size * C * sizeof(double)) &&
+                ok = ok && !memcmp(part.log_w, all.log_w + (size_t)start * C, (size_t)size * C * sizeof(double)) &&
                      !memcmp(part.z, all.z + (size_t)start * C * LATENT_DIM, (size_t)size * C * LATENT_DIM * 4);
                 ais_out_free(&part);
             }
-            check(ok, "T = 20: images in launches of %d give the same log weights and z as %d together", size, count);
+            check(ok, "T = 20: images in launches of %d (from 0, %d, %d, 500, %d) give the same log weights and z as "
+                  "%d together", size, size, 3 * size + 1, count - size, count);
         }
         ais_out_free(&all), ais_out_free(&again);
     }
@@ -1943,7 +2085,7 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
         double nll[4];
         const int Ts[4] = {1, 10, 100, 1000};
         for (int i = 0; i < 4; i++) {
-            const AisSpec spec = {Ts[i], C, 10, false, true, AIS_STEP_START, 0, NULL, NULL};
+            const AisSpec spec = {Ts[i], C, 10, false, true, AIS_STEP_START, 0, NULL, NULL, NULL};
             AisOut o = gpu_ais(m, d_pixels, 0, count, spec);
             nll[i] = -mean_log_px(o, count);
             ais_out_free(&o);
@@ -1983,7 +2125,7 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
         skip("AIS over the whole test set, fp32 against bf16", "--quick");
         return;
     }
-    const AisSpec spec = {100, C, 10, false, true, AIS_STEP_START, 0, NULL, NULL};
+    const AisSpec spec = {100, C, 10, false, true, AIS_STEP_START, 0, NULL, NULL, NULL};
     double sum = 0.0;
     for (int start = 0; start < images->count; start += 4096) {
         const int size = images->count - start < 4096 ? images->count - start : 4096;

@@ -1544,6 +1544,8 @@ struct AisIO {
     float* step_out;       // [n]: the step size at the end
     float *z_out, *grad0, *bce0, *delta_h; // tests, or NULL: [n * C][20] final z; the first evaluation's
                                           // grad BCE [n * C][20] and BCE [n * C]; the last H0 - H1 [n * C]
+    const float* p_start; // tests, or NULL: [n * C][20] the first transition's momentum instead of a draw
+    float* proposal;      // tests, or NULL: [n * C][40] the last leapfrog trajectory's end (z, p) before its test
 };
 
 template <Precision P> struct AisSmem {
@@ -1947,9 +1949,11 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
                 for (int i = 0; i < AIS_LATENTS; i += 2) {
                     const int j = 8 * (i / 2) + 2 * t;
                     const uint32_t im = io.first_image + image[half];
-                    const float2 e = j < LATENT_DIM
-                                         ? gaussian_pair(io.seed, STREAM_MOMENTUM, im, chain[half], 16 * s + j / 2)
-                                         : make_float2(0.0f, 0.0f);
+                    const bool injected = io.p_start && s == 1 && live[half] && j < LATENT_DIM;
+                    const float* given = injected ? io.p_start + (row0 + 8 * half) * LATENT_DIM + j : NULL;
+                    const float2 e = j >= LATENT_DIM ? make_float2(0.0f, 0.0f)
+                                     : injected      ? make_float2(given[0], given[1])
+                                          : gaussian_pair(io.seed, STREAM_MOMENTUM, im, chain[half], 16 * s + j / 2);
                     p[half][i] = e.x, p[half][i + 1] = e.y;
                     kinetic = fmaf(e.x, e.x, fmaf(e.y, e.y, kinetic));
                 }
@@ -1980,6 +1984,15 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
                 kick(l < io.leapfrog ? 1.0f : 0.5f);
             }
             log_densities(z, bce, lpxz, lp0);
+            if (io.proposal && s == io.T - 1 && rank == 0)
+                #pragma unroll
+                for (int half = 0; half < 2; half++)
+                    #pragma unroll
+                    for (int i = 0; i < AIS_LATENTS; i++) {
+                        const int j = 8 * (i / 2) + 2 * t + i % 2;
+                        float* out = io.proposal + (row0 + 8 * half) * 2 * LATENT_DIM + j;
+                        if (live[half] && j < LATENT_DIM) out[0] = z[half][i], out[LATENT_DIM] = p[half][i];
+                    }
             #pragma unroll
             for (int half = 0; half < 2; half++) {
                 float kinetic = 0.0f;

@@ -4,7 +4,8 @@ AIS in PyTorch, written from the maths of ./vae --ais (not from vae.cu's kernels
 its trajectories are checked against, and the time PyTorch takes for the same run.
 
   python3 dev/ais_pytorch.py --check CSV [--precision fp32]   float64 AIS with vae.cu's noise against
-                                                              ./vae --ais 5 --chains 4 --leapfrog 3 -n 3 --csv CSV
+                                                              ./vae --ais 5 --chains 4 --leapfrog 3 -n 8 --csv CSV
+                                                              (test_vae runs this check)
   python3 dev/ais_pytorch.py --time [--images 1000 --transitions 20]   PyTorch's seconds per transition
                                                               (eager fp32; bf16 under autocast, eager and
                                                               torch.compile) and the whole-test-set T = 1000
@@ -13,7 +14,8 @@ its trajectories are checked against, and the time PyTorch takes for the same ru
 The noise is injected, not drawn by PyTorch: a Python Philox4x32-10 and Box-Muller give the start
 eps (seed, image, chain, latent), the momenta (seed, image, chain, 16 t + latent pair) and the
 Metropolis uniforms (seed, image, chain, t) that vae.cu's counter-based generator gives, so both
-run the same chains and the per-image log p(x) must agree to float32 rounding (1e-5 relative).
+run the same chains: in fp32 every Metropolis decision must come out the same (the per-image acceptance)
+and the per-image log p(x) agree to float32 rounding (1e-5 relative).
 The schedule (sigmoid, delta = 4), the step-size rule (x1.02 / x0.98 toward acceptance 0.65,
 clamped to [1e-4, 0.5], start 0.05) and the weights are the issue's definitions.
 """
@@ -87,7 +89,8 @@ def bce_and_grad(model, x, z):
 
 
 def ais(model, x, T, C, L, seed, noise=None, dtype=torch.float64):
-    """log p(x) per image; noise=None draws PyTorch's own (timing), else vae.cu's keyed noise."""
+    """log p(x) and the acceptance rate per image; noise=None draws PyTorch's own (timing), else vae.cu's
+    keyed noise."""
     n, dev = x.shape[0], x.device
     with torch.no_grad():
         h1 = F.relu(model.fc1(x.to(dtype)))
@@ -110,6 +113,7 @@ def ais(model, x, T, C, L, seed, noise=None, dtype=torch.float64):
 
     bce, g = bce_and_grad(model, xs, z.to(dtype))
     log_w = torch.zeros(n, C, device=dev, dtype=torch.float64)
+    taken = torch.zeros(n, device=dev, dtype=torch.float64)
     for t in range(1, T + 1):
         lpxz, lp0 = densities(z, bce)
         log_w += (beta[t] - beta[t - 1]) * (lpxz - lp0)
@@ -128,12 +132,13 @@ def ais(model, x, T, C, L, seed, noise=None, dtype=torch.float64):
         h1 = -b * lpxz - (1 - b) * lp0 + 0.5 * (p * p).sum(-1)
         u = noise["uniform"][t] if noise else torch.rand(n, C, device=dev, dtype=torch.float64)
         accept = torch.log(u) < h0 - h1
+        taken += accept.double().sum(1)
         z = torch.where(accept[..., None], z, z0)
         g = torch.where(accept[..., None], g, g0)
         bce = torch.where(accept, bce, bce0)
         rate = accept.double().mean(1)[:, None, None]
         step = torch.clamp(step * torch.where(rate > 0.65, 1.02, 0.98), 1e-4, 0.5)
-    return torch.logsumexp(log_w, 1) - math.log(C)
+    return torch.logsumexp(log_w, 1) - math.log(C), taken / (C * max(T - 1, 1))
 
 
 def check(args):
@@ -148,16 +153,22 @@ def check(args):
                                            for i in range(n)]) for t in range(1, T)},
              "uniform": {t: torch.tensor([[f32(uniform(seed, i, c, t)) for c in range(C)] for i in range(n)],
                                          dtype=torch.float64) for t in range(1, T)}}
-    ref = ais(model, x, T, C, L, seed, noise)
-    worst = 0.0
+    ref, ref_acceptance = ais(model, x, T, C, L, seed, noise)
+    worst, decisions_differ = 0.0, 0
     for i, row in enumerate(rows):
-        got = float(row[2])
+        got, acceptance = float(row[2]), float(row[4])
         worst = max(worst, abs(got - ref[i].item()) / abs(ref[i].item()))
-        print(f"image {i}: vae.cu {got:.6f}  PyTorch float64 {ref[i].item():.6f}")
+        decisions_differ += abs(acceptance - ref_acceptance[i].item()) > 1e-6
+        print(f"image {i}: vae.cu {got:.6f} (acceptance {acceptance:.4f})  PyTorch float64 {ref[i].item():.6f} "
+              f"({ref_acceptance[i].item():.4f})")
+    # fp32: the same Metropolis decisions and float32 rounding of the weights; bf16's energies are ~0.1 nat
+    # off, so a decision near its threshold may go the other way: the estimate only at bf16's tolerance
     tol = 1e-5 if args.precision == "fp32" else 2e-2
-    print(f"{'ok' if worst <= tol else 'FAIL'}: AIS T = {T}, C = {C}, L = {L}, {n} images, the same noise: "
-          f"max relative difference {worst:.2e} (tolerance {tol:.0e}, {args.precision})")
-    return 0 if worst <= tol else 1
+    ok = worst <= tol and (decisions_differ == 0 or args.precision != "fp32")
+    print(f"{'ok' if ok else 'FAIL'}: AIS T = {T}, C = {C}, L = {L}, {n} images, the same noise: max relative "
+          f"difference {worst:.2e} (tolerance {tol:.0e}, {args.precision}); acceptance differs on {decisions_differ} "
+          f"images")
+    return 0 if ok else 1
 
 
 def timing(args):
