@@ -1629,49 +1629,169 @@ __device__ inline float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// BCE(x, logits(z)) and grad_z BCE for a warp's 16 rows z[half][i] (the thread's, as above):
-// this block's columns col0 .. col0 + AIS_BN - 1 of the product (its first `skip` n8 blocks are the
-// block before's), then the cluster's shares added in rank order, so every block gets the same
-// bits. x_row[half]: the row's image's pixels from col0.
+// The pieces of one gradient evaluation (ais_gradient, below) for a warp's 16 rows: the thread holds
+// rows g and g + 8 (half 0, 1) as described above.
+// fc3 in fp16 hi and lo parts in both paths (three products, ~fp32): near the posterior's mode grad
+// changes by its curvature (~100) times any error in z or W3 z, and bf16's 2^-9 moved it by 7% (fp16's
+// 2^-11 alone: 2.3%). The backward product through W3 is linear in dh: one product in bf16.
+typedef fp16 AisW3;
+// z as fc3's A fragments, K = 32: the latents, 1 at K = 20..22 (times the bias parts), zeros.
+__device__ inline void ais_z_fragments(const float (&z)[2][AIS_LATENTS], uint32_t (&za)[2][4],
+                                       uint32_t (&za_lo)[2][4]) {
+    const int t = threadIdx.x % 4;
+    #pragma unroll
+    for (int kk = 0; kk < 2; kk++)
+        #pragma unroll
+        for (int i = 0; i < 4; i++) za[kk][i] = za_lo[kk][i] = 0u;
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        pack_parts<AisW3>(za[0][half], za_lo[0][half], z[half][0], z[half][1]);
+        pack_parts<AisW3>(za[0][2 + half], za_lo[0][2 + half], z[half][2], z[half][3]);
+        const float k20 = t < 2 ? z[half][4] : 1.0f, k21 = t < 2 ? z[half][5] : t == 2 ? 1.0f : 0.0f;
+        pack_parts<AisW3>(za[1][half], za_lo[1][half], k20, k21);
+    }
+}
+// fc3's pre-activations of hidden units 16c .. 16c + 15 (an m16n8 accumulator pair) and their ReLU's
+// mask, a bit per value.
+__device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const uint32_t (&za)[2][4],
+                                         const uint32_t (&za_lo)[2][4], int c, float (&h)[8]) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) h[i] = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < 2; j++)
+        #pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            const int n = 16 * c + 8 * j + g, k = 16 * kk + 2 * t;
+            const uint32_t b[2] = {pair_at(&w3[0][n][k]), kk == 0 ? pair_at(&w3[0][n][k + 8]) : 0u};
+            const uint32_t b_lo[2] = {pair_at(&w3[1][n][k]), kk == 0 ? pair_at(&w3[1][n][k + 8]) : 0u};
+            mma_parts<AisW3>(&h[4 * j], za[kk], za_lo[kk], b, b_lo);
+        }
+    uint32_t bits = 0;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) bits |= (h[i] > 0.0f ? 1u : 0u) << i;
+    return bits;
+}
+// The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from
+// the block's first column): the row's BCE share (decoder_epilogue's sum), and sigmoid(l) - x in
+// place of each logit (zero in the skipped blocks).
+template <int N>
+__device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
+                                    float (&bce_share)[2]) {
+    const int t = threadIdx.x % 4;
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float dot = 0.0f, abs_sum = 0.0f, prod0 = 1.0f, prod1 = 1.0f;
+        #pragma unroll
+        for (int j = 0; j < N / 4; j++) {
+            const uint32_t px = *reinterpret_cast<const uint16_t*>(&x_row[half][8 * j + 2 * t]);
+            float* l = &logit[4 * j + 2 * half];
+            const float x0 = byte_as_float(px, 0) * (1.0f / 255.0f), x1 = byte_as_float(px, 1) * (1.0f / 255.0f);
+            const float e0 = fast_exp2(-fabsf(l[0]) * 1.4426950409f), e1 = fast_exp2(-fabsf(l[1]) * 1.4426950409f);
+            if (j >= skip) {
+                dot = fmaf(0.5f - x0, l[0], fmaf(0.5f - x1, l[1], dot));
+                abs_sum += fabsf(l[0]) + fabsf(l[1]);
+                prod0 = fmaf(prod0, e0, prod0), prod1 = fmaf(prod1, e1, prod1);
+            }
+            l[0] = j >= skip ? __fdividef(l[0] >= 0.0f ? 1.0f : e0, 1.0f + e0) - x0 : 0.0f;
+            l[1] = j >= skip ? __fdividef(l[1] >= 0.0f ? 1.0f : e1, 1.0f + e1) - x1 : 0.0f;
+        }
+        bce_share[half] = quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1));
+    }
+}
+// dz += (dh masked by fc3's ReLU) W3 over hidden units 16c .. 16c + 15 (dh: an m16n8 accumulator
+// pair; B: W3's rows by ldmatrix.trans); three products in fp32's path, one in bf16's.
+template <bool SPLIT>
+__device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], int c, const float (&dh)[8],
+                                       uint32_t bits, float (&dz)[3][4]) {
+    const int lane = threadIdx.x % 32;
+    const int t_row = lane % 8 + ((lane / 8) % 2) * 8, t_col = (lane / 16) * 8; // ldmatrix_x4_trans: k16 x two n8
+    float m[8];
+    #pragma unroll
+    for (int i = 0; i < 8; i++) m[i] = (bits >> i) & 1u ? dh[i] : 0.0f;
+    uint32_t a[4], a_lo[4];
+    pack_parts<AisW3>(a[0], a_lo[0], m[0], m[1]);
+    pack_parts<AisW3>(a[1], a_lo[1], m[2], m[3]);
+    pack_parts<AisW3>(a[2], a_lo[2], m[4], m[5]);
+    pack_parts<AisW3>(a[3], a_lo[3], m[6], m[7]);
+    uint32_t r[4], q[4] = {}, r2[2], q2[2] = {};
+    const AisW3* row = &w3[0][16 * c + t_row][0];
+    ldmatrix_x4_trans(r, row + t_col);
+    ldmatrix_x2_trans(r2[0], r2[1], row + 16);
+    if constexpr (SPLIT) {
+        ldmatrix_x4_trans(q, row + HIDDEN_DIM * AIS_W3_K + t_col);
+        ldmatrix_x2_trans(q2[0], q2[1], row + HIDDEN_DIM * AIS_W3_K + 16);
+    }
+    const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]}, c1[2] = {q[2], q[3]};
+    if constexpr (SPLIT) {
+        mma_parts<AisW3>(dz[0], a, a_lo, b0, c0), mma_parts<AisW3>(dz[1], a, a_lo, b1, c1);
+        mma_parts<AisW3>(dz[2], a, a_lo, r2, q2);
+    } else {
+        mma_m16n8k16<AisW3>(dz[0], a, b0), mma_m16n8k16<AisW3>(dz[1], a, b1), mma_m16n8k16<AisW3>(dz[2], a, r2);
+    }
+}
+// The cluster's merge: wait until every block has read the last shares, store this one's (dz, the BCE
+// share) in share[row][0..20], meet, add all CLUSTER blocks' in rank order, so every block gets the
+// same bits; the closing arrive lets the next evaluation's wait know this block is done reading.
+template <int CLUSTER, int PITCH>
+__device__ inline void ais_merge(float (*share)[PITCH], const float (&dz)[3][4], const float (&bce_share)[2],
+                                 float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    cluster_wait();
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float* own = share[warp * TASK_ROWS + g + 8 * half];
+        #pragma unroll
+        for (int nt = 0; nt < 3; nt++) {
+            const int col = 8 * nt + 2 * t;
+            if (col < LATENT_DIM)
+                *reinterpret_cast<float2*>(&own[col]) = make_float2(dz[nt][2 * half], dz[nt][2 * half + 1]);
+            else if (col == LATENT_DIM)
+                own[col] = bce_share[half];
+        }
+    }
+    cluster_arrive();
+    cluster_wait();
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const float* row = share[warp * TASK_ROWS + g + 8 * half];
+        float2 sum[3] = {}, bce_sum = {};
+        #pragma unroll
+        for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++) {
+            #pragma unroll
+            for (int nt = 0; nt < 3; nt++) {
+                if (8 * nt + 2 * t >= LATENT_DIM) continue;
+                const float2 v = cluster_load2(&row[8 * nt + 2 * t], rank);
+                sum[nt].x += v.x, sum[nt].y += v.y;
+            }
+            bce_sum.x += cluster_load2(&row[LATENT_DIM], rank).x;
+        }
+        #pragma unroll
+        for (int i = 0; i < AIS_LATENTS; i++) grad[half][i] = i % 2 ? sum[i / 2].y : sum[i / 2].x;
+        bce[half] = bce_sum.x;
+    }
+    cluster_arrive();
+}
+
+// BCE(x, logits(z)) and grad_z BCE for a warp's 16 rows z[half][i]: this block's columns col0 ..
+// col0 + AIS_BN - 1 of the product (its first `skip` n8 blocks are the block before's), then the
+// cluster's shares added in rank order. x_row[half]: the row's image's pixels from col0.
 template <Precision P>
 __device__ inline void ais_gradient(AisSmem<P>& sm, const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                                     int skip, float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
     typedef Path<P> Q;
     typedef typename Q::T T;
-    // fc3 in fp16 hi and lo parts in both paths (three products, ~fp32): near the posterior's mode grad
-    // changes by its curvature (~100) times any error in z or W3 z, and bf16's 2^-9 moved it by 7% (fp16's
-    // 2^-11 alone: 2.3%). The backward product through W3 is linear in dh: one product in bf16.
-    typedef fp16 T3;
     constexpr int BN = Q::AIS_BN, K_STEPS = (BN + 15) / 16; // fc4's backward K: the block's columns
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    // z as fc3's A fragments, K = 32: the latents, 1 at K = 20..22 (times the bias parts), zeros
-    uint32_t za[2][4] = {}, za_lo[2][4] = {};
-    #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        pack_parts<T3>(za[0][half], za_lo[0][half], z[half][0], z[half][1]);
-        pack_parts<T3>(za[0][2 + half], za_lo[0][2 + half], z[half][2], z[half][3]);
-        const float k20 = t < 2 ? z[half][4] : 1.0f, k21 = t < 2 ? z[half][5] : t == 2 ? 1.0f : 0.0f;
-        pack_parts<T3>(za[1][half], za_lo[1][half], k20, k21);
-    }
+    uint32_t za[2][4], za_lo[2][4];
+    ais_z_fragments(z, za, za_lo);
     // forward: fc3 16 hidden units at a time, their ReLU straight into fc4 (decoder_mma_kernel's loop)
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
     float logit[BN / 2] = {};
     #pragma unroll 1
     for (int c = 0; c < HIDDEN_DIM / 16; c++) {
-        float h[8] = {};
-        #pragma unroll
-        for (int j = 0; j < 2; j++)
-            #pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                const int n = 16 * c + 8 * j + g, k = 16 * kk + 2 * t;
-                const uint32_t b[2] = {pair_at(&sm.w3[0][n][k]), kk == 0 ? pair_at(&sm.w3[0][n][k + 8]) : 0u};
-                const uint32_t b_lo[2] = {pair_at(&sm.w3[1][n][k]), kk == 0 ? pair_at(&sm.w3[1][n][k + 8]) : 0u};
-                mma_parts<T3>(&h[4 * j], za[kk], za_lo[kk], b, b_lo);
-            }
-        uint32_t bits = 0;
-        #pragma unroll
-        for (int i = 0; i < 8; i++) bits |= (h[i] > 0.0f ? 1u : 0u) << i;
-        sm.mask[warp][c][lane] = (uint8_t)bits;
+        float h[8];
+        sm.mask[warp][c][lane] = (uint8_t)ais_fc3_chunk(sm.w3, za, za_lo, c, h);
         uint32_t a[1][4], a_lo[1][4];
         relu_to_a<T>(a, a_lo, h);
         #pragma unroll
@@ -1699,27 +1819,8 @@ __device__ inline void ais_gradient(AisSmem<P>& sm, const float (&z)[2][AIS_LATE
         const uint32_t b[2] = {pair_at(&sm.w4[0][nt * 8 + g][HIDDEN_DIM + 2 * t]), 0u};
         mma_m16n8k16<T>(&logit[4 * nt], a_bias, b);
     }
-    // epilogue: the BCE share (decoder_epilogue's sum), and sigmoid(l) - x in place of the logits
     float bce_share[2];
-    #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        float dot = 0.0f, abs_sum = 0.0f, prod0 = 1.0f, prod1 = 1.0f;
-        #pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            const uint32_t px = *reinterpret_cast<const uint16_t*>(&x_row[half][8 * j + 2 * t]);
-            float* l = &logit[4 * j + 2 * half];
-            const float x0 = byte_as_float(px, 0) * (1.0f / 255.0f), x1 = byte_as_float(px, 1) * (1.0f / 255.0f);
-            const float e0 = fast_exp2(-fabsf(l[0]) * 1.4426950409f), e1 = fast_exp2(-fabsf(l[1]) * 1.4426950409f);
-            if (j >= skip) {
-                dot = fmaf(0.5f - x0, l[0], fmaf(0.5f - x1, l[1], dot));
-                abs_sum += fabsf(l[0]) + fabsf(l[1]);
-                prod0 = fmaf(prod0, e0, prod0), prod1 = fmaf(prod1, e1, prod1);
-            }
-            l[0] = j >= skip ? __fdividef(l[0] >= 0.0f ? 1.0f : e0, 1.0f + e0) - x0 : 0.0f;
-            l[1] = j >= skip ? __fdividef(l[1] >= 0.0f ? 1.0f : e1, 1.0f + e1) - x1 : 0.0f;
-        }
-        bce_share[half] = quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1));
-    }
+    ais_epilogue(logit, x_row, skip, bce_share);
     // backward: dh3 = (sigmoid - x) W4 over the block's columns (B: ldmatrix.trans of the same rows),
     // masked by the ReLU, then grad += dh3 W3, 16 hidden units at a time
     uint32_t ga[K_STEPS][4], ga_lo[K_STEPS][4];
@@ -1759,65 +1860,25 @@ __device__ inline void ais_gradient(AisSmem<P>& sm, const float (&z)[2][AIS_LATE
                 mma_parts<T>(&dh[4], ga[s], ga_lo[s], b1, c1);
             }
         }
-        const uint32_t bits = sm.mask[warp][c][lane];
-        #pragma unroll
-        for (int i = 0; i < 8; i++) dh[i] = (bits >> i) & 1u ? dh[i] : 0.0f;
-        uint32_t a[4], a_lo[4];
-        pack_parts<T3>(a[0], a_lo[0], dh[0], dh[1]);
-        pack_parts<T3>(a[1], a_lo[1], dh[2], dh[3]);
-        pack_parts<T3>(a[2], a_lo[2], dh[4], dh[5]);
-        pack_parts<T3>(a[3], a_lo[3], dh[6], dh[7]);
-        uint32_t r[4], q[4] = {}, r2[2], q2[2] = {};
-        const T3* row = &sm.w3[0][16 * c + t_row][0];
-        ldmatrix_x4_trans(r, row + t_col);
-        ldmatrix_x2_trans(r2[0], r2[1], row + 16);
-        if constexpr (Q::SPLIT) {
-            ldmatrix_x4_trans(q, row + HIDDEN_DIM * AIS_W3_K + t_col);
-            ldmatrix_x2_trans(q2[0], q2[1], row + HIDDEN_DIM * AIS_W3_K + 16);
-        }
-        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]}, c1[2] = {q[2], q[3]};
-        if constexpr (Q::SPLIT) {
-            mma_parts<T3>(dz[0], a, a_lo, b0, c0), mma_parts<T3>(dz[1], a, a_lo, b1, c1);
-            mma_parts<T3>(dz[2], a, a_lo, r2, q2);
-        } else {
-            mma_m16n8k16<T3>(dz[0], a, b0), mma_m16n8k16<T3>(dz[1], a, b1), mma_m16n8k16<T3>(dz[2], a, r2);
-        }
+        ais_w3_backward<Q::SPLIT>(sm.w3, c, dh, sm.mask[warp][c][lane], dz);
     }
-    // merge: wait until every block has read the last shares, store this one's, meet, add all in rank order
-    cluster_wait();
-    #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        float* share = sm.share[warp * TASK_ROWS + g + 8 * half];
-        #pragma unroll
-        for (int nt = 0; nt < 3; nt++) {
-            const int col = 8 * nt + 2 * t;
-            if (col < LATENT_DIM)
-                *reinterpret_cast<float2*>(&share[col]) = make_float2(dz[nt][2 * half], dz[nt][2 * half + 1]);
-            else if (col == LATENT_DIM)
-                share[col] = bce_share[half];
-        }
-    }
-    cluster_arrive();
-    cluster_wait();
-    #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const float* share = sm.share[warp * TASK_ROWS + g + 8 * half];
-        float2 sum[3] = {}, bce_sum = {};
-        #pragma unroll
-        for (uint32_t rank = 0; rank < (uint32_t)Q::AIS_CLUSTER; rank++) {
-            #pragma unroll
-            for (int nt = 0; nt < 3; nt++) {
-                if (8 * nt + 2 * t >= LATENT_DIM) continue;
-                const float2 v = cluster_load2(&share[8 * nt + 2 * t], rank);
-                sum[nt].x += v.x, sum[nt].y += v.y;
-            }
-            bce_sum.x += cluster_load2(&share[LATENT_DIM], rank).x;
-        }
-        #pragma unroll
-        for (int i = 0; i < AIS_LATENTS; i++) grad[half][i] = i % 2 ? sum[i / 2].y : sum[i / 2].x;
-        bce[half] = bce_sum.x;
-    }
-    cluster_arrive();
+    ais_merge<Q::AIS_CLUSTER>(sm.share, dz, bce_share, grad, bce);
+}
+
+// The block's resident weights: fc4's rows col0 .. col0 + AIS_BN - 1 (both copies in fp32) and all of
+// fc3's hi and lo parts, by cp.async over the whole block.
+template <Precision P>
+__device__ inline void ais_load_weights(AisSmem<P>& sm, const typename Path<P>::T* __restrict__ fc4_wb,
+                                        const fp16* __restrict__ ais_w3, int col0) {
+    constexpr int BN = Path<P>::AIS_BN;
+    for (int copy = 0; copy < (Path<P>::SPLIT ? 2 : 1); copy++)
+        copy_block_async(&sm.w4[copy][0][0], FC4_K, fc4_wb + ((size_t)copy * INPUT_DIM + col0) * FC4_K, FC4_K, BN,
+                         FC4_K);
+    for (int copy = 0; copy < 2; copy++)
+        copy_block_async(&sm.w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
+                         HIDDEN_DIM, AIS_W3_K);
+    cp_async_wait<0>();
+    __syncthreads();
 }
 
 // Two N(0, 1) draws (pair `pair` of a 20-vector) and one uniform in (0, 1] keyed by (seed, stream,
@@ -1857,14 +1918,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     const uint32_t rank = cluster_rank();
     const int col0 = rank < CLUSTER - 1 ? rank * BN : INPUT_DIM - BN;
     const int skip = rank < CLUSTER - 1 ? 0 : (CLUSTER * BN - INPUT_DIM) / 8; // n8 blocks left to the block before
-    for (int copy = 0; copy < (Q::SPLIT ? 2 : 1); copy++)
-        copy_block_async(&sm.w4[copy][0][0], FC4_K, fc4_wb + ((size_t)copy * INPUT_DIM + col0) * FC4_K, FC4_K, BN,
-                         FC4_K);
-    for (int copy = 0; copy < 2; copy++)
-        copy_block_async(&sm.w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
-                         HIDDEN_DIM, AIS_W3_K);
-    cp_async_wait<0>();
-    __syncthreads();
+    ais_load_weights(sm, fc4_wb, ais_w3, col0);
     cluster_arrive(); // the first evaluation's wait: every block has started
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;

@@ -695,5 +695,138 @@ inline bool run_convert_driver(const std::vector<Variant<ConvertArgs>>& variants
     return ok;
 }
 
-}  // namespace vae
+// ---- AIS: the gradient of BCE(x, logits(z)) w.r.t. z, one evaluation per row per step of a trajectory
+// What a gradient variant's launch reads and writes (device pointers). Row r is z[r] scored against
+// pixels[r]; the kernel runs `evals` evaluations of every row (the timed loop of a trajectory: the
+// same z each time, so the last evaluation's results are the first's) and writes the last.
+struct AisGradientArgs {
+    const float* z;        // [rows][20]
+    const uint8_t* pixels; // [rows][784]
+    int rows, evals;
+    float *grad, *bce;     // [rows][20], [rows]
+};
 
+// data/'s weights and test set, or one line naming the problem and exit 1 (drivers run from the root).
+inline void load_model_inputs(const char* driver, HostWeights* w, Images* images) {
+    Error err;
+    *w = {}, *images = {};
+    if (!load_file("data/vae_weights.bin", parse_weights, w, &err) ||
+        !load_file("data/t10k-images-idx3-ubyte", parse_idx_images, images, &err))
+        fail("%s (make data, then run from the repository root: ./dev/%s)", err.msg, driver);
+}
+
+// A gradient kernel's rows, as ais_kernel holds them: thread (warp, g, t) of a tile of AIS_ROWS has
+// rows tile * AIS_ROWS + 16 warp + g and + 8 (row[half]; those past a.rows repeat the last one's
+// data and write nothing), latents 8 (i / 2) + 2t + i % 2 of each, and the pixels from col0.
+__device__ inline void ais_driver_rows(const AisGradientArgs& a, int tile, int col0, int (&row)[2],
+                                       float (&z)[2][AIS_LATENTS], const uint8_t* (&x_row)[2]) {
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    for (int half = 0; half < 2; half++) {
+        row[half] = tile * AIS_ROWS + warp * TASK_ROWS + g + 8 * half;
+        const int r = row[half] < a.rows ? row[half] : a.rows - 1;
+        x_row[half] = a.pixels + (size_t)r * INPUT_DIM + col0;
+        for (int i = 0; i < AIS_LATENTS; i++) {
+            const int j = 8 * (i / 2) + 2 * t + i % 2;
+            z[half][i] = j < LATENT_DIM ? a.z[(size_t)r * LATENT_DIM + j] : 0.0f;
+        }
+    }
+}
+__device__ inline void ais_driver_store(const AisGradientArgs& a, const int (&row)[2],
+                                        const float (&grad)[2][AIS_LATENTS], const float (&bce)[2]) {
+    const int t = threadIdx.x % 4;
+    for (int half = 0; half < 2; half++) {
+        if (row[half] >= a.rows) continue;
+        for (int i = 0; i < AIS_LATENTS; i++) {
+            const int j = 8 * (i / 2) + 2 * t + i % 2;
+            if (j < LATENT_DIM) a.grad[(size_t)row[half] * LATENT_DIM + j] = grad[half][i];
+        }
+        if (t == 0) a.bce[row[half]] = bce[half];
+    }
+}
+
+// BCE(x, logits(z)) and grad_z BCE in float64 from the fp32 weights (forward, then backward w.r.t. z).
+inline double cpu_ais_gradient(const HostWeights* w, const uint8_t* pixels, const float* z, double* grad) {
+    double pre[HIDDEN_DIM], dh[HIDDEN_DIM] = {}, bce = 0.0;
+    for (int k = 0; k < HIDDEN_DIM; k++) {
+        pre[k] = w->tensor[FC3_B][k];
+        for (int j = 0; j < LATENT_DIM; j++) pre[k] += (double)w->tensor[FC3_W][k * LATENT_DIM + j] * z[j];
+    }
+    for (int i = 0; i < INPUT_DIM; i++) {
+        const float* row = w->tensor[FC4_W] + (size_t)i * HIDDEN_DIM;
+        double l = w->tensor[FC4_B][i];
+        for (int k = 0; k < HIDDEN_DIM; k++) l += (double)row[k] * std::max(pre[k], 0.0);
+        const double x = pixels[i] / 255.0, g = 1.0 / (1.0 + std::exp(-l)) - x;
+        bce += std::max(l, 0.0) - x * l + std::log1p(std::exp(-std::fabs(l)));
+        for (int k = 0; k < HIDDEN_DIM; k++) dh[k] += g * row[k];
+    }
+    for (int j = 0; j < LATENT_DIM; j++) grad[j] = 0.0;
+    for (int k = 0; k < HIDDEN_DIM; k++)
+        if (pre[k] > 0.0)
+            for (int j = 0; j < LATENT_DIM; j++) grad[j] += dh[k] * w->tensor[FC3_W][k * LATENT_DIM + j];
+    return bce;
+}
+
+// Checks each variant's grad and BCE against float64 on ragged row counts (outputs NaN-poisoned; rows
+// of 1, 7 and 37 leave tiles of 128 chains partly empty), then times one evaluation at `rows_timed`
+// rows (a full round of the GPU's clusters: what --ais keeps in flight) from the difference of
+// 20- and 220-evaluation launches, so the weights' load and the launch drop out. z ~ N(0, 0.6^2):
+// the spread of the posteriors the chains visit. tol: the variants' relative tolerance on grad.
+inline bool run_ais_gradient_driver(const std::vector<Variant<AisGradientArgs>>& variants, const HostWeights* w,
+                                    const Images* images, int rows_timed, double tol) {
+    const int check_rows[] = {1, 7, 37, 1023, 4097};
+    const int max_rows = std::max(rows_timed, 4097);
+    std::vector<float> z((size_t)max_rows * LATENT_DIM);
+    for (int r = 0; r < max_rows; r++)
+        for (int q = 0; q < LATENT_DIM / 4; q++) {
+            const float4 g = gaussian4(3, STREAM_PRIOR, r, 0, q);
+            const float v[4] = {g.x, g.y, g.z, g.w};
+            for (int i = 0; i < 4; i++) z[(size_t)r * LATENT_DIM + 4 * q + i] = 0.6f * v[i];
+        }
+    std::vector<uint8_t> pixels((size_t)max_rows * INPUT_DIM);
+    for (int r = 0; r < max_rows; r++)
+        memcpy(&pixels[(size_t)r * INPUT_DIM], images->pixels + (size_t)(r % images->count) * INPUT_DIM, INPUT_DIM);
+    std::vector<double> ref_grad((size_t)4097 * LATENT_DIM), ref_bce(4097);
+    for (int r = 0; r < 4097; r++)
+        ref_bce[r] = cpu_ais_gradient(w, &pixels[(size_t)r * INPUT_DIM], &z[(size_t)r * LATENT_DIM],
+                                      &ref_grad[(size_t)r * LATENT_DIM]);
+    float* d_z = device_upload(z);
+    uint8_t* d_pixels = device_upload(pixels);
+    float *d_grad, *d_bce;
+    cudaCheck(cudaMalloc(&d_grad, (size_t)max_rows * LATENT_DIM * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_bce, (size_t)max_rows * sizeof(float)));
+    bool ok = true;
+    for (const auto& v : variants)
+        for (int rows : check_rows) {
+            poison(d_grad, (size_t)max_rows * LATENT_DIM * sizeof(float)), poison(d_bce, max_rows * sizeof(float));
+            v.second({d_z, d_pixels, rows, 1, d_grad, d_bce});
+            cudaCheck(cudaGetLastError()), cudaCheck(cudaDeviceSynchronize());
+            const std::vector<float> grad = copy_to_host_float(d_grad, (size_t)rows * LATENT_DIM);
+            const std::vector<float> bce = copy_to_host_float(d_bce, rows);
+            const double e_grad = rel_err(grad.data(), ref_grad.data(), rows, LATENT_DIM, 0, LATENT_DIM);
+            const double e_bce = rel_err(bce.data(), ref_bce.data(), rows);
+            const bool good = e_grad <= tol && e_bce <= tol;
+            printf("check %-28s rows %5d: grad rel %.2e, BCE rel %.2e (tolerance %.0e) %s\n", v.first, rows, e_grad,
+                   e_bce, tol, good ? "OK" : "FAIL");
+            ok = ok && good;
+        }
+    if (ok) {
+        printf("%-28s %8s %12s %14s %10s %8s %14s\n", "variant", "rows", "us / eval", "evals / s", "TFLOP/s",
+               "% floor", "--ais 1000 (s)");
+        for (const auto& v : variants) {
+            float us[2];
+            for (int i = 0; i < 2; i++) {
+                const AisGradientArgs a{d_z, d_pixels, rows_timed, i ? 220 : 20, d_grad, d_bce};
+                us[i] = benchmark_us([&] { v.second(a); }, 5, 1, false);
+            }
+            // --ais 1000 over the test set: 10000 images x 16 chains x 999 transitions x 10 evaluations
+            const double per_eval = (us[1] - us[0]) / 200.0, evals_per_s = rows_timed / (per_eval * 1e-6);
+            const double tflops = evals_per_s * AIS_FLOPS_PER_EVAL * 1e-12;
+            printf("%-28s %8d %12.2f %14.3e %10.1f %7.1f%% %14.2f\n", v.first, rows_timed, per_eval, evals_per_s,
+                   tflops, 100.0 * tflops / 770.0, 1.6e9 / evals_per_s);
+        }
+    }
+    cudaCheck(cudaFree(d_z)), cudaCheck(cudaFree(d_pixels)), cudaCheck(cudaFree(d_grad)), cudaCheck(cudaFree(d_bce));
+    return ok;
+}
+
+}  // namespace vae
