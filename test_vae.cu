@@ -87,8 +87,9 @@ static bool check_diff(const char* what, Diff d, double tol, const char* extra =
 
 enum { DEBUG_MAGIC = 0x44454156 /* "VAED" */, DEBUG_VERSION = 1, MAX_CASES = 8, MAX_CASE_BATCH = 4096 };
 enum { T_X, T_EPS, T_H1, T_MU, T_LOGVAR, T_Z, T_H3, T_LOGITS, T_RECON, T_BCE, T_KL, NUM_DEBUG_TENSORS };
-static const int DEBUG_WIDTH[NUM_DEBUG_TENSORS] = {INPUT_DIM,  LATENT_DIM, HIDDEN_DIM, LATENT_DIM, LATENT_DIM, LATENT_DIM,
-                                                   HIDDEN_DIM, INPUT_DIM,  INPUT_DIM,  1,          1};
+static const int DEBUG_WIDTH[NUM_DEBUG_TENSORS] = {INPUT_DIM,  LATENT_DIM, HIDDEN_DIM, LATENT_DIM,
+                                                   LATENT_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM,
+                                                   INPUT_DIM,  1,          1};
 static const char* DEBUG_NAMES[NUM_DEBUG_TENSORS] = {"x",  "eps",    "h1",    "mu",  "logvar", "z",
                                                      "h3", "logits", "recon", "bce", "kl"};
 
@@ -587,8 +588,10 @@ static void corrupt_one_file(Corpus* c, int r, const uint8_t* good, size_t size,
         // the debug state's odd fields from 9 on, and the IWAE state's field 7, are a first image:
         // any value that keeps the images inside the test set is valid, so only values outside
         // every range are tried
-        const bool first_image = (r == R_DEBUG && fields[f] >= 9 && fields[f] % 2 == 1) || (r == R_IWAE && fields[f] == 7);
-        for (uint32_t v : {0u, 1u, 0xffffffffu, 0x7fffffffu, 0x80000000u, original + 1, original - 1, byte_swap(original)}) {
+        const bool first_image =
+            (r == R_DEBUG && fields[f] >= 9 && fields[f] % 2 == 1) || (r == R_IWAE && fields[f] == 7);
+        for (uint32_t v :
+             {0u, 1u, 0xffffffffu, 0x7fffffffu, 0x80000000u, original + 1, original - 1, byte_swap(original)}) {
             if (v == original || (first_image && v != 0xffffffffu && v != 0x7fffffffu && v != 0x80000000u)) continue;
             memcpy(bad, good, size);
             put32(bad + 4 * fields[f], v, big_endian);
@@ -682,8 +685,8 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
                         memcpy(bad, good[R_WEIGHTS], size[R_WEIGHTS]);
                         memcpy(bad + HEADER_INTS * 4 + 4 * i, &v, 4);
                         char what[96];
-                        snprintf(what, sizeof(what), "%s at float %zu (%s)", v != v ? "NaN" : v > 0 ? "+Inf" : "-Inf", i,
-                                 TENSOR_NAMES[t]);
+                        snprintf(what, sizeof(what), "%s at float %zu (%s)",
+                                 v != v ? "NaN" : v > 0 ? "+Inf" : "-Inf", i, TENSOR_NAMES[t]);
                         expect_refused(&c, R_WEIGHTS, bad, size[R_WEIGHTS], what);
                     }
                 first += TENSOR_SIZES[t];
@@ -734,7 +737,8 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
     char missing[128];
     snprintf(missing, sizeof(missing), "%s/no-such-file", scratch);
     if (check(made, "an empty file and a sparse 1 GiB + 1 file in %s", scratch)) {
-        for (const char* f : {(const char*)dir_path, (const char*)missing, (const char*)empty, "/dev/null", (const char*)huge}) {
+        for (const char* f :
+             {(const char*)dir_path, (const char*)missing, (const char*)empty, "/dev/null", (const char*)huge}) {
             for (int r = 0; r < NUM_READERS; r++) {
                 uint8_t* buf = NULL;
                 size_t n = 0;
@@ -759,7 +763,8 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
             for (const char* sub : {"img", "lab"}) {
                 char dir[128], path[160];
                 snprintf(dir, sizeof(dir), "%s/%s", scratch, sub);
-                snprintf(path, sizeof(path), "%s/%s", dir, !strcmp(sub, "img") ? "t10k-images-idx3-ubyte" : "t10k-labels-idx1-ubyte");
+                snprintf(path, sizeof(path), "%s/%s", dir,
+                         !strcmp(sub, "img") ? "t10k-images-idx3-ubyte" : "t10k-labels-idx1-ubyte");
                 bool placed = remove(path) == 0 || errno == ENOENT;
                 if (f == dir_path) placed = placed && mkdir(path, 0755) == 0;
                 else if (f != missing) placed = placed && symlink(f, path) == 0;
@@ -1318,7 +1323,8 @@ static void test_gpu_activations(VAE* m, const uint8_t* d_pixels, const DebugSta
         poison_activations(m);
         vae_decode(m, d_eps, B);
         recon = to_host(m->recon, (size_t)B * INPUT_DIM);
-        check_diff("decode", diff(recon, dc->t64[T_RECON], (size_t)B * INPUT_DIM), tol, "  (vae_decode of PyTorch's z)");
+        check_diff("decode", diff(recon, dc->t64[T_RECON], (size_t)B * INPUT_DIM), tol,
+                   "  (vae_decode of PyTorch's z)");
         free(recon);
         free(z_ref);
     }
@@ -1423,7 +1429,8 @@ static void test_gpu_generator_keying(VAE* m, const uint8_t* d_pixels) {
     double worst = 0.0;
     for (int b = 0; b < B; b++)
         for (int j = 0; j < LATENT_DIM; j++) {
-            const double mu = mulv[b * 2 * LATENT_DIM + j], sigma = exp(0.5 * mulv[b * 2 * LATENT_DIM + LATENT_DIM + j]);
+            const double mu = mulv[b * 2 * LATENT_DIM + j];
+            const double sigma = exp(0.5 * mulv[b * 2 * LATENT_DIM + LATENT_DIM + j]);
             const double eps = (z[b * LATENT_DIM + j] - mu) / sigma;
             worst = fmax(worst, fabs(eps - gaussian(seed, STREAM_POSTERIOR, first + b, 0, j)));
         }
@@ -1470,7 +1477,8 @@ static void test_gpu_decoder_engines(VAE* m, const uint8_t* d_pixels, const Debu
         gpu_iwae(m, d_pixels, first, B, K, 5, NULL, log_px[wgmma]);
     }
     worst = 0.0;
-    for (int i = 0; i < B; i++) worst = fmax(worst, fabs((double)log_px[0][i] - log_px[1][i]) / fabs((double)log_px[1][i]));
+    for (int i = 0; i < B; i++)
+        worst = fmax(worst, fabs((double)log_px[0][i] - log_px[1][i]) / fabs((double)log_px[1][i]));
     check(worst < 1e-4, "IWAE K=%d: wgmma and mma.sync decoders, log p(x) of %d images within %.1e relative (max %.2e)",
           K, B, 1e-4, worst);
     m->wgmma = false;
