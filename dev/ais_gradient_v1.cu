@@ -79,7 +79,7 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
     const double tol = P == PRECISION_BF16 ? 2e-2 : 1e-5;
     const bool ok = vae::run_ais_gradient_driver({{P == PRECISION_BF16 ? "v1 mma.sync bf16" : "v1 mma.sync fp32",
                                                    launch_v1}},
-                                                 w, images, clusters * AIS_ROWS, tol);
+                                                 &m, w, images, clusters * AIS_ROWS, tol);
     vae_free(&m);
     return ok;
 }

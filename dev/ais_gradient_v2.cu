@@ -174,6 +174,9 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
         copy_block_async(&sm.w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
                          HIDDEN_DIM, AIS_W3_K);
     cp_async_wait<0>();
+    // fc3's rows, written by cp.async (the generic proxy), are also read by the backward's wgmma (the async
+    // proxy: the 8 rows past fc4): this fence makes the writes visible to it
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
     cluster_arrive();
@@ -218,7 +221,7 @@ int main() {
         cudaCheck(cudaLaunchKernelEx(&cfg, gradient_v2_kernel, m.w4_map, static_cast<const fp16*>(m.ais_w3), a));
     };
     // the same bf16 operands as v1 (fc4's, a few 1e-3 from float64); only the order of fp32 sums differs
-    const bool ok = vae::run_ais_gradient_driver({{"v2 wgmma bf16", launch_v2}}, &weights, &images,
+    const bool ok = vae::run_ais_gradient_driver({{"v2 wgmma bf16", launch_v2}}, &m, &weights, &images,
                                                  clusters * AIS_ROWS, 2e-2);
     vae_free(&m);
     free(weights.data), free(images.pixels);
