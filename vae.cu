@@ -1865,6 +1865,14 @@ __device__ inline void ais_gradient(AisSmem<P>& sm, const float (&z)[2][AIS_LATE
     ais_merge<Q::AIS_CLUSTER>(sm.share, dz, bce_share, grad, bce);
 }
 
+// Block `rank`'s column block of the logits: its first column (the last block starts at 784 - AIS_BN)
+// and, in skip, how many of its n8 blocks belong to the block before.
+template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* skip) {
+    constexpr int BN = Path<P>::AIS_BN, CLUSTER = Path<P>::AIS_CLUSTER;
+    *skip = rank < CLUSTER - 1 ? 0 : (CLUSTER * BN - INPUT_DIM) / 8;
+    return rank < CLUSTER - 1 ? (int)rank * BN : INPUT_DIM - BN;
+}
+
 // The block's resident weights: fc4's rows col0 .. col0 + AIS_BN - 1 (both copies in fp32) and all of
 // fc3's hi and lo parts, by cp.async over the whole block.
 template <Precision P>
@@ -1911,13 +1919,11 @@ template <Precision P>
 __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3, const AisIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
-    typedef Path<P> Q;
-    constexpr int BN = Q::AIS_BN, CLUSTER = Q::AIS_CLUSTER;
     extern __shared__ __align__(16) uint8_t smem_raw[];
     AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
     const uint32_t rank = cluster_rank();
-    const int col0 = rank < CLUSTER - 1 ? rank * BN : INPUT_DIM - BN;
-    const int skip = rank < CLUSTER - 1 ? 0 : (CLUSTER * BN - INPUT_DIM) / 8; // n8 blocks left to the block before
+    int skip;
+    const int col0 = ais_columns<P>(rank, &skip);
     ais_load_weights(sm, fc4_wb, ais_w3, col0);
     cluster_arrive(); // the first evaluation's wait: every block has started
 

@@ -28,23 +28,16 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     gradient_v1_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3,
                        const vae::AisGradientArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    typedef Path<P> Q;
-    constexpr int BN = Q::AIS_BN, CLUSTER = Q::AIS_CLUSTER;
     extern __shared__ __align__(16) uint8_t smem_raw[];
     AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
-    const uint32_t rank = cluster_rank();
-    const int col0 = rank < CLUSTER - 1 ? rank * BN : INPUT_DIM - BN;
-    const int skip = rank < CLUSTER - 1 ? 0 : (CLUSTER * BN - INPUT_DIM) / 8;
+    int skip;
+    const int col0 = ais_columns<P>(cluster_rank(), &skip);
     ais_load_weights(sm, fc4_wb, ais_w3, col0);
     cluster_arrive();
-    for (int tile = cluster_index(); tile < ceil_div(a.rows, AIS_ROWS); tile += cluster_count()) {
-        float z[2][AIS_LATENTS], grad[2][AIS_LATENTS], bce[2];
-        const uint8_t* x_row[2];
-        int row[2];
-        vae::ais_driver_rows(a, tile, col0, row, z, x_row);
-        for (int e = 0; e < a.evals; e++) ais_gradient<P>(sm, z, x_row, skip, grad, bce);
-        if (rank == 0) vae::ais_driver_store(a, row, grad, bce);
-    }
+    vae::ais_driver_tiles(a, col0, [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
+                                       float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
+        ais_gradient<P>(sm, z, x_row, skip, grad, bce);
+    });
     cluster_wait();
 #endif
 }

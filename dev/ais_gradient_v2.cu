@@ -160,9 +160,8 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
     AisWgmmaSmem& sm = *reinterpret_cast<AisWgmmaSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
     auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
-    const uint32_t rank = cluster_rank();
-    const int col0 = rank < V2_CLUSTER - 1 ? rank * V2_BN : INPUT_DIM - V2_BN;
-    const int skip = rank < V2_CLUSTER - 1 ? 0 : (V2_CLUSTER * V2_BN - INPUT_DIM) / 8;
+    int skip;
+    const int col0 = ais_columns<PRECISION_BF16>(cluster_rank(), &skip);
     if (threadIdx.x == 0) {
         const uint32_t bar = addr(&sm.loaded);
         mbar_init(bar, 1);
@@ -180,14 +179,11 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
     cluster_arrive();
-    for (int tile = cluster_index(); tile < ceil_div(a.rows, AIS_ROWS); tile += cluster_count()) {
-        float z[2][AIS_LATENTS], grad[2][AIS_LATENTS], bce[2];
-        const uint8_t* x_row[2];
-        int row[2];
-        vae::ais_driver_rows(a, tile, col0, row, z, x_row);
-        for (int e = 0; e < a.evals; e++) ais_gradient_v2(sm, addr(&sm.w4[0][0][0]), z, x_row, skip, grad, bce);
-        if (rank == 0) vae::ais_driver_store(a, row, grad, bce);
-    }
+    const uint32_t w4 = addr(&sm.w4[0][0][0]);
+    vae::ais_driver_tiles(a, col0, [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
+                                       float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
+        ais_gradient_v2(sm, w4, z, x_row, skip, grad, bce);
+    });
     cluster_wait();
 #endif
 }

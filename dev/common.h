@@ -715,32 +715,35 @@ inline void load_model_inputs(const char* driver, HostWeights* w, Images* images
         fail("%s (make data, then run from the repository root: ./dev/%s)", err.msg, driver);
 }
 
-// A gradient kernel's rows, as ais_kernel holds them: thread (warp, g, t) of a tile of AIS_ROWS has
-// rows tile * AIS_ROWS + 16 warp + g and + 8 (row[half]; those past a.rows repeat the last one's
-// data and write nothing), latents 8 (i / 2) + 2t + i % 2 of each, and the pixels from col0.
-__device__ inline void ais_driver_rows(const AisGradientArgs& a, int tile, int col0, int (&row)[2],
-                                       float (&z)[2][AIS_LATENTS], const uint8_t* (&x_row)[2]) {
+// A gradient kernel's loop over its cluster's tiles of AIS_ROWS rows, as ais_kernel holds them:
+// thread (warp, g, t) has rows tile * AIS_ROWS + 16 warp + g and + 8 (those past a.rows repeat the
+// last one's data and write nothing), latents 8 (i / 2) + 2t + i % 2 of each, and the pixels from
+// col0. gradient(z, x_row, grad, bce) runs a.evals times; the cluster's rank 0 writes the result.
+template <typename Gradient>
+__device__ inline void ais_driver_tiles(const AisGradientArgs& a, int col0, Gradient gradient) {
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    for (int half = 0; half < 2; half++) {
-        row[half] = tile * AIS_ROWS + warp * TASK_ROWS + g + 8 * half;
-        const int r = row[half] < a.rows ? row[half] : a.rows - 1;
-        x_row[half] = a.pixels + (size_t)r * INPUT_DIM + col0;
-        for (int i = 0; i < AIS_LATENTS; i++) {
-            const int j = 8 * (i / 2) + 2 * t + i % 2;
-            z[half][i] = j < LATENT_DIM ? a.z[(size_t)r * LATENT_DIM + j] : 0.0f;
+    for (int tile = cluster_index(); tile < ceil_div(a.rows, AIS_ROWS); tile += cluster_count()) {
+        float z[2][AIS_LATENTS], grad[2][AIS_LATENTS], bce[2];
+        const uint8_t* x_row[2];
+        int row[2];
+        for (int half = 0; half < 2; half++) {
+            row[half] = tile * AIS_ROWS + warp * TASK_ROWS + g + 8 * half;
+            const int r = row[half] < a.rows ? row[half] : a.rows - 1;
+            x_row[half] = a.pixels + (size_t)r * INPUT_DIM + col0;
+            for (int i = 0; i < AIS_LATENTS; i++) {
+                const int j = 8 * (i / 2) + 2 * t + i % 2;
+                z[half][i] = j < LATENT_DIM ? a.z[(size_t)r * LATENT_DIM + j] : 0.0f;
+            }
         }
-    }
-}
-__device__ inline void ais_driver_store(const AisGradientArgs& a, const int (&row)[2],
-                                        const float (&grad)[2][AIS_LATENTS], const float (&bce)[2]) {
-    const int t = threadIdx.x % 4;
-    for (int half = 0; half < 2; half++) {
-        if (row[half] >= a.rows) continue;
-        for (int i = 0; i < AIS_LATENTS; i++) {
-            const int j = 8 * (i / 2) + 2 * t + i % 2;
-            if (j < LATENT_DIM) a.grad[(size_t)row[half] * LATENT_DIM + j] = grad[half][i];
+        for (int e = 0; e < a.evals; e++) gradient(z, x_row, grad, bce);
+        for (int half = 0; half < 2 && cluster_rank() == 0; half++) {
+            if (row[half] >= a.rows) continue;
+            for (int i = 0; i < AIS_LATENTS; i++) {
+                const int j = 8 * (i / 2) + 2 * t + i % 2;
+                if (j < LATENT_DIM) a.grad[(size_t)row[half] * LATENT_DIM + j] = grad[half][i];
+            }
+            if (t == 0) a.bce[row[half]] = bce[half];
         }
-        if (t == 0) a.bce[row[half]] = bce[half];
     }
 }
 
