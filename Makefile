@@ -26,7 +26,7 @@ ifeq ($(ARCH),)
 ARCH_FLAGS := -gencode arch=compute_80,code=[sm_80,compute_80] -gencode arch=compute_90a,code=sm_90a
 $(info vae.cu: no GPU detected: building for sm_80 (+ PTX for newer GPUs) and sm_90a. HINT: GPU_ARCH=86 builds for one GPU)
 else ifeq ($(shell test $(ARCH) -lt $(MIN_ARCH) && echo old),old)
-$(error vae.cu: sm_$(ARCH) is older than sm_$(MIN_ARCH), the oldest GPU vae.cu runs on (A100, RTX 30 series and newer). HINT: GPU_ARCH=80, or leave it unset for the portable binary)
+$(error vae.cu: sm_$(ARCH) is older than sm_$(MIN_ARCH), the oldest instruction set vae.cu's kernels use (mma.sync, cp.async, ldmatrix). HINT: GPU_ARCH=80, or leave it unset for the portable binary)
 else ifeq ($(ARCH),90)
 # -gencode because the -arch=sm_90a shorthand also runs a plain sm_90 pass
 ARCH_FLAGS := -gencode arch=compute_90a,code=sm_90a

@@ -1011,10 +1011,17 @@ static void test_cli(int num_images, const Images* images) {
           "--bdmc 7 --ais 9: BDMC with the defaults C = 16, L = 10, from q");
     check(!parse_line({"--bdmc", "7"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "--ais T"),
           "--bdmc without --ais asks for T: %s", err.msg);
-    check(!gpu_supported("Tesla T4", 7, 5, &err) && strstr(err.msg, "Tesla T4") && strstr(err.msg, "7.5") &&
+    // the shared memory a block may opt into: 64 KB (T4), 163 KB (A100), 99 KB (RTX 4090), 227 KB (H200, B200)
+    check(!gpu_supported("Tesla T4", 7, 5, 65536, &err) && strstr(err.msg, "Tesla T4") && strstr(err.msg, "7.5") &&
               strstr(err.msg, "8.0"), "a GPU below sm_80 is refused with its name and capability: %s", err.msg);
-    check(gpu_supported("A100", 8, 0, &err) && gpu_supported("H200", 9, 0, &err) && gpu_supported("B200", 10, 0, &err),
-          "sm_80, sm_90 and sm_100 GPUs are accepted");
+    check(!gpu_supported("A100", 8, 0, 166912, &err) && strstr(err.msg, "A100") && strstr(err.msg, "163 KB") &&
+              !gpu_supported("RTX 4090", 8, 9, 101376, &err) && strstr(err.msg, "99 KB"),
+          "a GPU whose blocks may not hold the kernels' shared memory is refused with both sizes: %s", err.msg);
+    check(gpu_supported("H200", 9, 0, 232448, &err) && gpu_supported("B200", 10, 0, 232448, &err),
+          "sm_90 and sm_100 GPUs with 227 KB a block are accepted");
+    check(MAX_KERNEL_SMEM >= sizeof(DecoderMmaSmem<PRECISION_FP32>) && MAX_KERNEL_SMEM <= 232448,
+          "the shared memory the check asks for covers the mma.sync decoder (%zu bytes) and fits Hopper's 227 KB",
+          MAX_KERNEL_SMEM);
 
     // Through ./vae: each of these must end it before the GPU is touched, with one line naming
     // the problem and exit status 1 (the cases that need a GPU are in dev/sanitize.sh).

@@ -31,6 +31,7 @@ the model, file formats, image output, and (unless TESTING is defined, as test_v
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <algorithm>
 #include <type_traits>
 #include <unistd.h>
 
@@ -303,10 +304,11 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 //                    asked for. h3 never leaves the registers, the logits never reach memory
 // Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from
 // sample_z_kernel), the pictures and --interp (rows of chosen latents, no pixels: recon).
-// Each is one design on two instruction sets: encoder_mma_kernel and decoder_mma_kernel (mma.sync,
-// any GPU from sm_80), encoder_wgmma_kernel and decoder_wgmma_kernel (Hopper's wgmma + TMA); the
-// tests check the two agree. Its interface is rows of z in, per-row results out: a backward pass
-// w.r.t. z fits the same shape (x - sigmoid(logits) formed in the epilogue's registers).
+// Each is one design on two instruction sets: encoder_mma_kernel and decoder_mma_kernel (mma.sync:
+// sm_80's instructions, run where wgmma is missing), encoder_wgmma_kernel and decoder_wgmma_kernel
+// (Hopper's wgmma + TMA); the tests check the two agree. Its interface is rows of z in, per-row
+// results out: a backward pass w.r.t. z fits the same shape (x - sigmoid(logits) formed in the
+// epilogue's registers).
 //
 // Both precisions run the same kernels (template parameter P); Path<P> holds what differs.
 //   bf16  each weight and activation is one bf16 (8 significant bits): one product per multiply
@@ -930,7 +932,7 @@ __device__ inline void decoder_epilogue(const float (&logit)[Path<P>::DEC_BN / 2
     }
 }
 
-// decoder_mma_kernel: the decoder on mma.sync (any GPU from sm_80). A block owns one column
+// decoder_mma_kernel: the decoder on mma.sync (sm_80's instructions). A block owns one column
 // block: its DEC_BN rows of fc4 (bf16: 200, 163 KB; fp32: 88 in two copies, 144 KB) and all of
 // fc3 (32 or 58 KB) are copied into shared memory once, and its 8 warps then take 16-row tasks,
 // dealt round-robin over the block's copies first, on their own (no block-wide barrier after the
@@ -2773,11 +2775,24 @@ static bool write_ppm_grid(const char* path, const char* what, const float* tile
 #define VAE_GIT_COMMIT "unknown"
 #endif
 
-// The oldest GPUs vae.cu runs on: its bf16 kernels need sm_80's mma.sync shapes, cp.async and ldmatrix.
-static bool gpu_supported(const char* name, int major, int minor, Error* err) {
-    if (major >= 8) return true;
-    return set_error(err, "%s has compute capability %d.%d; vae.cu needs 8.0 or newer (A100, RTX 30 series, H100 "
-                     "or later). HINT: run on a newer NVIDIA GPU", name, major, minor);
+// The GPUs vae.cu runs on. Its bf16 kernels need sm_80's mma.sync shapes, cp.async and ldmatrix, and
+// every kernel keeps a block of the weights resident: the mma.sync encoder and decoder take up to
+// 196 KB of shared memory a block (fp32's decoder: two 88-row copies of fc4 and fc3), which Hopper
+// and Blackwell's data-centre GPUs allow (227 KB) and the A100 (163 KB) or sm_86/89's GPUs (99 KB)
+// do not. smem_optin: the GPU's cudaDevAttrMaxSharedMemoryPerBlockOptin in bytes.
+constexpr size_t MAX_KERNEL_SMEM = std::max({sizeof(EncoderSmem<PRECISION_BF16>), sizeof(EncoderSmem<PRECISION_FP32>),
+                                             sizeof(DecoderMmaSmem<PRECISION_BF16>),
+                                             sizeof(DecoderMmaSmem<PRECISION_FP32>)});
+static bool gpu_supported(const char* name, int major, int minor, size_t smem_optin, Error* err) {
+    if (major < 8)
+        return set_error(err, "%s has compute capability %d.%d; vae.cu needs 8.0 or newer with %zu KB of shared "
+                         "memory a block (H100, H200, B200). HINT: run on a newer NVIDIA GPU", name, major, minor,
+                         MAX_KERNEL_SMEM / 1024);
+    if (smem_optin < MAX_KERNEL_SMEM)
+        return set_error(err, "%s (sm_%d%d) allows %zu KB of shared memory a block; vae.cu's kernels keep weight "
+                         "blocks of up to %zu KB resident. HINT: run on an H100, H200 or B200", name, major, minor,
+                         smem_optin / 1024, MAX_KERNEL_SMEM / 1024);
+    return true;
 }
 
 typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP, MODE_AIS, MODE_BDMC } Mode;
@@ -3216,7 +3231,7 @@ static void init_cuda(cudaDeviceProp* prop) {
     cudaCheck(cudaSetDevice(0));
     cudaCheck(cudaGetDeviceProperties(prop, 0));
     Error err;
-    if (!gpu_supported(prop->name, prop->major, prop->minor, &err)) fail("%s", err.msg);
+    if (!gpu_supported(prop->name, prop->major, prop->minor, prop->sharedMemPerBlockOptin, &err)) fail("%s", err.msg);
     cudaFuncAttributes attr; // a binary built for other GPUs has no kernel this one can load
     status = cudaFuncGetAttributes(&attr, iwae_logsumexp_kernel);
     if (status != cudaSuccess)
