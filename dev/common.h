@@ -748,7 +748,8 @@ __device__ inline void ais_driver_tiles(const AisGradientArgs& a, int col0, Grad
 }
 
 // BCE(x, logits(z)) and grad_z BCE in float64 from the fp32 weights (forward, then backward w.r.t. z).
-inline double cpu_ais_gradient(const HostWeights* w, const uint8_t* pixels, const float* z, double* grad) {
+template <typename Z>
+inline double cpu_ais_gradient(const HostWeights* w, const uint8_t* pixels, const Z* z, double* grad) {
     double pre[HIDDEN_DIM], dh[HIDDEN_DIM] = {}, bce = 0.0;
     for (int k = 0; k < HIDDEN_DIM; k++) {
         pre[k] = w->tensor[FC3_B][k];
@@ -870,6 +871,226 @@ inline bool run_ais_gradient_driver(const std::vector<Variant<AisGradientArgs>>&
     }
     void* buffers[] = {d_z, d_pixels, d_grad, d_bce, d_base_grad, d_base_bce};
     for (void* p : buffers) cudaCheck(cudaFree(p));
+    return ok;
+}
+
+// ---- AIS chains: the leapfrog trajectory and the whole transition (dev/ais_leapfrog_v*.cu,
+// dev/ais_transition_v*.cu)
+
+// One image's C chains in float64, ais_kernel's algorithm written out plainly with vae.cu's keyed
+// draws: z from q(z|x) = N(mu, exp(logvar)) (mulv: the encoder's floats the kernel reads), the
+// momenta, the uniforms. The step size is a float32 as in the kernel, so both take the same steps
+// while their decisions agree; `adapt` moves it after each transition from the image's acceptance.
+struct CpuAisImage {
+    std::vector<double> log_w;    // [C]
+    std::vector<double> z;        // [C][20] at the end
+    std::vector<double> proposal; // [C][40]: the last trajectory's end (z, p) before its test
+    std::vector<int> accepted;    // [C]
+    float step;                   // at the end
+};
+inline CpuAisImage cpu_ais_image(const HostWeights* w, const uint8_t* pixels, const float* mulv, const double* beta,
+                                 int T, int C, int L, uint32_t image, uint64_t seed, float step, bool adapt) {
+    CpuAisImage out{std::vector<double>(C, 0.0), std::vector<double>((size_t)C * LATENT_DIM),
+                    std::vector<double>((size_t)C * 2 * LATENT_DIM, NAN), std::vector<int>(C, 0), step};
+    std::vector<double> grad((size_t)C * LATENT_DIM), bce(C);
+    double logvar_sum = 0.0, inv_var[LATENT_DIM];
+    for (int j = 0; j < LATENT_DIM; j++)
+        logvar_sum += mulv[LATENT_DIM + j], inv_var[j] = std::exp(-(double)mulv[LATENT_DIM + j]);
+    // log p(x, z) - log p0(z) and U_b as in ais_kernel (the log 2 pi terms cancel)
+    auto log_densities = [&](const double* z, double bce_z, double* lpxz, double* lp0) {
+        double sq = 0.0, mahal = 0.0;
+        for (int j = 0; j < LATENT_DIM; j++)
+            sq += z[j] * z[j], mahal += (z[j] - mulv[j]) * (z[j] - mulv[j]) * inv_var[j];
+        *lpxz = -bce_z - 0.5 * sq, *lp0 = -0.5 * (mahal + logvar_sum);
+    };
+    for (int c = 0; c < C; c++) {
+        double* z = &out.z[(size_t)c * LATENT_DIM];
+        for (int j = 0; j < LATENT_DIM; j++)
+            z[j] = mulv[j] + gaussian(seed, STREAM_POSTERIOR, image, c, j) * std::exp(0.5 * mulv[LATENT_DIM + j]);
+        bce[c] = cpu_ais_gradient(w, pixels, z, &grad[(size_t)c * LATENT_DIM]);
+    }
+    for (int s = 1; s <= T; s++) {
+        int taken = 0; // this transition's acceptances over the image's chains
+        for (int c = 0; c < C; c++) {
+            double *z = &out.z[(size_t)c * LATENT_DIM], *g = &grad[(size_t)c * LATENT_DIM], lpxz, lp0;
+            log_densities(z, bce[c], &lpxz, &lp0);
+            out.log_w[c] += (beta[s] - beta[s - 1]) * (lpxz - lp0);
+            if (s == T) continue;
+            const double b = beta[s];
+            double p[LATENT_DIM], kinetic = 0.0;
+            for (int j = 0; j < LATENT_DIM; j += 2) {
+                const float2 e = gaussian_pair(seed, STREAM_MOMENTUM, image, c, 16 * s + j / 2);
+                p[j] = e.x, p[j + 1] = e.y, kinetic += (double)e.x * e.x + (double)e.y * e.y;
+            }
+            const double h0 = -b * lpxz - (1.0 - b) * lp0 + 0.5 * kinetic, bce0 = bce[c];
+            double z0[LATENT_DIM], grad0[LATENT_DIM];
+            std::copy(z, z + LATENT_DIM, z0), std::copy(g, g + LATENT_DIM, grad0);
+            auto kick = [&](double scale) {
+                for (int j = 0; j < LATENT_DIM; j++)
+                    p[j] -= scale * out.step * (b * (g[j] + z[j]) + (1.0 - b) * (z[j] - mulv[j]) * inv_var[j]);
+            };
+            kick(0.5);
+            for (int l = 1; l <= L; l++) {
+                for (int j = 0; j < LATENT_DIM; j++) z[j] += out.step * p[j];
+                bce[c] = cpu_ais_gradient(w, pixels, z, g);
+                kick(l < L ? 1.0 : 0.5);
+            }
+            for (int j = 0; j < LATENT_DIM && s == T - 1; j++)
+                out.proposal[(size_t)c * 2 * LATENT_DIM + j] = z[j],
+                out.proposal[(size_t)c * 2 * LATENT_DIM + LATENT_DIM + j] = p[j];
+            log_densities(z, bce[c], &lpxz, &lp0);
+            kinetic = 0.0;
+            for (int j = 0; j < LATENT_DIM; j++) kinetic += p[j] * p[j];
+            const double h1 = -b * lpxz - (1.0 - b) * lp0 + 0.5 * kinetic;
+            if (std::log((double)uniform_open0(seed, STREAM_ACCEPT, image, c, s)) < h0 - h1) { // false for NaN
+                out.accepted[c]++, taken++;
+            } else {
+                std::copy(z0, z0 + LATENT_DIM, z), std::copy(grad0, grad0 + LATENT_DIM, g);
+                bce[c] = bce0;
+            }
+        }
+        if (adapt && s < T) // ais_kernel's float32 arithmetic, so the steps agree bit for bit
+            out.step = fminf(fmaxf(out.step * ((float)taken / C > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN),
+                             AIS_STEP_MAX);
+    }
+    return out;
+}
+
+// What a chain driver checks and times: T >= 2 weights (T - 1 transitions) of C chains with L leapfrog
+// steps each, on the schedule `beta` (T + 1 values), checked on images 0 .. n - 1 for each n of
+// check_images. The time is that of one transition (per_transition) or one leapfrog step, from two
+// launches that differ by 20 of them (T = 2 and 22 at L, or L = 1 and 21 at T = 2: one transition),
+// so the weights' load, the start and the launch drop out.
+struct AisChainDriver {
+    const char* name;
+    int T, C, L;
+    std::vector<double> beta;
+    std::vector<int> check_images;
+    bool per_transition;
+};
+
+// Checks each variant (a launcher of one AisIO, the production ais_kernel's interface) against
+// cpu_ais_image chain by chain, outputs NaN-poisoned: the Metropolis decisions (each chain's count of
+// accepted transitions), and over the chains whose decisions agree, log w, the final z and the last
+// trajectory's end (z, p). Tolerances (relative to the largest reference value): fp32 1e-5 on log w
+// (as test_vae's trajectory check against PyTorch float64), 1e-4 on z and p (grad's ~1e-6 relative
+// error enters p at each of the L + 1 kicks of step x |grad U| (~5), ~1e-5 of |p| after L = 10, and
+// the dynamics amplify it); bf16 2e-2 on log w as on grad, 5e-2 on z and p (grad's few 1e-3 through
+// the same kicks). fp32 must take every decision alike; bf16's energies carry ~0.1 nat of rounding,
+// so a decision that close to its threshold may go the other way: at most 5% of the chains (or one).
+// Then each variant's time per unit at rows_timed chains, evaluations/s, TFLOP/s, and --ais 1000.
+inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VAE* m, const HostWeights* w,
+                                 const Images* images, const AisChainDriver& d, int images_timed) {
+    const Precision p = m->precision;
+    const int max_images = std::max(images_timed, *std::max_element(d.check_images.begin(), d.check_images.end()));
+    const size_t max_rows = (size_t)max_images * d.C;
+    if (max_images > m->max_batch || max_images > images->count)
+        fail("internal: %d images for the chain driver, the model holds %d", max_images, m->max_batch);
+    const float step = AIS_STEP_START;
+    const uint64_t seed = 7;
+    uint8_t* d_pixels = device_upload(std::vector<uint8_t>(images->pixels,
+                                                           images->pixels + (size_t)max_images * INPUT_DIM));
+    vae_encode(m, d_pixels, max_images);
+    cudaCheck(cudaStreamSynchronize(m->stream));
+    const std::vector<float> mulv = copy_to_host_float(m->mulv, (size_t)max_images * MULV_DIM);
+    float* d_mulv = device_upload(mulv);
+    double *d_beta = device_upload(d.beta), *d_log_w;
+    int* d_accepted;
+    float *d_step, *d_z, *d_proposal;
+    cudaCheck(cudaMalloc(&d_log_w, max_rows * sizeof(double)));
+    cudaCheck(cudaMalloc(&d_accepted, max_rows * sizeof(int)));
+    cudaCheck(cudaMalloc(&d_step, max_images * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_z, max_rows * LATENT_DIM * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_proposal, max_rows * 2 * LATENT_DIM * sizeof(float)));
+    auto io_for = [&](int n, int T) {
+        AisIO io = {};
+        io.pixels = d_pixels, io.mulv = d_mulv, io.beta = d_beta, io.n = n, io.chains = d.C, io.T = T;
+        io.leapfrog = d.L, io.seed = seed, io.adapt = false, io.step0 = step, io.log_w = d_log_w;
+        io.accepted = d_accepted, io.step_out = d_step, io.z_out = d_z, io.proposal = d_proposal;
+        return io;
+    };
+    const bool fp32 = p == PRECISION_FP32;
+    const double tol_w = fp32 ? 1e-5 : 2e-2, tol_zp = fp32 ? 1e-4 : 5e-2;
+    printf("%s, %s: T = %d, C = %d, L = %d, step %.2f, against float64\n", d.name, PRECISION_NAMES[p], d.T, d.C, d.L,
+           step);
+    bool ok = true;
+    for (int n : d.check_images) {
+        const size_t rows = (size_t)n * d.C;
+        std::vector<double> ref_w(rows), ref_z(rows * LATENT_DIM), ref_prop(rows * 2 * LATENT_DIM);
+        std::vector<int> ref_acc(rows);
+        for (int i = 0; i < n; i++) {
+            const CpuAisImage r = cpu_ais_image(w, images->pixels + (size_t)i * INPUT_DIM, &mulv[(size_t)i * MULV_DIM],
+                                                d.beta.data(), d.T, d.C, d.L, i, seed, step, false);
+            std::copy(r.log_w.begin(), r.log_w.end(), &ref_w[(size_t)i * d.C]);
+            std::copy(r.z.begin(), r.z.end(), &ref_z[(size_t)i * d.C * LATENT_DIM]);
+            std::copy(r.proposal.begin(), r.proposal.end(), &ref_prop[(size_t)i * d.C * 2 * LATENT_DIM]);
+            std::copy(r.accepted.begin(), r.accepted.end(), &ref_acc[(size_t)i * d.C]);
+        }
+        for (const auto& v : variants) {
+            poison(d_log_w, rows * sizeof(double)), poison(d_accepted, rows * sizeof(int));
+            poison(d_z, rows * LATENT_DIM * sizeof(float)), poison(d_proposal, rows * 2 * LATENT_DIM * sizeof(float));
+            v.second(io_for(n, d.T));
+            cudaCheck(cudaGetLastError()), cudaCheck(cudaDeviceSynchronize());
+            std::vector<double> log_w(rows);
+            std::vector<int> acc(rows);
+            cudaCheck(cudaMemcpy(log_w.data(), d_log_w, rows * sizeof(double), cudaMemcpyDeviceToHost));
+            cudaCheck(cudaMemcpy(acc.data(), d_accepted, rows * sizeof(int), cudaMemcpyDeviceToHost));
+            const std::vector<float> z = copy_to_host_float(d_z, rows * LATENT_DIM);
+            const std::vector<float> prop = copy_to_host_float(d_proposal, rows * 2 * LATENT_DIM);
+            // the chains whose decisions agree, compared value by value; a value not finite fails
+            double diff[3] = {}, top[3] = {}; // log w, z, the trajectory's end
+            auto compare = [&](int k, double got, double ref) {
+                diff[k] = std::isfinite(got) ? std::max(diff[k], std::fabs(got - ref)) : INFINITY;
+                top[k] = std::max(top[k], std::fabs(ref));
+            };
+            size_t differ = 0;
+            for (size_t r = 0; r < rows; r++) {
+                if (acc[r] != ref_acc[r]) {
+                    differ++;
+                    continue;
+                }
+                compare(0, log_w[r], ref_w[r]);
+                for (int j = 0; j < LATENT_DIM; j++) compare(1, z[r * LATENT_DIM + j], ref_z[r * LATENT_DIM + j]);
+                for (int j = 0; j < 2 * LATENT_DIM; j++)
+                    compare(2, prop[r * 2 * LATENT_DIM + j], ref_prop[r * 2 * LATENT_DIM + j]);
+            }
+            const double e_w = diff[0] / top[0], e_z = diff[1] / top[1], e_p = diff[2] / top[2];
+            const size_t flips_allowed = fp32 ? 0 : std::max<size_t>(1, rows / 20);
+            const bool good =
+                differ <= flips_allowed && differ < rows && e_w <= tol_w && e_z <= tol_zp && e_p <= tol_zp;
+            printf("check %-24s images %4d (%5zu chains): decisions differ on %zu chains; log w %.2e (%.0e), z %.2e, "
+                   "trajectory end (z, p) %.2e (%.0e) %s\n", v.first, n, rows, differ, e_w, tol_w, e_z, e_p, tol_zp,
+                   good ? "OK" : "FAIL");
+            ok = ok && good;
+        }
+    }
+    if (ok) {
+        const size_t rows_timed = (size_t)images_timed * d.C;
+        const int extra = 20, T_timed = 2 + (d.per_transition ? extra : 0);
+        std::vector<double> beta(T_timed + 1);
+        ais_schedule(beta.data(), T_timed);
+        cudaCheck(cudaFree(d_beta));
+        d_beta = device_upload(beta); // both launches' (T = 2 reads b_0 .. b_2 of T = 22's: the cost is the same)
+        printf("%-28s %8s %18s %14s %10s %8s %14s\n", "variant", "chains",
+               d.per_transition ? "us / transition" : "us / leapfrog step", "evals / s", "TFLOP/s", "% floor",
+               "--ais 1000 (s)");
+        for (const auto& v : variants) {
+            float us[2];
+            for (int i = 0; i < 2; i++) {
+                AisIO io = io_for(images_timed, d.per_transition ? 2 + i * extra : 2);
+                if (!d.per_transition) io.leapfrog = 1 + i * extra;
+                us[i] = benchmark_us([&] { v.second(io); }, 5, 1, false);
+            }
+            const double per_unit = (us[1] - us[0]) / extra;
+            const double evals_per_s = rows_timed * (d.per_transition ? d.L : 1) / (per_unit * 1e-6);
+            const double tflops = evals_per_s * AIS_FLOPS_PER_EVAL * 1e-12;
+            // --ais 1000 over the test set: 10000 images x 16 chains x 999 transitions of 10 evaluations
+            printf("%-28s %8zu %18.2f %14.3e %10.1f %7.1f%% %14.2f\n", v.first, rows_timed, per_unit, evals_per_s,
+                   tflops, 100.0 * tflops / 770.0, 1.6e9 / evals_per_s);
+        }
+    }
+    void* buffers[] = {d_pixels, d_mulv, d_beta, d_log_w, d_accepted, d_step, d_z, d_proposal};
+    for (void* b : buffers) cudaCheck(cudaFree(b));
     return ok;
 }
 

@@ -1,0 +1,56 @@
+// AIS HMC v1: ais_kernel's leapfrog step and its whole transition, each checked against float64 and
+// timed on its own (the gradient alone is dev/ais_gradient_v1.cu).
+//
+// Leapfrog step: z += eps p, the gradient (the decoder forward and backward w.r.t. z), p -= eps
+// grad U_b: 1.29 MFLOP a chain for the gradient against ~60 FLOPs for the two updates. Prediction: a
+// step costs one evaluation of ais_gradient_v1 within 2%. More than that is the price of the HMC
+// state ais_kernel keeps in registers beside the gradient's (z, p, the start's z, grad and BCE, mu
+// and 1 / var: ~60 registers a thread): spills, or warps the scheduler cannot find ready; the gap is
+// what moving that state out of registers (the plan for dev/ais_gradient_v2.cu's wgmma) would win.
+// Check: one transition on the schedule 0, 1, 1 (the trajectory targets the posterior) from
+// z ~ q(z|x), C = 1, L = 10, on 1, 7, 37 and 1023 images: the trajectory's end (z_L, p_L) before its
+// Metropolis test, the decision, the final z and the weight. Time: L = 1 against L = 21.
+//
+// Transition: a momentum draw (10 Philox calls a chain), the start's energy, L leapfrog steps, the
+// end's energy, the Metropolis test (one more Philox call), the block's barriers around each image's
+// acceptance count. At L = 10, 10 evaluations and a few hundred FLOPs besides: the prediction is 10
+// leapfrog steps within 3%, and its projection of --ais 1000 (999 transitions a chain) matches
+// ./vae's measured 13.4 s (bf16) and 35.0 s (fp32). Check: T = 4 (three transitions on the sigmoid
+// schedule) of C = 16 chains from q on 1, 7 and 37 images, decision by decision. Time: T = 2
+// against T = 22.
+// Both at a fixed step of 0.05 (no adaptation: chains stay independent, so a decision that goes the
+// other way costs one chain's comparison, not its image's) and a full round of the GPU's clusters.
+//
+// Result: not yet measured.
+//
+// Build and run from the repository root (needs data/: make data; sm_90a, thread block clusters):
+//   make -C dev ais_hmc_v1 && ./dev/ais_hmc_v1
+#include "common.h"
+
+template <Precision P> static bool study(const HostWeights* w, const Images* images) {
+    VAE m;
+    vae_init(&m, w, images->count, P);
+    if (m.ais_clusters == 0) fail("no sm_90a code for this GPU: build with make -C dev ais_hmc_v1 on a Hopper GPU");
+    auto production = [&](const AisIO& io) { ais_launch<P>(io, m.fc4_wb, m.ais_w3, m.ais_clusters, 0); };
+    const vae::AisChainDriver leapfrog = {"leapfrog step", 2, 1, 10, {0.0, 1.0, 1.0}, {1, 7, 37, 1023}, false};
+    std::vector<double> beta(5);
+    ais_schedule(beta.data(), 4);
+    const vae::AisChainDriver transition = {"transition", 4, 16, 10, beta, {1, 7, 37}, true};
+    bool ok = true;
+    for (const vae::AisChainDriver& d : {leapfrog, transition}) {
+        const int images_timed = std::min(m.ais_clusters * (AIS_ROWS / d.C), images->count);
+        ok = vae::run_ais_chain_driver({{"v1 ais_kernel", production}}, &m, w, images, d, images_timed) && ok;
+    }
+    vae_free(&m);
+    return ok;
+}
+
+int main() {
+    HostWeights weights;
+    Images images;
+    vae::load_model_inputs("ais_hmc_v1", &weights, &images);
+    print_device_info();
+    const bool ok = study<PRECISION_BF16>(&weights, &images) & study<PRECISION_FP32>(&weights, &images);
+    free(weights.data), free(images.pixels);
+    return ok ? 0 : 1;
+}
