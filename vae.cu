@@ -1907,28 +1907,17 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
     return ((philox_keyed(seed, stream, image, chain, counter).x >> 8) + 1) * (1.0f / 16777216.0f);
 }
 
-// ais_kernel (sm_90a: thread block clusters): a cluster of AIS_CLUSTER blocks (bf16: 4, fp32: 8)
-// takes a tile of 128 chains (128 / C images, all C chains of each) and runs all its T - 1
-// transitions on chip. Block r keeps column block r of fc4 resident (bf16: 200 logits, 163 KB;
-// fp32: 104 in hi and lo copies, 170 KB) and all of fc3; its 8 warps each evaluate 16 chains'
-// gradient over those columns (ais_gradient: forward, sigmoid - x in registers, backward), and
-// the blocks add their 84-byte shares per row through distributed shared memory. Every block then
-// runs the same HMC arithmetic on the same bits, so each holds z: nothing but the shares moves.
-// Streaming fc4 instead would move 627 KB (bf16) per block per evaluation.
-// The energies in float32 (H ~ 100: the Metropolis test sees differences of ~1e-5 nats), the
-// weights in float64. A chain's p, u and start are keyed by (seed, image, chain, transition).
-template <Precision P>
-__global__ void __launch_bounds__(AIS_WARPS * 32, 1)
-    ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3, const AisIO io) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
-    const uint32_t rank = cluster_rank();
-    int skip;
-    const int col0 = ais_columns<P>(rank, &skip);
-    ais_load_weights(sm, fc4_wb, ais_w3, col0);
-    cluster_arrive(); // the first evaluation's wait: every block has started
-
+// The chains of a cluster's tiles, each tile 128 chains (128 / C images, all C chains of each), run
+// through all their T - 1 transitions on chip; `gradient(z, x_row, grad, bce)` evaluates the warp's
+// 16 rows as ais_gradient does (x_row: each row's pixels from the block's first column col0), and
+// step and accepted are the block's shared arrays of AIS_ROWS (the tile's step sizes, its images'
+// acceptances in a transition). Every block of the cluster runs the same arithmetic on the same bits,
+// so each holds z; the block of rank 0 writes the results. The energies in float32 (H ~ 100: the
+// Metropolis test sees differences of ~1e-5 nats), the weights in float64. A chain's p, u and start
+// are keyed by (seed, image, chain, transition).
+template <typename Gradient>
+__device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, float* step_of, int* accepted_of,
+                                  Gradient gradient) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int C = io.chains, per_tile = AIS_ROWS / C, tiles = ceil_div(io.n, per_tile);
     for (int tile = cluster_index(); tile < tiles; tile += cluster_count()) {
@@ -1959,11 +1948,11 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
             }
             logvar_sum[half] = quad_sum(logvar_sum[half]);
         }
-        if (threadIdx.x < per_tile) sm.step[threadIdx.x] = io.step0, sm.accepted[threadIdx.x] = 0;
+        if (threadIdx.x < per_tile) step_of[threadIdx.x] = io.step0, accepted_of[threadIdx.x] = 0;
         __syncthreads();
 
         float grad[2][AIS_LATENTS], bce[2];
-        ais_gradient<P>(sm, z, x_row, skip, grad, bce);
+        gradient(z, x_row, grad, bce);
         const size_t row0 = (size_t)tile * per_tile * C + warp * TASK_ROWS + g; // rows of the launch
         if (io.grad0 && rank == 0)
             #pragma unroll
@@ -2020,7 +2009,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
                     kinetic = fmaf(e.x, e.x, fmaf(e.y, e.y, kinetic));
                 }
                 h0[half] = -beta * lpxz[half] - (1.0f - beta) * lp0[half] + 0.5f * quad_sum(kinetic);
-                step[half] = sm.step[local[half] < per_tile ? local[half] : 0];
+                step[half] = step_of[local[half] < per_tile ? local[half] : 0];
                 bce0[half] = bce[half];
                 #pragma unroll
                 for (int i = 0; i < AIS_LATENTS; i++) z0[half][i] = z[half][i], grad0[half][i] = grad[half][i];
@@ -2042,7 +2031,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
                 for (int half = 0; half < 2; half++)
                     #pragma unroll
                     for (int i = 0; i < AIS_LATENTS; i++) z[half][i] = fmaf(step[half], p[half][i], z[half][i]);
-                ais_gradient<P>(sm, z, x_row, skip, grad, bce);
+                gradient(z, x_row, grad, bce);
                 kick(l < io.leapfrog ? 1.0f : 0.5f);
             }
             log_densities(z, bce, lpxz, lp0);
@@ -2070,15 +2059,15 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
                     for (int i = 0; i < AIS_LATENTS; i++) z[half][i] = z0[half][i], grad[half][i] = grad0[half][i];
                 }
                 accepted[half] += accept;
-                if (accept && live[half] && t == 0) atomicAdd(&sm.accepted[local[half]], 1);
+                if (accept && live[half] && t == 0) atomicAdd(&accepted_of[local[half]], 1);
             }
             __syncthreads();
             if (threadIdx.x < per_tile) { // each image's step size, from the acceptance of its C chains
-                const float rate = (float)sm.accepted[threadIdx.x] / C, old = sm.step[threadIdx.x];
+                const float rate = (float)accepted_of[threadIdx.x] / C, old = step_of[threadIdx.x];
                 if (io.adapt)
-                    sm.step[threadIdx.x] = fminf(fmaxf(old * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN),
-                                                 AIS_STEP_MAX);
-                sm.accepted[threadIdx.x] = 0;
+                    step_of[threadIdx.x] =
+                        fminf(fmaxf(old * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN), AIS_STEP_MAX);
+                accepted_of[threadIdx.x] = 0;
             }
             __syncthreads();
         }
@@ -2097,10 +2086,32 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
                     }
             }
             if (threadIdx.x < per_tile && tile * per_tile + (int)threadIdx.x < io.n)
-                io.step_out[tile * per_tile + threadIdx.x] = sm.step[threadIdx.x];
+                io.step_out[tile * per_tile + threadIdx.x] = step_of[threadIdx.x];
         }
         __syncthreads(); // the step sizes are the next tile's
     }
+}
+
+// ais_kernel (sm_90a: thread block clusters): a cluster of AIS_CLUSTER blocks (bf16: 4, fp32: 8)
+// runs ais_chains. Block r keeps column block r of fc4 resident (bf16: 200 logits, 163 KB; fp32:
+// 104 in hi and lo copies, 170 KB) and all of fc3; its 8 warps each evaluate 16 chains' gradient
+// over those columns (ais_gradient: forward, sigmoid - x in registers, backward), and the blocks
+// add their 84-byte shares per row through distributed shared memory: nothing else moves.
+// Streaming fc4 instead would move 627 KB (bf16) per block per evaluation.
+template <Precision P>
+__global__ void __launch_bounds__(AIS_WARPS * 32, 1)
+    ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3, const AisIO io) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
+    const uint32_t rank = cluster_rank();
+    int skip;
+    const int col0 = ais_columns<P>(rank, &skip);
+    ais_load_weights(sm, fc4_wb, ais_w3, col0);
+    cluster_arrive(); // the first evaluation's wait: every block has started
+    ais_chains(io, rank, col0, sm.step, sm.accepted,
+               [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2], float (&grad)[2][AIS_LATENTS],
+                   float (&bce)[2]) { ais_gradient<P>(sm, z, x_row, skip, grad, bce); });
     cluster_wait(); // no block leaves while another may still read its shares
 #endif
 }

@@ -20,8 +20,11 @@
 // of the SFU, under the other warpgroup's MMAs. Prediction: ~12 us an evaluation of 128 rows per
 // cluster, against v1's measured ~35 (from --ais 1000: 13.4 s); --ais 1000 ~5 s.
 // Shared memory: fc4's 7 slices of 200 x 64 bf16 (179,200 bytes) + fc3 hi and lo (38,400) + the
-// shares (128 x 22 floats: 11,264) = 228,872 of the 232,448 a block may have: the mask of fc3's
-// ReLU moves into registers (a 32-bit word per 64 hidden units: 7 a thread).
+// shares (128 x 22 floats: 11,264) + the whole AIS's step sizes and acceptances (1,024) = 229,896
+// of the 232,448 a block may have (less 1,024 to align): the mask of fc3's ReLU moves into
+// registers (a 32-bit word per 64 hidden units: 7 a thread).
+// The driver then runs the whole AIS on this gradient (ais_v2_kernel: vae.cu's ais_chains around it)
+// beside ais_kernel, through dev/ais_hmc_v1.cu's transition check and time.
 //
 // Build and run from the repository root (needs data/: make data; sm_90a):
 //   make -C dev ais_gradient_v2 && ./dev/ais_gradient_v2
@@ -35,6 +38,8 @@ struct AisWgmmaSmem {
     bf16 w4[V2_GROUPS][V2_BN][64]; // the block's fc4 rows, K in 64-wide slices, 128-byte swizzle (TMA)
     fp16 w3[2][HIDDEN_DIM][AIS_W3_K]; // right after w4: the backward's last k16 step reads 8 rows past it
     float share[AIS_ROWS][V2_SHARE];
+    float step[AIS_ROWS]; // ais_chains' (the whole AIS below): the tile's step sizes, its acceptances
+    int accepted[AIS_ROWS];
     uint64_t loaded;
 };
 static_assert(offsetof(AisWgmmaSmem, w3) == sizeof(bf16) * V2_GROUPS * V2_BN * 64,
@@ -152,16 +157,15 @@ __device__ inline void ais_gradient_v2(AisWgmmaSmem& sm, uint32_t w4, const floa
     ais_merge<V2_CLUSTER>(sm.share, dz, bce_share, grad, bce);
 }
 
-__global__ void __launch_bounds__(AIS_WARPS * 32, 1)
-    gradient_v2_kernel(const __grid_constant__ CUtensorMap w4_map, const fp16* __restrict__ ais_w3,
-                       const vae::AisGradientArgs a) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ uint8_t smem_raw[];
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
-    AisWgmmaSmem& sm = *reinterpret_cast<AisWgmmaSmem*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
+// The block's shared memory (1024-byte aligned for the swizzle) and its weights: fc4's column block
+// col0 by TMA, fc3's hi and lo parts by cp.async.
+__device__ inline AisWgmmaSmem& v2_smem(uint8_t* raw) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(raw);
+    return *reinterpret_cast<AisWgmmaSmem*>(raw + ((addr + 1023) & ~1023u) - addr);
+}
+__device__ inline void v2_load_weights(AisWgmmaSmem& sm, const CUtensorMap& w4_map, const fp16* __restrict__ ais_w3,
+                                       int col0) {
     auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
-    int skip;
-    const int col0 = ais_columns<PRECISION_BF16>(cluster_rank(), &skip);
     if (threadIdx.x == 0) {
         const uint32_t bar = addr(&sm.loaded);
         mbar_init(bar, 1);
@@ -178,12 +182,44 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
+}
+
+__global__ void __launch_bounds__(AIS_WARPS * 32, 1)
+    gradient_v2_kernel(const __grid_constant__ CUtensorMap w4_map, const fp16* __restrict__ ais_w3,
+                       const vae::AisGradientArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ uint8_t smem_raw[];
+    AisWgmmaSmem& sm = v2_smem(smem_raw);
+    int skip;
+    const int col0 = ais_columns<PRECISION_BF16>(cluster_rank(), &skip);
+    v2_load_weights(sm, w4_map, ais_w3, col0);
     cluster_arrive();
-    const uint32_t w4 = addr(&sm.w4[0][0][0]);
+    const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4[0][0][0]);
     vae::ais_driver_tiles(a, col0, [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                                        float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
         ais_gradient_v2(sm, w4, z, x_row, skip, grad, bce);
     });
+    cluster_wait();
+#endif
+}
+
+// The whole AIS on this gradient: vae.cu's ais_chains (the HMC arithmetic) with ais_gradient_v2 in
+// place of ais_gradient, so its transitions are ais_kernel's but for the gradient. The HMC state
+// (~60 values a thread) now lives beside v2's 255 registers: this kernel's time says what that costs.
+__global__ void __launch_bounds__(AIS_WARPS * 32, 1)
+    ais_v2_kernel(const __grid_constant__ CUtensorMap w4_map, const fp16* __restrict__ ais_w3, const AisIO io) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ uint8_t smem_raw[];
+    AisWgmmaSmem& sm = v2_smem(smem_raw);
+    const uint32_t rank = cluster_rank();
+    int skip;
+    const int col0 = ais_columns<PRECISION_BF16>(rank, &skip);
+    v2_load_weights(sm, w4_map, ais_w3, col0);
+    cluster_arrive();
+    const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4[0][0][0]);
+    ais_chains(io, rank, col0, sm.step, sm.accepted,
+               [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2], float (&grad)[2][AIS_LATENTS],
+                   float (&bce)[2]) { ais_gradient_v2(sm, w4, z, x_row, skip, grad, bce); });
     cluster_wait();
 #endif
 }
@@ -194,11 +230,12 @@ int main() {
     vae::load_model_inputs("ais_gradient_v2", &weights, &images);
     print_device_info();
     VAE m;
-    vae_init(&m, &weights, 1, PRECISION_BF16);
+    vae_init(&m, &weights, images.count, PRECISION_BF16);
     if (m.ais_clusters == 0)
         fail("no sm_90a code for this GPU: build with make -C dev ais_gradient_v2 on a Hopper GPU");
     const int smem = (int)sizeof(AisWgmmaSmem) + 1024;
     cudaCheck(cudaFuncSetAttribute(gradient_v2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cudaCheck(cudaFuncSetAttribute(ais_v2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     auto config = [&](cudaLaunchAttribute* attr, int clusters) {
         cudaLaunchConfig_t cfg = ais_config<PRECISION_BF16>(attr, clusters, 0);
         cfg.dynamicSmemBytes = smem;
@@ -206,10 +243,11 @@ int main() {
     };
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t probe = config(&attr, 1);
-    int clusters = 0;
+    int clusters = 0, ais_clusters = 0;
     cudaCheck(cudaOccupancyMaxActiveClusters(&clusters, gradient_v2_kernel, &probe));
-    printf("bf16: clusters of %d blocks, %d bytes of shared memory a block, %d clusters at once\n", V2_CLUSTER, smem,
-           clusters);
+    cudaCheck(cudaOccupancyMaxActiveClusters(&ais_clusters, ais_v2_kernel, &probe));
+    printf("bf16: clusters of %d blocks, %d bytes of shared memory a block, %d clusters at once (%d for AIS)\n",
+           V2_CLUSTER, smem, clusters, ais_clusters);
     auto launch_v2 = [&](const vae::AisGradientArgs& a) {
         const int tiles = ceil_div(a.rows, AIS_ROWS);
         cudaLaunchAttribute attr2;
@@ -217,8 +255,23 @@ int main() {
         cudaCheck(cudaLaunchKernelEx(&cfg, gradient_v2_kernel, m.w4_map, static_cast<const fp16*>(m.ais_w3), a));
     };
     // the same bf16 operands as v1 (fc4's, a few 1e-3 from float64); only the order of fp32 sums differs
-    const bool ok = vae::run_ais_gradient_driver({{"v2 wgmma bf16", launch_v2}}, &m, &weights, &images,
-                                                 clusters * AIS_ROWS, 2e-2);
+    bool ok = vae::run_ais_gradient_driver({{"v2 wgmma bf16", launch_v2}}, &m, &weights, &images,
+                                           clusters * AIS_ROWS, 2e-2);
+    // the whole transition beside ais_kernel's (dev/ais_hmc_v1.cu's transition check and time)
+    auto production = [&](const AisIO& io) {
+        ais_launch<PRECISION_BF16>(io, m.fc4_wb, m.ais_w3, m.ais_clusters, 0);
+    };
+    auto ais_v2 = [&](const AisIO& io) {
+        const int tiles = ceil_div(io.n, AIS_ROWS / io.chains);
+        cudaLaunchAttribute attr2;
+        const cudaLaunchConfig_t cfg = config(&attr2, ais_clusters < tiles ? ais_clusters : tiles);
+        cudaCheck(cudaLaunchKernelEx(&cfg, ais_v2_kernel, m.w4_map, static_cast<const fp16*>(m.ais_w3), io));
+    };
+    std::vector<double> beta(5);
+    ais_schedule(beta.data(), 4);
+    const vae::AisChainDriver transition = {"transition", 4, 16, 10, beta, {1, 7, 37}, true};
+    ok = vae::run_ais_chain_driver({{"v1 ais_kernel", production}, {"v2 wgmma", ais_v2}}, &m, &weights, &images,
+                                   transition, std::min(m.ais_clusters, ais_clusters) * (AIS_ROWS / 16)) && ok;
     vae_free(&m);
     free(weights.data), free(images.pixels);
     return ok ? 0 : 1;
