@@ -9,7 +9,10 @@
 //   backward  dh[64 x 64 hidden] = (sigmoid - x)[64 x 200] W4[200 x 64]: A = the epilogue's values
 //             (13 k16 steps, in registers), B = the same shared memory read MN-major (wgmma's
 //             transpose bit, 16-bit types only): a k16 step of pixels is 16 rows of 128 bytes, two
-//             8-row swizzle atoms 1024 bytes apart. 6 groups of n64 and one of n16 (units 384..399)
+//             8-row swizzle atoms 1024 bytes apart. 7 groups of n64; the last one's units 400..447
+//             are fc4's bias parts and TMA's zeros, computed and dropped: an n16 wgmma would save
+//             that 12% of the backward's products, but an MN-major tile narrower than the 64-wide
+//             swizzle atom is not a layout the PTX ISA describes
 // Hypothesis: v1 is bound by the issue of mma.sync and ldmatrix, not by the tensor cores: each warp
 // loads every B fragment of fc4 for 16 rows, 1,275 mma.sync and ~1,900 ldmatrix a warp per
 // evaluation. A wgmma reads B once for 64 rows and is one instruction per 64 x 200 x 16: fc4's
@@ -69,15 +72,6 @@ __device__ inline void wgmma_m64n64k16_rs_mn(float (&d)[32], const uint32_t (&a)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
                  : "memory");
 }
-__device__ inline void wgmma_m64n16k16_rs_mn(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-                 "{%8, %9, %10, %11}, %12, p, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
-                 : "memory");
-}
-
 // BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as in ais_gradient); w4: the
 // shared-memory address of sm.w4.
 __device__ inline void ais_gradient_v2(AisWgmmaSmem& sm, uint32_t w4, const float (&z)[2][AIS_LATENTS],
@@ -135,16 +129,9 @@ __device__ inline void ais_gradient_v2(AisWgmmaSmem& sm, uint32_t w4, const floa
         float dh[32];
         const uint32_t slice = w4 + q * V2_SLICE_BYTES;
         wgmma_fence();
-        if (q < V2_GROUPS - 1) {
-            #pragma unroll
-            for (int s = 0; s < V2_K_STEPS; s++)
-                wgmma_m64n64k16_rs_mn(dh, ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
-        } else {
-            float (&dh16)[8] = *reinterpret_cast<float(*)[8]>(dh);
-            #pragma unroll
-            for (int s = 0; s < V2_K_STEPS; s++)
-                wgmma_m64n16k16_rs_mn(dh16, ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
-        }
+        #pragma unroll
+        for (int s = 0; s < V2_K_STEPS; s++)
+            wgmma_m64n64k16_rs_mn(dh, ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_accumulators(dh);
