@@ -1898,7 +1898,8 @@ static void test_gpu_leapfrog_reversible(VAE* m, const uint8_t* d_pixels) {
             const int i = r * LATENT_DIM + j;
             const double z_back = b.proposal[r * 2 * LATENT_DIM + j];
             const double p_back = b.proposal[r * 2 * LATENT_DIM + LATENT_DIM + j];
-            finite = finite && std::isfinite(z_back) && std::isfinite(p_back) && std::isfinite(back_z[i]);
+            finite = finite && std::isfinite(z_back) && std::isfinite(p_back) && std::isfinite(back_z[i]) &&
+                     std::isfinite(s.z[i]);
             worst_z = fmax(worst_z, fabs(z_back - s.z[i]) / fmax(1.0, fabs(s.z[i])));
             worst_p = fmax(worst_p, fabs(p_back + p0[i]) / fmax(1.0, fabs(p0[i])));
             moved = fmax(moved, fabs(back_z[i] - s.z[i]));
@@ -2051,6 +2052,8 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
         const int rows = images4 * chains;
         double worst_mean = 0.0, worst_var = 0.0;
         int moved = 0;
+        bool finite = true; // fmax below would skip a latent whose mean or variance is NaN
+        for (int r = 0; r < rows * LATENT_DIM; r++) finite = finite && std::isfinite(s.z[r]);
         for (int j = 0; j < LATENT_DIM; j++) {
             double sum = 0.0, sum_sq = 0.0;
             for (int r = 0; r < rows; r++) {
@@ -2062,9 +2065,10 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
             worst_var = fmax(worst_var, fabs(var - 1.0) / sqrt(2.0 / rows));
         }
         for (int r = 0; r < rows; r++) moved += s.accepted[r] > 0;
-        check(worst_mean < 4.0 && worst_var < 4.0 && moved > rows / 2,
+        check(finite && worst_mean < 4.0 && worst_var < 4.0 && moved > rows / 2,
               "%d chains after %d transitions at b = 0: every latent's mean and variance within 4 standard errors of "
-              "N(0, 1) (worst %.2f, %.2f); %d chains moved", rows, T - 1, worst_mean, worst_var, moved);
+              "N(0, 1) (worst %.2f, %.2f); %d chains moved%s", rows, T - 1, worst_mean, worst_var, moved,
+              finite ? "" : "; z NOT FINITE");
         ais_out_free(&s);
     }
     if (p == PRECISION_FP32) { // bf16's energies carry rounding noise (~0.1 nat) that no step size removes
@@ -2091,6 +2095,10 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
         const int count = quick ? m->max_batch : 1024; // --quick's model holds fewer images
         const AisSpec spec = {20, C, 3, false, true, AIS_STEP_START, 11, NULL, NULL, NULL};
         AisOut all = gpu_ais(m, d_pixels, 0, count, spec), again = gpu_ais(m, d_pixels, 0, count, spec);
+        bool written = true; // two NaN-poisoned buffers would compare equal
+        for (size_t r = 0; r < (size_t)count * C; r++) written = written && std::isfinite(all.log_w[r]);
+        for (size_t i = 0; i < (size_t)count * C * LATENT_DIM; i++) written = written && std::isfinite(all.z[i]);
+        check(written, "T = 20 over %d images: every log weight and final z written and finite", count);
         bool same = !memcmp(all.log_w, again.log_w, count * C * sizeof(double));
         check(same, "T = 20: a rerun gives bitwise-identical log weights");
         for (int size : {1, 7, 37}) {

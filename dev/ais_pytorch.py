@@ -146,6 +146,9 @@ def check(args):
     images = load_images("data/t10k-images-idx3-ubyte")
     rows = [line.split(",") for line in open(args.check) if line[0].isdigit()]
     n, T, C, L, seed = len(rows), args.transitions, args.chains, args.leapfrog, args.seed
+    if n == 0:
+        print(f"FAIL: {args.check} holds no rows of per-image results")
+        return 1
     x = images[:n].double() / 255.0
     f32 = lambda v: float(np.float32(v))  # noqa: E731  vae.cu draws in float32
     noise = {"start": torch.tensor([[[f32(e) for e in start_eps(seed, i, c)] for c in range(C)] for i in range(n)]),
@@ -157,8 +160,9 @@ def check(args):
     worst, decisions_differ = 0.0, 0
     for i, row in enumerate(rows):
         got, acceptance = float(row[2]), float(row[4])
-        worst = max(worst, abs(got - ref[i].item()) / abs(ref[i].item()))
-        decisions_differ += abs(acceptance - ref_acceptance[i].item()) > 1e-6
+        d = abs(got - ref[i].item()) / abs(ref[i].item())
+        worst = max(worst, d) if math.isfinite(d) else math.inf  # max() would skip a NaN
+        decisions_differ += not abs(acceptance - ref_acceptance[i].item()) <= 1e-6
         print(f"image {i}: vae.cu {got:.6f} (acceptance {acceptance:.4f})  PyTorch float64 {ref[i].item():.6f} "
               f"({ref_acceptance[i].item():.4f})")
     # fp32: the same Metropolis decisions and float32 rounding of the weights; bf16's energies are ~0.1 nat

@@ -886,12 +886,15 @@ struct CpuAisImage {
     std::vector<double> z;        // [C][20] at the end
     std::vector<double> proposal; // [C][40]: the last trajectory's end (z, p) before its test
     std::vector<int> accepted;    // [C]
+    std::vector<double> margin;   // [C]: the closest any of its tests came to its threshold, |log u - (H0 - H1)|
+    std::vector<double> delta_h;  // [C]: the last transition's H0 - H1
     float step;                   // at the end
 };
 inline CpuAisImage cpu_ais_image(const HostWeights* w, const uint8_t* pixels, const float* mulv, const double* beta,
                                  int T, int C, int L, uint32_t image, uint64_t seed, float step, bool adapt) {
-    CpuAisImage out{std::vector<double>(C, 0.0), std::vector<double>((size_t)C * LATENT_DIM),
-                    std::vector<double>((size_t)C * 2 * LATENT_DIM, NAN), std::vector<int>(C, 0), step};
+    CpuAisImage out{std::vector<double>(C, 0.0),      std::vector<double>((size_t)C * LATENT_DIM),
+                    std::vector<double>((size_t)C * 2 * LATENT_DIM, NAN), std::vector<int>(C, 0),
+                    std::vector<double>(C, INFINITY), std::vector<double>(C, NAN), step};
     std::vector<double> grad((size_t)C * LATENT_DIM), bce(C);
     double logvar_sum = 0.0, inv_var[LATENT_DIM];
     for (int j = 0; j < LATENT_DIM; j++)
@@ -942,7 +945,9 @@ inline CpuAisImage cpu_ais_image(const HostWeights* w, const uint8_t* pixels, co
             kinetic = 0.0;
             for (int j = 0; j < LATENT_DIM; j++) kinetic += p[j] * p[j];
             const double h1 = -b * lpxz - (1.0 - b) * lp0 + 0.5 * kinetic;
-            if (std::log((double)uniform_open0(seed, STREAM_ACCEPT, image, c, s)) < h0 - h1) { // false for NaN
+            const double log_u = std::log((double)uniform_open0(seed, STREAM_ACCEPT, image, c, s));
+            out.margin[c] = std::min(out.margin[c], std::fabs(log_u - (h0 - h1))), out.delta_h[c] = h0 - h1;
+            if (log_u < h0 - h1) { // false for NaN
                 out.accepted[c]++, taken++;
             } else {
                 std::copy(z0, z0 + LATENT_DIM, z), std::copy(grad0, grad0 + LATENT_DIM, g);
@@ -970,15 +975,19 @@ struct AisChainDriver {
 };
 
 // Checks each variant (a launcher of one AisIO, the production ais_kernel's interface) against
-// cpu_ais_image chain by chain, outputs NaN-poisoned: the Metropolis decisions (each chain's count of
-// accepted transitions), and over the chains whose decisions agree, log w, the final z and the last
-// trajectory's end (z, p). Tolerances (relative to the largest reference value): fp32 1e-5 on log w
-// (as test_vae's trajectory check against PyTorch float64), 1e-4 on z and p (grad's ~1e-6 relative
-// error enters p at each of the L + 1 kicks of step x |grad U| (~5), ~1e-5 of |p| after L = 10, and
-// the dynamics amplify it); bf16 2e-2 on log w as on grad, 5e-2 on z and p (grad's few 1e-3 through
-// the same kicks). fp32 must take every decision alike; bf16's energies carry ~0.1 nat of rounding,
-// so a decision that close to its threshold may go the other way: at most 5% of the chains (or one).
-// Then each variant's time per unit at rows_timed chains, evaluations/s, TFLOP/s, and --ais 1000.
+// cpu_ais_image chain by chain, outputs NaN-poisoned. A Metropolis test whose float64 energy change
+// lies within `band` of log u may go either way in float32 arithmetic: fp32's energies (H ~ 100) carry
+// ~1e-5 nat of rounding, so band = 1e-3; bf16's ~0.1 nat, so band = 0.2. Such a chain is left out (log
+// u has density <= 1 per nat, so at most 2 band of the tests come that close: with three tests a chain,
+// fp32 keeps >= 99% of the chains and bf16 >= 21%; 90% and 20% are required). Every other chain must
+// take the same decisions (its count of accepted transitions; a different order would show in z), and
+// match in log w, the final z and the last trajectory's end (z, p): fp32 1e-5 on log w (as test_vae's
+// trajectory check against PyTorch float64), 1e-4 on z and p (grad's ~1e-6 relative error enters p at
+// each of the L + 1 kicks of step x |grad U| (~5), ~1e-5 of |p| after L = 10, and the dynamics amplify
+// it); bf16 2e-2 on log w as on grad, 5e-2 on z and p (grad's few 1e-3 through the same kicks), all
+// relative to the largest reference value. The last energy change's error is printed in nats: the
+// measured width behind `band`. Then each variant's time per unit at rows_timed chains, evaluations/s,
+// TFLOP/s, and --ais 1000.
 inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VAE* m, const HostWeights* w,
                                  const Images* images, const AisChainDriver& d, int images_timed) {
     const Precision p = m->precision;
@@ -996,27 +1005,31 @@ inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VA
     float* d_mulv = device_upload(mulv);
     double *d_beta = device_upload(d.beta), *d_log_w;
     int* d_accepted;
-    float *d_step, *d_z, *d_proposal;
+    float *d_step, *d_z, *d_proposal, *d_delta_h;
     cudaCheck(cudaMalloc(&d_log_w, max_rows * sizeof(double)));
     cudaCheck(cudaMalloc(&d_accepted, max_rows * sizeof(int)));
     cudaCheck(cudaMalloc(&d_step, max_images * sizeof(float)));
     cudaCheck(cudaMalloc(&d_z, max_rows * LATENT_DIM * sizeof(float)));
     cudaCheck(cudaMalloc(&d_proposal, max_rows * 2 * LATENT_DIM * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_delta_h, max_rows * sizeof(float)));
     auto io_for = [&](int n, int T) {
         AisIO io = {};
         io.pixels = d_pixels, io.mulv = d_mulv, io.beta = d_beta, io.n = n, io.chains = d.C, io.T = T;
         io.leapfrog = d.L, io.seed = seed, io.adapt = false, io.step0 = step, io.log_w = d_log_w;
         io.accepted = d_accepted, io.step_out = d_step, io.z_out = d_z, io.proposal = d_proposal;
+        io.delta_h = d_delta_h;
         return io;
     };
     const bool fp32 = p == PRECISION_FP32;
-    const double tol_w = fp32 ? 1e-5 : 2e-2, tol_zp = fp32 ? 1e-4 : 5e-2;
+    const double tol_w = fp32 ? 1e-5 : 2e-2, tol_zp = fp32 ? 1e-4 : 5e-2, band = fp32 ? 1e-3 : 0.2;
+    const double min_compared = fp32 ? 0.9 : 0.2;
     printf("%s, %s: T = %d, C = %d, L = %d, step %.2f, against float64\n", d.name, PRECISION_NAMES[p], d.T, d.C, d.L,
            step);
     bool ok = true;
     for (int n : d.check_images) {
         const size_t rows = (size_t)n * d.C;
         std::vector<double> ref_w(rows), ref_z(rows * LATENT_DIM), ref_prop(rows * 2 * LATENT_DIM);
+        std::vector<double> ref_margin(rows), ref_dh(rows);
         std::vector<int> ref_acc(rows);
         for (int i = 0; i < n; i++) {
             const CpuAisImage r = cpu_ais_image(w, images->pixels + (size_t)i * INPUT_DIM, &mulv[(size_t)i * MULV_DIM],
@@ -1025,10 +1038,13 @@ inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VA
             std::copy(r.z.begin(), r.z.end(), &ref_z[(size_t)i * d.C * LATENT_DIM]);
             std::copy(r.proposal.begin(), r.proposal.end(), &ref_prop[(size_t)i * d.C * 2 * LATENT_DIM]);
             std::copy(r.accepted.begin(), r.accepted.end(), &ref_acc[(size_t)i * d.C]);
+            std::copy(r.margin.begin(), r.margin.end(), &ref_margin[(size_t)i * d.C]);
+            std::copy(r.delta_h.begin(), r.delta_h.end(), &ref_dh[(size_t)i * d.C]);
         }
         for (const auto& v : variants) {
             poison(d_log_w, rows * sizeof(double)), poison(d_accepted, rows * sizeof(int));
             poison(d_z, rows * LATENT_DIM * sizeof(float)), poison(d_proposal, rows * 2 * LATENT_DIM * sizeof(float));
+            poison(d_delta_h, rows * sizeof(float));
             v.second(io_for(n, d.T));
             cudaCheck(cudaGetLastError()), cudaCheck(cudaDeviceSynchronize());
             std::vector<double> log_w(rows);
@@ -1037,14 +1053,23 @@ inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VA
             cudaCheck(cudaMemcpy(acc.data(), d_accepted, rows * sizeof(int), cudaMemcpyDeviceToHost));
             const std::vector<float> z = copy_to_host_float(d_z, rows * LATENT_DIM);
             const std::vector<float> prop = copy_to_host_float(d_proposal, rows * 2 * LATENT_DIM);
-            // the chains whose decisions agree, compared value by value; a value not finite fails
-            double diff[3] = {}, top[3] = {}; // log w, z, the trajectory's end
+            const std::vector<float> dh = copy_to_host_float(d_delta_h, rows);
+            // a value not finite on either side fails (std::max would skip a NaN)
+            double diff[4] = {}, top[4] = {}; // log w, z, the trajectory's end, the last energy change (absolute)
             auto compare = [&](int k, double got, double ref) {
-                diff[k] = std::isfinite(got) ? std::max(diff[k], std::fabs(got - ref)) : INFINITY;
+                diff[k] = std::isfinite(got) && std::isfinite(ref) ? std::max(diff[k], std::fabs(got - ref)) : INFINITY;
                 top[k] = std::max(top[k], std::fabs(ref));
             };
-            size_t differ = 0;
+            size_t unwritten = 0, near = 0, differ = 0;
             for (size_t r = 0; r < rows; r++) {
+                if (acc[r] < 0 || acc[r] > d.T - 1) { // NaN-poisoned: 0xFFFFFFFF
+                    unwritten++;
+                    continue;
+                }
+                if (!(ref_margin[r] >= band)) { // a test this close may go either way
+                    near++;
+                    continue;
+                }
                 if (acc[r] != ref_acc[r]) {
                     differ++;
                     continue;
@@ -1053,14 +1078,16 @@ inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VA
                 for (int j = 0; j < LATENT_DIM; j++) compare(1, z[r * LATENT_DIM + j], ref_z[r * LATENT_DIM + j]);
                 for (int j = 0; j < 2 * LATENT_DIM; j++)
                     compare(2, prop[r * 2 * LATENT_DIM + j], ref_prop[r * 2 * LATENT_DIM + j]);
+                compare(3, dh[r], ref_dh[r]);
             }
             const double e_w = diff[0] / top[0], e_z = diff[1] / top[1], e_p = diff[2] / top[2];
-            const size_t flips_allowed = fp32 ? 0 : std::max<size_t>(1, rows / 20);
-            const bool good =
-                differ <= flips_allowed && differ < rows && e_w <= tol_w && e_z <= tol_zp && e_p <= tol_zp;
-            printf("check %-24s images %4d (%5zu chains): decisions differ on %zu chains; log w %.2e (%.0e), z %.2e, "
-                   "trajectory end (z, p) %.2e (%.0e) %s\n", v.first, n, rows, differ, e_w, tol_w, e_z, e_p, tol_zp,
-                   good ? "OK" : "FAIL");
+            const size_t compared = rows - unwritten - near - differ;
+            const bool good = unwritten == 0 && differ == 0 && compared >= min_compared * rows && e_w <= tol_w &&
+                              e_z <= tol_zp && e_p <= tol_zp && std::isfinite(diff[3]);
+            printf("check %-16s images %4d: %5zu of %5zu chains compared (%zu near a threshold), %zu decide otherwise, "
+                   "%zu unwritten; log w %.2e (%.0e), z %.2e, trajectory end (z, p) %.2e (%.0e); last energy change "
+                   "off by %.2e nats %s\n", v.first, n, compared, rows, near, differ, unwritten, e_w, tol_w, e_z, e_p,
+                   tol_zp, diff[3], good ? "OK" : "FAIL");
             ok = ok && good;
         }
     }
@@ -1089,7 +1116,7 @@ inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VA
                    tflops, 100.0 * tflops / 770.0, 1.6e9 / evals_per_s);
         }
     }
-    void* buffers[] = {d_pixels, d_mulv, d_beta, d_log_w, d_accepted, d_step, d_z, d_proposal};
+    void* buffers[] = {d_pixels, d_mulv, d_beta, d_log_w, d_accepted, d_step, d_z, d_proposal, d_delta_h};
     for (void* b : buffers) cudaCheck(cudaFree(b));
     return ok;
 }
