@@ -1990,8 +1990,9 @@ static void test_gpu_ais_toy(const HostWeights* w, const uint8_t* d_pixels) {
 // Test 10: the trajectory against dev/ais_pytorch.py, an AIS written in PyTorch float64 from the
 // maths and fed the same keyed noise (its own Philox and Box-Muller): ./vae --ais 5 --chains 4
 // --leapfrog 3 over 8 images, per image log p(x) within 1e-5 in fp32 (2e-2 in bf16) and, in fp32,
-// the same acceptance: every one of the 128 Metropolis decisions alike. make test names the Python
-// with PyTorch (VAE_TEST_PYTHON).
+// the same acceptance: every one of the 128 Metropolis decisions alike. In float64 the closest of
+// them comes 3.2e-3 nat from its threshold, ~300x float32's rounding of H ~ 100, so an exact match
+// is what fp32 owes. make test names the Python with PyTorch (VAE_TEST_PYTHON).
 static void test_gpu_ais_pytorch(Precision p) {
     const char* python = getenv("VAE_TEST_PYTHON");
     if (vae_bin == NULL || python == NULL || python[0] == '\0') {
