@@ -1072,6 +1072,20 @@ __device__ inline void mbar_wait(uint32_t bar, uint32_t parity) {
         if (clock64() - start > 2000000000ll) __trap();
 }
 
+// A load's mbarrier, by the one thread that issues the load: one arrival (its own, which also sets
+// the bytes to wait for), made visible to TMA (the async proxy) before the copies start.
+__device__ inline void mbar_expect_load(uint32_t bar, uint32_t bytes) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_arrive_expect_tx(bar, bytes);
+}
+// A wgmma kernel's shared memory: the 128-byte swizzle wants 1024-byte alignment, so the dynamic
+// allocation (1 KB larger than S) is used from its first such address.
+template <typename S> __device__ inline S& smem_aligned_1024(uint8_t* raw) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(raw);
+    return *reinterpret_cast<S*>(raw + ((addr + 1023) & ~1023u) - addr);
+}
+
 // One box of a 2-D tensor map -> shared memory at dst; the mbarrier counts its bytes.
 __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int col, int row) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
@@ -1229,17 +1243,14 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     typedef typename Q::T T;
     constexpr int DEC_BN = Q::DEC_BN, DEC_COL_BLOCKS = Q::DEC_COL_BLOCKS, Z_STEPS = Q::Z_K / 16;
     extern __shared__ uint8_t smem_raw[];
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
-    DecoderWgmmaSmem<P>& sm = *reinterpret_cast<DecoderWgmmaSmem<P>*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
+    DecoderWgmmaSmem<P>& sm = smem_aligned_1024<DecoderWgmmaSmem<P>>(smem_raw);
     auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
     const int cb = blockIdx.x % DEC_COL_BLOCKS;
     const int col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
 
     if (threadIdx.x == 0) {
         const uint32_t bar = addr(&sm.loaded);
-        mbar_init(bar, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        mbar_arrive_expect_tx(bar, sizeof(sm.w4) + sizeof(sm.w3));
+        mbar_expect_load(bar, sizeof(sm.w4) + sizeof(sm.w3));
         for (int copy = 0; copy < (Q::SPLIT ? 2 : 1); copy++)
             for (int s = 0; s < DEC_WG_SLICES; s++)
                 tma_load_2d(addr(&sm.w4[copy][s][0][0]), &w4_map, bar, 64 * s, copy * INPUT_DIM + col0);
@@ -1362,17 +1373,14 @@ __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
     typedef typename Path<P>::T T;
     extern __shared__ uint8_t smem_raw[];
-    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem_raw);
-    EncoderWgmmaSmem<P>& sm = *reinterpret_cast<EncoderWgmmaSmem<P>*>(smem_raw + ((raw + 1023) & ~1023u) - raw);
+    EncoderWgmmaSmem<P>& sm = smem_aligned_1024<EncoderWgmmaSmem<P>>(smem_raw);
     auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
     allow_dependent_launch();
     const int slice = blockIdx.x % Path<P>::ENC_SLICES, copies = gridDim.x / Path<P>::ENC_SLICES;
     const int row0 = slice * ENC_BN; // of fc1's rows in the kernels' layout
     if (threadIdx.x == 0) {
         const uint32_t bar = addr(&sm.loaded);
-        mbar_init(bar, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        mbar_arrive_expect_tx(bar, sizeof(sm.w1));
+        mbar_expect_load(bar, sizeof(sm.w1));
         for (int s = 0; s < ENC_WG_SLICES; s++) tma_load_2d(addr(&sm.w1[s][0][0]), &w1_map, bar, 64 * s, row0);
     }
     copy_enc_weights<P>(sm.w_enc, io, slice);

@@ -144,20 +144,13 @@ __device__ inline void ais_gradient_v2(AisWgmmaSmem& sm, uint32_t w4, const floa
     ais_merge<V2_CLUSTER>(sm.share, dz, bce_share, grad, bce);
 }
 
-// The block's shared memory (1024-byte aligned for the swizzle) and its weights: fc4's column block
-// col0 by TMA, fc3's hi and lo parts by cp.async.
-__device__ inline AisWgmmaSmem& v2_smem(uint8_t* raw) {
-    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(raw);
-    return *reinterpret_cast<AisWgmmaSmem*>(raw + ((addr + 1023) & ~1023u) - addr);
-}
+// The block's weights: fc4's column block col0 by TMA, fc3's hi and lo parts by cp.async.
 __device__ inline void v2_load_weights(AisWgmmaSmem& sm, const CUtensorMap& w4_map, const fp16* __restrict__ ais_w3,
                                        int col0) {
     auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
     if (threadIdx.x == 0) {
         const uint32_t bar = addr(&sm.loaded);
-        mbar_init(bar, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        mbar_arrive_expect_tx(bar, sizeof(sm.w4));
+        mbar_expect_load(bar, sizeof(sm.w4));
         for (int s = 0; s < V2_GROUPS; s++) tma_load_2d(addr(&sm.w4[s][0][0]), &w4_map, bar, 64 * s, col0);
     }
     for (int copy = 0; copy < 2; copy++)
@@ -176,7 +169,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
                        const vae::AisGradientArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t smem_raw[];
-    AisWgmmaSmem& sm = v2_smem(smem_raw);
+    AisWgmmaSmem& sm = smem_aligned_1024<AisWgmmaSmem>(smem_raw);
     int skip;
     const int col0 = ais_columns<PRECISION_BF16>(cluster_rank(), &skip);
     v2_load_weights(sm, w4_map, ais_w3, col0);
@@ -197,7 +190,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     ais_v2_kernel(const __grid_constant__ CUtensorMap w4_map, const fp16* __restrict__ ais_w3, const AisIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t smem_raw[];
-    AisWgmmaSmem& sm = v2_smem(smem_raw);
+    AisWgmmaSmem& sm = smem_aligned_1024<AisWgmmaSmem>(smem_raw);
     const uint32_t rank = cluster_rank();
     int skip;
     const int col0 = ais_columns<PRECISION_BF16>(rank, &skip);

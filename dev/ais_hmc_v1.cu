@@ -23,9 +23,46 @@
 //
 // Result: not yet measured.
 //
+// The float64 reference (dev/common.h's cpu_ais_image) is itself checked without a GPU against
+// dev/ais_pytorch.py's AIS, written from the maths: --reference CSV runs it with step-size adaptation
+// on 8 images at T = 5, C = 4, L = 3, seed 0 (its encoder: cpu_linear) and writes ./vae --csv's
+// format for ais_pytorch.py --check (1.8e-8 apart, every acceptance alike).
+//
 // Build and run from the repository root (needs data/: make data; sm_90a, thread block clusters):
 //   make -C dev ais_hmc_v1 && ./dev/ais_hmc_v1
+//   ./dev/ais_hmc_v1 --reference /tmp/ref.csv && python3 dev/ais_pytorch.py --check /tmp/ref.csv
 #include "common.h"
+
+// The reference's AIS in ./vae --csv's columns (index, label, log_px, ess, acceptance; label -1,
+// ess 0: ais_pytorch.py reads log_px and acceptance), on the host alone.
+static void write_reference_csv(const HostWeights* w, const Images* images, const char* path) {
+    const int n = 8, T = 5, C = 4, L = 3;
+    std::vector<double> beta(T + 1);
+    ais_schedule(beta.data(), T);
+    std::vector<float> x((size_t)n * INPUT_DIM), h1((size_t)n * HIDDEN_DIM), mulv((size_t)n * MULV_DIM);
+    for (size_t i = 0; i < x.size(); i++) x[i] = images->pixels[i] / 255.0f;
+    std::vector<float> mu((size_t)n * LATENT_DIM), logvar((size_t)n * LATENT_DIM);
+    cpu_linear(x.data(), w->tensor[FC1_W], w->tensor[FC1_B], h1.data(), n, HIDDEN_DIM, INPUT_DIM, Act::Relu);
+    cpu_linear(h1.data(), w->tensor[FC21_W], w->tensor[FC21_B], mu.data(), n, LATENT_DIM, HIDDEN_DIM, Act::None);
+    cpu_linear(h1.data(), w->tensor[FC22_W], w->tensor[FC22_B], logvar.data(), n, LATENT_DIM, HIDDEN_DIM, Act::None);
+    FILE* f = fopen(path, "w");
+    if (f == NULL) fail("%s: %s", path, strerror(errno));
+    fprintf(f, "index,label,log_px,ess,acceptance\n");
+    for (int i = 0; i < n; i++) {
+        std::copy_n(&mu[(size_t)i * LATENT_DIM], LATENT_DIM, &mulv[(size_t)i * MULV_DIM]);
+        std::copy_n(&logvar[(size_t)i * LATENT_DIM], LATENT_DIM, &mulv[(size_t)i * MULV_DIM + LATENT_DIM]);
+        const vae::CpuAisImage r = vae::cpu_ais_image(w, images->pixels + (size_t)i * INPUT_DIM,
+                                                      &mulv[(size_t)i * MULV_DIM], beta.data(), T, C, L, i, 0,
+                                                      AIS_STEP_START, true);
+        const double top = *std::max_element(r.log_w.begin(), r.log_w.end());
+        double sum = 0.0;
+        int taken = 0;
+        for (int c = 0; c < C; c++) sum += std::exp(r.log_w[c] - top), taken += r.accepted[c];
+        fprintf(f, "%d,-1,%.9f,0,%.6f\n", i, top + std::log(sum / C), (double)taken / (C * (T - 1)));
+    }
+    if (fclose(f) != 0) fail("%s: %s", path, strerror(errno));
+    printf("wrote %s: check it with python3 dev/ais_pytorch.py --check %s\n", path, path);
+}
 
 template <Precision P> static bool study(const HostWeights* w, const Images* images) {
     VAE m;
@@ -45,10 +82,16 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
     return ok;
 }
 
-int main() {
+int main(int argc, char** argv) {
     HostWeights weights;
     Images images;
     vae::load_model_inputs("ais_hmc_v1", &weights, &images);
+    if (argc == 3 && !strcmp(argv[1], "--reference")) {
+        write_reference_csv(&weights, &images, argv[2]);
+        free(weights.data), free(images.pixels);
+        return 0;
+    }
+    if (argc != 1) fail("usage: ./dev/ais_hmc_v1 [--reference CSV]");
     print_device_info();
     const bool ok = study<PRECISION_BF16>(&weights, &images) & study<PRECISION_FP32>(&weights, &images);
     free(weights.data), free(images.pixels);
