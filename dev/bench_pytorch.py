@@ -8,6 +8,7 @@ fresh eps drawn on every call), the test images already on the device.
   python3 dev/bench_pytorch.py --vae-bench LOG          also vae.cu against PyTorch's fastest, from ./vae --bench's LOG
   python3 dev/bench_pytorch.py --modes graph-bf16,compiled-bf16 --batches 4096
   python3 dev/bench_pytorch.py --iwae 5000              IWAE log-likelihood of the test set instead
+  python3 dev/bench_pytorch.py --ais 1000 --no-cpu      AIS of the test set (./vae --ais 1000's run)
   python3 dev/bench_pytorch.py --modes compiled-fp32 --results R.json   timings kept in R.json: a later run
                                                         with --results R.json adds its own and prints all
 
@@ -52,6 +53,15 @@ speedup = PyTorch us / vae.cu us (above 1: vae.cu is faster).
 eager and compiled, fp32 and bf16 (bf16 = torch.autocast, as in the eager bf16 mode). The compiled
 chunk function is compiled once; the last chunk is padded to 16 images if n is not a multiple
 of 16. Each mode: its time over all n images (CUDA events) and the mean NLL.
+
+--ais T times ./vae --ais T's algorithm (C = 16, L = 10, from q, step sizes adapted per image) on
+all n images at once (n x 16 rows): each mode runs 3 untimed transitions (compile, capture), then
+CUDA events around --ais-timed more, and the time per transition x (T - 1) is the run's. The
+gradient is written out (forward, then the backward pass w.r.t. z) rather than left to autograd,
+so one transition (10 of them) is one graph for CUDA graphs and torch.compile; it is checked
+against autograd in float64 before timing. The HMC state is fp32, the log weights float64; the
+bf16 modes hold the model in bf16 (the loss and sigmoid - x in fp32). Its noise is PyTorch's own:
+dev/ais_pytorch.py --check is the reference that replays vae.cu's noise.
 
 A mode that fails (torch.compile missing or failing, no Triton, ...) prints one line naming it
 and the error; the other modes go on. Reads data/vae_weights.bin and data/t10k-images-idx3-ubyte
@@ -596,6 +606,161 @@ def run_iwae(model, images, k, n, keys, chunk=16):
 
 
 # ---------------------------------------------------------------------------------------------
+# --ais T
+
+def ais_gradient(w3, b3, w4, b4, x, z):
+    """BCE(x, logits(z)) per row and grad_z BCE, the backward pass written out rather than by autograd,
+    so that a whole transition is one graph for CUDA graphs and torch.compile: the products in the
+    weights' dtype (fp32 or bf16), the loss and sigmoid - x in z's (fp32)."""
+    pre = torch.addmm(b3, z.to(w3.dtype), w3.t())
+    logits = torch.addmm(b4, torch.relu(pre), w4.t()).to(z.dtype)
+    bce = (logits.clamp_min(0) - x * logits + torch.log1p(torch.exp(-logits.abs()))).sum(1)
+    dh = ((torch.sigmoid(logits) - x).to(w4.dtype) @ w4) * (pre > 0)
+    return bce, (dh @ w3).to(z.dtype)
+
+
+def check_ais_gradient(model):
+    """The written-out gradient against autograd, both float64, on 64 rows: an error in it fails here."""
+    m64 = copy.deepcopy(model).double().cpu()
+    gen = torch.Generator().manual_seed(0)
+    z = 0.6 * torch.randn(64, 20, generator=gen, dtype=torch.float64)
+    x = torch.rand(64, 784, generator=gen, dtype=torch.float64)
+    bce, grad = ais_gradient(m64.fc3.weight, m64.fc3.bias, m64.fc4.weight, m64.fc4.bias, x, z)
+    zg = z.clone().requires_grad_(True)
+    ref = F.binary_cross_entropy_with_logits(m64.fc4(F.relu(m64.fc3(zg))), x, reduction="none").sum(1)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), zg)
+    err = max(((bce - ref).abs().max() / ref.abs().max()).item(),
+              ((grad.double() - ref_grad).abs().max() / ref_grad.abs().max()).item())
+    if not err < 1e-12:
+        sys.exit(f"bench_pytorch.py --ais: the written-out gradient is {err:.2e} off autograd's (float64)")
+    return err
+
+
+def ais_transition(weights, x, mu, inv_var, logvar_sum, z, grad, bce, log_w, step, b, db, chains, leapfrog):
+    """One AIS step on n images x C chains (rows image-major), the algorithm of ./vae --ais: the weight
+    update log w += (b_t - b_{t-1}) [log p(x, z) - log p0(z)], then one HMC transition at b (a momentum
+    draw, `leapfrog` steps, the Metropolis test) and each image's step size moved toward acceptance 0.65.
+    The state (z, grad, bce, step) in fp32, log w in float64. Returns the new state and the acceptances."""
+    def densities(z, bce):
+        return -bce - 0.5 * (z * z).sum(1), -0.5 * (((z - mu) ** 2 * inv_var).sum(1) + logvar_sum)
+
+    def grad_u(z, g):
+        return b * (g + z) + (1 - b) * (z - mu) * inv_var
+
+    lpxz, lp0 = densities(z, bce)
+    log_w = log_w + db.double() * (lpxz - lp0).double()
+    rows_step = step.repeat_interleave(chains, 0)
+    p = torch.randn_like(z)
+    h0 = -b * lpxz - (1 - b) * lp0 + 0.5 * (p * p).sum(1)
+    z1, g1 = z, grad
+    p = p - 0.5 * rows_step * grad_u(z1, g1)
+    for i in range(1, leapfrog + 1):
+        z1 = z1 + rows_step * p
+        bce1, g1 = ais_gradient(*weights, x, z1)
+        p = p - (1.0 if i < leapfrog else 0.5) * rows_step * grad_u(z1, g1)
+    lpxz1, lp01 = densities(z1, bce1)
+    h1 = -b * lpxz1 - (1 - b) * lp01 + 0.5 * (p * p).sum(1)
+    accept = torch.log(torch.rand_like(h0)) < h0 - h1  # False for NaN: a non-finite proposal is rejected
+    z, grad = torch.where(accept[:, None], z1, z), torch.where(accept[:, None], g1, grad)
+    bce = torch.where(accept, bce1, bce)
+    rate = accept.float().view(-1, chains).mean(1, keepdim=True)
+    step = torch.clamp(step * torch.where(rate > 0.65, 1.02, 0.98), 1e-4, 0.5)
+    return z, grad, bce, log_w, step, accept
+
+
+def run_ais(model, images, T, n, keys, timed, chains=16, leapfrog=10):
+    """Times AIS at T (C = 16, L = 10, from q) per mode: CUDA events around `timed` transitions after
+    3 untimed ones (the compile, the graph capture), scaled to the run's T - 1 transitions."""
+    err = check_ais_gradient(model)
+    pixels = images[:n].cuda()
+    rows = n * chains
+    print(f"PyTorch {torch.__version__} on {torch.cuda.get_device_name()}: AIS, {n} images x {chains} chains, "
+          f"L = {leapfrog}; {timed} transitions timed, scaled to T = {T}; TF32 off; the written-out gradient "
+          f"{err:.1e} off autograd (float64)", flush=True)
+    s = [1 / (1 + math.exp(-4 * (2 * t / T - 1))) for t in range(T + 1)]
+    beta = [0.0] + [(v - s[0]) / (s[-1] - s[0]) for v in s[1:-1]] + [1.0]
+    table = []
+    for key in keys:
+        dtype = torch.bfloat16 if MODE_PRECISION[key] == "bf16" else torch.float32
+        m = copy.deepcopy(model).cuda().to(dtype)
+        weights = (m.fc3.weight, m.fc3.bias, m.fc4.weight, m.fc4.bias)
+        try:
+            with torch.no_grad():
+                x = (pixels.float() / 255.0).repeat_interleave(chains, 0)
+                h1 = F.relu(m.fc1(x[::chains].to(dtype)))
+                mu = m.fc21(h1).float().repeat_interleave(chains, 0)
+                logvar = m.fc22(h1).float().repeat_interleave(chains, 0)
+                inv_var, logvar_sum = torch.exp(-logvar), logvar.sum(1)
+                z = mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)
+                bce, grad = ais_gradient(*weights, x, z)
+                state = [z, grad, bce, torch.zeros(rows, dtype=torch.float64, device="cuda"),
+                         torch.full((n, 1), 0.05, device="cuda")]
+                fixed = (weights, x, mu, inv_var, logvar_sum)
+                b_t = [torch.tensor(v, device="cuda") for v in beta]
+                db_t = [torch.tensor(beta[t] - beta[t - 1], device="cuda") for t in range(1, T + 1)] + [b_t[0]]
+
+                def step_fn(*args):
+                    return ais_transition(*fixed, *args, chains, leapfrog)
+                compile_s = None
+                if key.startswith("eager"):
+                    def transition(t, state):
+                        return step_fn(*state, b_t[t], db_t[t - 1])
+                elif key.startswith("graph"):
+                    static = [v.clone() for v in state] + [b_t[1].clone(), db_t[0].clone()]
+
+                    def capture():
+                        out = step_fn(*static)
+                        for dst, src in zip(static[:5], out[:5]):
+                            dst.copy_(src)
+                        return out[5]
+                    replay = graphed(capture)
+
+                    def transition(t, state):
+                        static[5].copy_(b_t[t]), static[6].copy_(db_t[t - 1])
+                        accept = replay()
+                        return [*static[:5], accept]
+                    static_state = static[:5]
+                    for dst, src in zip(static_state, state):
+                        dst.copy_(src)
+                    state = static_state
+                else:
+                    cfn, compile_s, note = compile_first_call(step_fn, *state, b_t[1], db_t[0])
+                    print(f"AIS {MODE_NAME[key]}: compiled in {compile_s:.1f} s ({note})", flush=True)
+
+                    def transition(t, state):
+                        if hasattr(torch, "compiler") and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
+                            torch.compiler.cudagraph_mark_step_begin()
+                        return [v.clone() for v in cfn(*state, b_t[t], db_t[t - 1])]  # before the next replay
+                for t in range(1, 4):  # untimed: CUDA graph capture and warm-up
+                    state = transition(t, state)[:5]
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                accepted = torch.zeros((), device="cuda")
+                torch.cuda.synchronize()
+                start.record()
+                for t in range(4, 4 + timed):
+                    out = transition(t, state)
+                    state, accepted = out[:5], accepted + out[5].float().mean()
+                stop.record()
+                torch.cuda.synchronize()
+            ms = start.elapsed_time(stop) / timed
+            acceptance = accepted.item() / timed
+            if not (math.isfinite(acceptance) and 0.2 < acceptance <= 1.0):
+                raise RuntimeError(f"acceptance {acceptance:.3f}: the chains are not moving as they should")
+            table.append(f"| {MODE_NAME[key]} | {ms:.2f} | {ms * (T - 1) / 1e3:.2f} | {acceptance:.3f} "
+                         f"| {'—' if compile_s is None else f'{compile_s:.1f}'} |")
+            print(table[-1], flush=True)
+        except Exception as e:
+            print(f"AIS {MODE_NAME[key]}: failed, skipped ({first_line(e)})", flush=True)
+        finally:
+            if key.startswith("compiled") and hasattr(torch, "_dynamo"):
+                torch._dynamo.reset()
+    print(f"\n| PyTorch mode | ms / transition | --ais {T} (s) | acceptance | compile s |")
+    print("|---|---:|---:|---:|---:|")
+    for row in table:
+        print(row)
+
+
+# ---------------------------------------------------------------------------------------------
 
 def comma_list(text, parse, allowed=None, what="value"):
     items = [s.strip() for s in text.split(",") if s.strip()]
@@ -627,7 +792,9 @@ def parse_args(argv=None):
                    help="comma-separated batch sizes (default 1024,2048,4096,10000)")
     p.add_argument("--no-cpu", action="store_true", help="skip the host CPU timing (same as leaving cpu out of --modes)")
     p.add_argument("--iwae", type=int, metavar="K", help="time the IWAE log-likelihood with K samples instead")
-    p.add_argument("-n", type=int, default=10000, help="images for --iwae (default 10000)")
+    p.add_argument("--ais", type=int, metavar="T", help="time AIS at T (C = 16, L = 10, from q) instead")
+    p.add_argument("--ais-timed", type=int, default=20, metavar="N", help="transitions timed for --ais (default 20)")
+    p.add_argument("-n", type=int, default=10000, help="images for --iwae and --ais (default 10000)")
     p.add_argument("--results", metavar="FILE",
                    help="JSON file: this run's timings are added to those saved there by earlier runs, and the "
                         "tables cover them all (e.g. the compiled modes in a separate process)")
@@ -637,13 +804,15 @@ def parse_args(argv=None):
                         "(default: Inductor's own)")
     args = p.parse_args(argv)
     if "none" in args.modes:
-        if len(args.modes) > 1 or not args.results or args.iwae:
-            p.error("--modes none goes alone, with --results FILE and without --iwae")
+        if len(args.modes) > 1 or not args.results or args.iwae or args.ais:
+            p.error("--modes none goes alone, with --results FILE and without --iwae or --ais")
         args.modes = []
     if args.no_cpu:
         args.modes = [k for k in args.modes if k != "cpu"]
     if args.iwae is not None and args.iwae < 1:
         p.error("--iwae K needs K >= 1")
+    if args.ais is not None and (args.iwae or args.ais_timed < 1 or args.ais < args.ais_timed + 4):
+        p.error("--ais T needs T >= --ais-timed + 4 (3 untimed transitions first), --ais-timed >= 1, and no --iwae")
     if args.n < 1 or any(b < 1 for b in args.batches):
         p.error("-n and the batch sizes must be positive")
     return args
@@ -670,6 +839,8 @@ def main():
         gpu_keys = [k for k in args.modes if k in IWAE_MODES]
         if not gpu_keys:
             sys.exit(f"--iwae times only the modes {','.join(IWAE_MODES)}")
+    if args.ais and not gpu_keys:
+        sys.exit("--ais times the GPU modes only")
     if gpu_keys and not torch.cuda.is_available():
         sys.exit(f"bench_pytorch.py: PyTorch {torch.__version__} sees no CUDA device "
                  f"(modes {','.join(gpu_keys)} need one; --modes cpu times the host CPU alone)")
@@ -681,6 +852,11 @@ def main():
         if args.n > len(images):
             sys.exit(f"-n {args.n}: the test set holds {len(images)} images")
         run_iwae(model, images, args.iwae, args.n, gpu_keys)
+        return
+    if args.ais:
+        if args.n > len(images):
+            sys.exit(f"-n {args.n}: the test set holds {len(images)} images")
+        run_ais(model, images, args.ais, args.n, gpu_keys, args.ais_timed)
         return
     too_big = [b for b in args.batches if images is not None and b > len(images)]
     if too_big:
