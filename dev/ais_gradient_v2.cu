@@ -28,6 +28,12 @@
 // registers (a 32-bit word per 64 hidden units: 7 a thread).
 // The driver then runs the whole AIS on this gradient (ais_v2_kernel: vae.cu's ais_chains around it)
 // beside ais_kernel, through dev/ais_hmc_v1.cu's transition check and time.
+// Result (H200): 22.40 us an evaluation (221 TFLOP/s), against v1's 25.41 (H100): 12% faster, not
+// the 3x predicted; grad equal to ais_kernel's bit for bit. The whole AIS: 251.2 us a transition
+// against ais_kernel's 303.3 (-17%), --ais 1000 ~10.5 s. Half right about the instructions, wrong
+// about what binds: fc4's issue was not the limit, and fc3, the epilogue and the two cluster barriers
+// an evaluation now take most of the time with only two warpgroups a block to hide them (the ncu
+// capture caught the 1-row launch, so that is inferred from ais_kernel's profile, not measured here).
 //
 // Build and run from the repository root (needs data/: make data; sm_90a):
 //   make -C dev ais_gradient_v2 && ./dev/ais_gradient_v2

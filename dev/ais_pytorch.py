@@ -1,15 +1,14 @@
 #!/usr/bin/env python3
 """
 AIS in PyTorch, written from the maths of ./vae --ais (not from vae.cu's kernels): the reference
-its trajectories are checked against, and the time PyTorch takes for the same run.
+its trajectories are checked against.
 
   python3 dev/ais_pytorch.py --check CSV [--precision fp32]   float64 AIS with vae.cu's noise against
                                                               ./vae --ais 5 --chains 4 --leapfrog 3 -n 8 --csv CSV
                                                               (test_vae runs this check)
-  python3 dev/ais_pytorch.py --time [--images 1000 --transitions 20]   PyTorch's seconds per transition
-                                                              (eager fp32; bf16 under autocast, eager and
-                                                              torch.compile) and the whole-test-set T = 1000
-                                                              time they imply
+
+PyTorch's time for ./vae --ais's run is dev/bench_pytorch.py --ais T (every mode, the whole test set
+at once).
 
 The noise is injected, not drawn by PyTorch: a Python Philox4x32-10 and Box-Muller give the start
 eps (seed, image, chain, latent), the momenta (seed, image, chain, 16 t + latent pair) and the
@@ -23,7 +22,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import numpy as np
 import torch
@@ -88,9 +86,8 @@ def bce_and_grad(model, x, z):
     return bce.detach().double(), grad.double()
 
 
-def ais(model, x, T, C, L, seed, noise=None, dtype=torch.float64):
-    """log p(x) and the acceptance rate per image; noise=None draws PyTorch's own (timing), else vae.cu's
-    keyed noise."""
+def ais(model, x, T, C, L, noise, dtype=torch.float64):
+    """log p(x) and the acceptance rate per image, with vae.cu's keyed noise (start, momentum, uniform)."""
     n, dev = x.shape[0], x.device
     with torch.no_grad():
         h1 = F.relu(model.fc1(x.to(dtype)))
@@ -98,7 +95,7 @@ def ais(model, x, T, C, L, seed, noise=None, dtype=torch.float64):
     xs = x[:, None, :].to(dtype)
     mu, logvar = mu[:, None, :], logvar[:, None, :]
     inv_var = torch.exp(-logvar)
-    eps = noise["start"] if noise else torch.randn(n, C, 20, device=dev, dtype=torch.float64)
+    eps = noise["start"]
     z = mu + torch.exp(0.5 * logvar) * eps
     beta = schedule(T)
     step = torch.full((n, 1, 1), 0.05, device=dev, dtype=torch.float64)
@@ -120,7 +117,7 @@ def ais(model, x, T, C, L, seed, noise=None, dtype=torch.float64):
         if t == T:
             break
         b = beta[t]
-        p = noise["momentum"][t] if noise else torch.randn(n, C, 20, device=dev, dtype=torch.float64)
+        p = noise["momentum"][t]
         h0 = -b * lpxz - (1 - b) * lp0 + 0.5 * (p * p).sum(-1)
         z0, g0, bce0 = z, g, bce
         p = p - 0.5 * step * grad_u(z, g, b)
@@ -130,7 +127,7 @@ def ais(model, x, T, C, L, seed, noise=None, dtype=torch.float64):
             p = p - (1.0 if step_index < L else 0.5) * step * grad_u(z, g, b)
         lpxz, lp0 = densities(z, bce)
         h1 = -b * lpxz - (1 - b) * lp0 + 0.5 * (p * p).sum(-1)
-        u = noise["uniform"][t] if noise else torch.rand(n, C, device=dev, dtype=torch.float64)
+        u = noise["uniform"][t]
         accept = torch.log(u) < h0 - h1
         taken += accept.double().sum(1)
         z = torch.where(accept[..., None], z, z0)
@@ -156,7 +153,7 @@ def check(args):
                                            for i in range(n)]) for t in range(1, T)},
              "uniform": {t: torch.tensor([[f32(uniform(seed, i, c, t)) for c in range(C)] for i in range(n)],
                                          dtype=torch.float64) for t in range(1, T)}}
-    ref, ref_acceptance = ais(model, x, T, C, L, seed, noise)
+    ref, ref_acceptance = ais(model, x, T, C, L, noise)
     worst, decisions_differ = 0.0, 0
     for i, row in enumerate(rows):
         got, acceptance = float(row[2]), float(row[4])
@@ -175,48 +172,17 @@ def check(args):
     return 0 if ok else 1
 
 
-def timing(args):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    dev = "cuda"
-    model = load_weights("data/vae_weights.bin").to(dev)
-    x = load_images("data/t10k-images-idx3-ubyte")[: args.images].to(dev).float() / 255.0
-    T = args.transitions
-    for name in ["eager-fp32", "eager-bf16", "compiled-bf16"]:
-        global bce_and_grad
-        plain = bce_and_grad
-        if name == "compiled-bf16":
-            bce_and_grad = torch.compile(plain)
-        with torch.autocast("cuda", torch.bfloat16, enabled=name != "eager-fp32"):
-            ais(model, x, 3, 16, 2, 0, dtype=torch.float32)  # warm-up (and the compile), the same shapes
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            ais(model, x, T, 16, 10, 0, dtype=torch.float32)
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        bce_and_grad = plain
-        whole = seconds / (T - 1) * 999 * 10000 / args.images
-        print(f"{name:14s} {args.images} images, T = {T}: {seconds:.3f} s, {seconds / (T - 1) * 1e3:.2f} ms per "
-              f"transition; the test set at T = 1000 (C = 16, L = 10): {whole:.1f} s by that rate")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--check", metavar="CSV", help="./vae --ais --csv output to check")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--transitions", type=int, default=5, help="T (default 5; --time: 20)")
+    p.add_argument("--transitions", type=int, default=5, help="T (default 5)")
     p.add_argument("--chains", type=int, default=4)
     p.add_argument("--leapfrog", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time", action="store_true")
-    p.add_argument("--images", type=int, default=1000)
     args = p.parse_args()
-    if args.time:
-        if args.transitions == 5:
-            args.transitions = 20
-        timing(args)
-        return 0
     if not args.check:
-        p.error("pass --check CSV or --time")
+        p.error("pass --check CSV")
     return check(args)
 
 

@@ -746,7 +746,7 @@ def run_ais(model, images, T, n, keys, timed, chains=16, leapfrog=10):
             acceptance = accepted.item() / timed
             if not (math.isfinite(acceptance) and 0.2 < acceptance <= 1.0):
                 raise RuntimeError(f"acceptance {acceptance:.3f}: the chains are not moving as they should")
-            table.append(f"| {MODE_NAME[key]} | {ms:.2f} | {ms * (T - 1) / 1e3:.2f} | {acceptance:.3f} "
+            table.append(f"| {key} | {ms:.2f} | {ms * (T - 1) / 1e3:.2f} | {acceptance:.3f} "
                          f"| {'—' if compile_s is None else f'{compile_s:.1f}'} |")
             print(table[-1], flush=True)
         except Exception as e:
