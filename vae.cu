@@ -1785,7 +1785,8 @@ __device__ inline void ais_merge(float (*share)[PITCH], const float (&dz)[3][4],
 
 // BCE(x, logits(z)) and grad_z BCE for a warp's 16 rows z[half][i]: this block's columns col0 ..
 // col0 + AIS_BN - 1 of the product (its first `skip` n8 blocks are the block before's), then the
-// cluster's shares added in rank order. x_row[half]: the row's image's pixels from col0.
+// cluster's shares added in rank order. x_row[half]: the row's image's pixels from col0. fp32's
+// gradient; bf16 runs ais_gradient_wgmma (below), equal to this one's bf16 instance bit for bit.
 template <Precision P>
 __device__ inline void ais_gradient(AisSmem<P>& sm, const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                                     int skip, float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
@@ -2100,26 +2101,185 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
     }
 }
 
+// bf16's gradient on wgmma (dev/ais_gradient_v2.cu: 22.4 us an evaluation of 3,840 rows against
+// mma.sync's 25.4, the whole AIS 17% faster). The same cluster of 4 blocks, column block of 200
+// logits, fc3 (mma.sync, hi and lo parts), epilogue, W3 backward and merge; fc4's two products move
+// to the warpgroup:
+//   forward   per 64 hidden units, each warp runs fc3 for its 16 rows (4 chunks of 16) and the
+//             warpgroup issues 4 m64n200k16 wgmmas with those ReLUs as A from registers and the
+//             block's fc4 as B from shared memory (K-major, the 128-byte swizzle TMA writes: the
+//             decoder's layout); the next group's fc3 runs while they do
+//   backward  dh[64 x 64 hidden] = (sigmoid - x)[64 x 200] W4[200 x 64]: A = the epilogue's values
+//             (13 k16 steps, in registers), B = the same shared memory read MN-major (wgmma's
+//             transpose bit, 16-bit types only): a k16 step of pixels is 16 rows of 128 bytes, two
+//             8-row swizzle atoms 1024 bytes apart. 7 groups of n64; the last one's units 400..447
+//             are fc4's bias parts and TMA's zeros, computed and dropped (an MN-major tile narrower
+//             than the 64-wide swizzle atom is not a layout the PTX ISA describes)
+// Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares
+// (128 x 22 floats) + the tile's step sizes and acceptances = 229,896 of the 232,448 a block may
+// have (less 1,024 to align): fc3's ReLU mask lives in registers (a 32-bit word per 64 units).
+enum { AIS_WG_GROUPS = DEC_WG_SLICES, AIS_WG_SHARE = LATENT_DIM + 2 }; // a share: grad, BCE, float2 padding
+struct AisWgmmaSmem {
+    bf16 w4[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64]; // fc4's column block, K in 64-wide slices (TMA)
+    fp16 w3[2][HIDDEN_DIM][AIS_W3_K]; // right after w4: the backward's last k16 step reads 8 rows past it
+    float share[AIS_ROWS][AIS_WG_SHARE];
+    float step[AIS_ROWS];
+    int accepted[AIS_ROWS];
+    uint64_t loaded;
+};
+static_assert(offsetof(AisWgmmaSmem, w3) == sizeof(bf16) * AIS_WG_GROUPS * Path<PRECISION_BF16>::AIS_BN * 64,
+              "the 8 rows the backward's last k16 step reads past fc4 (times zero A) are fc3's: finite");
+static_assert(sizeof(AisWgmmaSmem) + 1024 <= 232448, "fits a block's shared memory, with room to align");
+
+// wgmma descriptor of a 16-bit tile read MN-major in the 128-byte swizzle layout: rows of 64
+// values (128 bytes) along N, 8-row atoms along K 1024 bytes apart (the stride field); the
+// leading field, the step between 64-wide N atoms, is not used at N <= 64.
+__device__ inline uint64_t smem_desc_128b_mn(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(1024 >> 4) << 16 | (uint64_t)(1024 >> 4) << 32 |
+           (uint64_t)1 << 62;
+}
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers (bf16), B MN-major (imm-trans-b = 1).
+__device__ inline void wgmma_m64n64k16_rs_mn(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
+                 : "memory");
+}
+// BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as in ais_gradient); w4: the
+// shared-memory address of sm.w4.
+__device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, const float (&z)[2][AIS_LATENTS],
+                                          const uint8_t* const (&x_row)[2], int skip, float (&grad)[2][AIS_LATENTS],
+                                          float (&bce)[2]) {
+    constexpr int BN = Path<PRECISION_BF16>::AIS_BN, K_STEPS = (BN + 15) / 16, SLICE_BYTES = BN * 128;
+    const int t = threadIdx.x % 4;
+    uint32_t za[2][4], za_lo[2][4];
+    ais_z_fragments(z, za, za_lo);
+    uint32_t mask[AIS_WG_GROUPS]; // fc3's ReLU: bit 8i + b of group q is value b of chunk 4q + i
+    float logit[BN / 2];
+    uint32_t a[2][4][4]; // two groups' A fragments: one being read by wgmma, one being written
+    const uint32_t a_bias[4] = {bias_ones<bf16>(t), bias_ones<bf16>(t), 0u, 0u};
+    #pragma unroll
+    for (int q = 0; q < AIS_WG_GROUPS; q++) {
+        const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1; // 400 = 6 x 64 + 16
+        mask[q] = 0u;
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (i < chunks) {
+                float h[8];
+                mask[q] |= ais_fc3_chunk(sm.w3, za, za_lo, 4 * q + i, h) << (8 * i);
+                uint32_t hi[1][4], lo[1][4];
+                relu_to_a<bf16>(hi, lo, h);
+                #pragma unroll
+                for (int r = 0; r < 4; r++) a[q % 2][i][r] = hi[0][r];
+            } else if (i == chunks) { // the last group's next k16 step: K = 400..415, the bias parts
+                #pragma unroll
+                for (int r = 0; r < 4; r++) a[q % 2][i][r] = a_bias[r];
+            }
+        }
+        wgmma_fence();
+        #pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (i < chunks + (q == AIS_WG_GROUPS - 1 ? 1 : 0))
+                wgmma_m64n200k16_rs(logit, a[q % 2][i], smem_desc_128b(w4 + q * SLICE_BYTES) + 2 * i, q + i > 0);
+        wgmma_commit();
+        wgmma_wait<1>(); // the group before is done: its A registers are free for the next
+    }
+    wgmma_wait<0>();
+    fence_accumulators(logit);
+    float bce_share[2];
+    ais_epilogue(logit, x_row, skip, bce_share);
+    uint32_t ga[K_STEPS][4];
+    #pragma unroll
+    for (int s = 0; s < K_STEPS; s++) {
+        ga[s][0] = pack2<bf16>(logit[8 * s], logit[8 * s + 1]);
+        ga[s][1] = pack2<bf16>(logit[8 * s + 2], logit[8 * s + 3]);
+        const bool full = 2 * s + 1 < BN / 8; // the last step's K 8..15 are past the block's 200 columns
+        ga[s][2] = full ? pack2<bf16>(logit[8 * s + 4], logit[8 * s + 5]) : 0u;
+        ga[s][3] = full ? pack2<bf16>(logit[8 * s + 6], logit[8 * s + 7]) : 0u;
+    }
+    float dz[3][4] = {};
+    #pragma unroll
+    for (int q = 0; q < AIS_WG_GROUPS; q++) {
+        float dh[32];
+        const uint32_t slice = w4 + q * SLICE_BYTES;
+        wgmma_fence();
+        #pragma unroll
+        for (int s = 0; s < K_STEPS; s++) wgmma_m64n64k16_rs_mn(dh, ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(dh);
+        #pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (i < (q < AIS_WG_GROUPS - 1 ? 4 : 1))
+                ais_w3_backward<false>(sm.w3, 4 * q + i, *reinterpret_cast<const float(*)[8]>(&dh[8 * i]),
+                                       (mask[q] >> (8 * i)) & 0xFFu, dz);
+    }
+    ais_merge<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.share, dz, bce_share, grad, bce);
+}
+// The block's weights for ais_gradient_wgmma: fc4's column block col0 by TMA, fc3's parts by cp.async.
+__device__ inline void ais_load_weights_wgmma(AisWgmmaSmem& sm, const CUtensorMap& w4_map,
+                                              const fp16* __restrict__ ais_w3, int col0) {
+    auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
+    if (threadIdx.x == 0) {
+        const uint32_t bar = addr(&sm.loaded);
+        mbar_expect_load(bar, sizeof(sm.w4));
+        for (int s = 0; s < AIS_WG_GROUPS; s++) tma_load_2d(addr(&sm.w4[s][0][0]), &w4_map, bar, 64 * s, col0);
+    }
+    for (int copy = 0; copy < 2; copy++)
+        copy_block_async(&sm.w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
+                         HIDDEN_DIM, AIS_W3_K);
+    cp_async_wait<0>();
+    // fc3's rows, written by cp.async (the generic proxy), are also read by the backward's wgmma (the
+    // async proxy: the 8 rows past fc4): this fence makes the writes visible to it
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    mbar_wait(addr(&sm.loaded), 0);
+}
+
 // ais_kernel (sm_90a: thread block clusters): a cluster of AIS_CLUSTER blocks (bf16: 4, fp32: 8)
-// runs ais_chains. Block r keeps column block r of fc4 resident (bf16: 200 logits, 163 KB; fp32:
-// 104 in hi and lo copies, 170 KB) and all of fc3; its 8 warps each evaluate 16 chains' gradient
-// over those columns (ais_gradient: forward, sigmoid - x in registers, backward), and the blocks
-// add their 84-byte shares per row through distributed shared memory: nothing else moves.
-// Streaming fc4 instead would move 627 KB (bf16) per block per evaluation.
+// runs ais_chains. Block r keeps column block r of fc4 resident (bf16: 200 logits, 175 KB in
+// wgmma's layout; fp32: 104 in hi and lo copies, 170 KB) and all of fc3; its 8 warps each evaluate
+// 16 chains' gradient over those columns (bf16: ais_gradient_wgmma, a warpgroup's 64 rows at once;
+// fp32: ais_gradient on mma.sync, which has no room for wgmma's layout of two copies beside fc3),
+// and the blocks add their 84-byte shares per row through distributed shared memory: nothing else
+// moves. Streaming fc4 instead would move 627 KB (bf16) per block per evaluation.
 template <Precision P>
 __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
-    ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3, const AisIO io) {
+    ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const __grid_constant__ CUtensorMap w4_map,
+               const fp16* __restrict__ ais_w3, const AisIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
     extern __shared__ __align__(16) uint8_t smem_raw[];
-    AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
     const uint32_t rank = cluster_rank();
     int skip;
     const int col0 = ais_columns<P>(rank, &skip);
-    ais_load_weights(sm, fc4_wb, ais_w3, col0);
-    cluster_arrive(); // the first evaluation's wait: every block has started
-    ais_chains(io, rank, col0, sm.step, sm.accepted,
-               [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2], float (&grad)[2][AIS_LATENTS],
-                   float (&bce)[2]) { ais_gradient<P>(sm, z, x_row, skip, grad, bce); });
+    if constexpr (P == PRECISION_BF16) {
+        AisWgmmaSmem& sm = smem_aligned_1024<AisWgmmaSmem>(smem_raw);
+        ais_load_weights_wgmma(sm, w4_map, ais_w3, col0);
+        cluster_arrive(); // the first evaluation's wait: every block has started
+        const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4[0][0][0]);
+        ais_chains(io, rank, col0, sm.step, sm.accepted,
+                   [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
+                       float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
+                       ais_gradient_wgmma(sm, w4, z, x_row, skip, grad, bce);
+                   });
+    } else {
+        AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
+        ais_load_weights(sm, fc4_wb, ais_w3, col0);
+        cluster_arrive();
+        ais_chains(io, rank, col0, sm.step, sm.accepted,
+                   [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
+                       float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
+                       ais_gradient<P>(sm, z, x_row, skip, grad, bce);
+                   });
+    }
     cluster_wait(); // no block leaves while another may still read its shares
 #endif
 }
@@ -2237,23 +2397,27 @@ static void decoder_launch(const DecoderIO& io, const void* fc4_wb, const void* 
 
 // ais_kernel over io.n images in precision P: a grid of clusters of AIS_CLUSTER blocks, `clusters`
 // of them (the most the GPU runs at once, ais_max_clusters) or one per tile when there are fewer.
+template <Precision P> static int ais_smem() {
+    return P == PRECISION_BF16 ? (int)sizeof(AisWgmmaSmem) + 1024 : (int)sizeof(AisSmem<P>); // bf16: to align
+}
 template <Precision P>
 static cudaLaunchConfig_t ais_config(cudaLaunchAttribute* attr, int clusters, cudaStream_t stream) {
     attr->id = cudaLaunchAttributeClusterDimension;
     attr->val.clusterDim.x = Path<P>::AIS_CLUSTER, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(Path<P>::AIS_CLUSTER * clusters), cfg.blockDim = dim3(AIS_WARPS * 32);
-    cfg.dynamicSmemBytes = sizeof(AisSmem<P>), cfg.stream = stream, cfg.attrs = attr, cfg.numAttrs = 1;
+    cfg.dynamicSmemBytes = ais_smem<P>(), cfg.stream = stream, cfg.attrs = attr, cfg.numAttrs = 1;
     return cfg;
 }
 template <Precision P>
-static void ais_launch(const AisIO& io, const void* fc4_wb, const void* ais_w3, int clusters, cudaStream_t stream) {
+static void ais_launch(const AisIO& io, const void* fc4_wb, const CUtensorMap& w4_map, const void* ais_w3,
+                       int clusters, cudaStream_t stream) {
     typedef typename Path<P>::T T;
     const int tiles = ceil_div(io.n, AIS_ROWS / io.chains);
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = ais_config<P>(&attr, clusters < tiles ? clusters : tiles, stream);
-    cudaCheck(cudaLaunchKernelEx(&cfg, ais_kernel<P>, static_cast<const T*>(fc4_wb), static_cast<const fp16*>(ais_w3),
-                                 io));
+    cudaCheck(cudaLaunchKernelEx(&cfg, ais_kernel<P>, static_cast<const T*>(fc4_wb), w4_map,
+                                 static_cast<const fp16*>(ais_w3), io));
 }
 template <Precision P> static int ais_max_clusters() {
     cudaLaunchAttribute attr;
@@ -2270,8 +2434,7 @@ template <Precision P> static void allow_shared_memory(bool wgmma) {
     cudaCheck(cudaFuncSetAttribute(decoder_mma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(DecoderMmaSmem<P>)));
     if (!wgmma) return;
-    cudaCheck(
-        cudaFuncSetAttribute(ais_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(AisSmem<P>)));
+    cudaCheck(cudaFuncSetAttribute(ais_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, ais_smem<P>()));
     cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    enc_wg_smem<P>()));
     cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -2563,9 +2726,9 @@ static void vae_ais(VAE* m, AisIO io, bool from_prior) {
     else vae_encode(m, io.pixels, io.n);
     io.mulv = m->mulv;
     if (m->precision == PRECISION_FP32)
-        ais_launch<PRECISION_FP32>(io, m->fc4_wb, m->ais_w3, m->ais_clusters, m->stream);
+        ais_launch<PRECISION_FP32>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_clusters, m->stream);
     else
-        ais_launch<PRECISION_BF16>(io, m->fc4_wb, m->ais_w3, m->ais_clusters, m->stream);
+        ais_launch<PRECISION_BF16>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_clusters, m->stream);
 }
 
 // ----------------------------------------------------------------------------

@@ -72,7 +72,7 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
     VAE m;
     vae_init(&m, w, images->count, P);
     if (m.ais_clusters == 0) fail("no sm_90a code for this GPU: build with make -C dev ais_hmc_v1 on a Hopper GPU");
-    auto production = [&](const AisIO& io) { ais_launch<P>(io, m.fc4_wb, m.ais_w3, m.ais_clusters, 0); };
+    auto production = [&](const AisIO& io) { ais_launch<P>(io, m.fc4_wb, m.w4_map, m.ais_w3, m.ais_clusters, 0); };
     const vae::AisChainDriver leapfrog = {"leapfrog step", 2, 1, 10, {0.0, 1.0, 1.0}, {1, 7, 37, 1023}, false};
     std::vector<double> beta(5);
     ais_schedule(beta.data(), 4);
