@@ -1786,7 +1786,8 @@ __device__ inline void ais_merge(float (*share)[PITCH], const float (&dz)[3][4],
 // BCE(x, logits(z)) and grad_z BCE for a warp's 16 rows z[half][i]: this block's columns col0 ..
 // col0 + AIS_BN - 1 of the product (its first `skip` n8 blocks are the block before's), then the
 // cluster's shares added in rank order. x_row[half]: the row's image's pixels from col0. fp32's
-// gradient; bf16 runs ais_gradient_wgmma (below), equal to this one's bf16 instance bit for bit.
+// gradient; bf16 runs ais_gradient_wgmma (below), equal bit for bit to this one's bf16 instance, which
+// only dev/ais_gradient_v1.cu and v2 build (the baseline).
 template <Precision P>
 __device__ inline void ais_gradient(AisSmem<P>& sm, const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                                     int skip, float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
@@ -2101,10 +2102,10 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
     }
 }
 
-// bf16's gradient on wgmma (dev/ais_gradient_v2.cu: 22.4 us an evaluation of 3,840 rows against
-// mma.sync's 25.4, the whole AIS 17% faster). The same cluster of 4 blocks, column block of 200
-// logits, fc3 (mma.sync, hi and lo parts), epilogue, W3 backward and merge; fc4's two products move
-// to the warpgroup:
+// bf16's gradient on wgmma (dev/ais_gradient_v2.cu: 22.4 us an evaluation of 3,840 rows on an H200
+// against mma.sync's 25.4 on an H100, the whole AIS 17% faster on the H200). The same cluster of 4
+// blocks, column block of 200 logits, fc3 (mma.sync, hi and lo parts), epilogue, W3 backward and
+// merge; fc4's two products move to the warpgroup:
 //   forward   per 64 hidden units, each warp runs fc3 for its 16 rows (4 chunks of 16) and the
 //             warpgroup issues 4 m64n200k16 wgmmas with those ReLUs as A from registers and the
 //             block's fc4 as B from shared memory (K-major, the 128-byte swizzle TMA writes: the
@@ -2130,6 +2131,8 @@ struct AisWgmmaSmem {
 static_assert(offsetof(AisWgmmaSmem, w3) == sizeof(bf16) * AIS_WG_GROUPS * Path<PRECISION_BF16>::AIS_BN * 64,
               "the 8 rows the backward's last k16 step reads past fc4 (times zero A) are fc3's: finite");
 static_assert(sizeof(AisWgmmaSmem) + 1024 <= 232448, "fits a block's shared memory, with room to align");
+static_assert(Path<PRECISION_BF16>::DEC_BN == Path<PRECISION_BF16>::AIS_BN,
+              "ais_kernel loads its column block with the decoder's tensor map, whose box is DEC_BN rows");
 
 // wgmma descriptor of a 16-bit tile read MN-major in the 128-byte swizzle layout: rows of 64
 // values (128 bytes) along N, 8-row atoms along K 1024 bytes apart (the stride field); the

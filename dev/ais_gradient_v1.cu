@@ -1,5 +1,6 @@
 // AIS gradient v1: the step that is 95% of --ais, on its own. This driver checks and times vae.cu's
-// ais_gradient, the decoder's forward and backward pass w.r.t. z as ais_kernel runs it: a cluster of
+// ais_gradient, the decoder's forward and backward pass w.r.t. z on mma.sync, as fp32's ais_kernel runs
+// it (and bf16's did before ais_gradient_wgmma, dev/ais_gradient_v2.cu, replaced it): a cluster of
 // blocks (bf16: 4, fp32: 8) per 128 chains, each block one resident column block of fc4 (bf16 200
 // logits, fp32 104 in hi and lo copies) and all of fc3 in fp16 hi and lo parts; per evaluation each
 // warp runs 16 chains through
@@ -49,7 +50,8 @@ template <Precision P> static int v1_clusters() {
     cudaCheck(cudaFuncSetAttribute(gradient_v1_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(AisSmem<P>)));
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = ais_config<P>(&attr, 1, 0);
+    cudaLaunchConfig_t cfg = ais_config<P>(&attr, 1, 0);
+    cfg.dynamicSmemBytes = sizeof(AisSmem<P>); // bf16's ais_kernel asks for wgmma's layout
     int clusters = 0;
     cudaCheck(cudaOccupancyMaxActiveClusters(&clusters, gradient_v1_kernel<P>, &cfg));
     return clusters;
@@ -67,7 +69,8 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
     auto launch_v1 = [&](const vae::AisGradientArgs& a) {
         const int tiles = ceil_div(a.rows, AIS_ROWS);
         cudaLaunchAttribute attr;
-        const cudaLaunchConfig_t cfg = ais_config<P>(&attr, clusters < tiles ? clusters : tiles, 0);
+        cudaLaunchConfig_t cfg = ais_config<P>(&attr, clusters < tiles ? clusters : tiles, 0);
+        cfg.dynamicSmemBytes = sizeof(AisSmem<P>);
         cudaCheck(cudaLaunchKernelEx(&cfg, gradient_v1_kernel<P>, static_cast<const T*>(m.fc4_wb),
                                      static_cast<const fp16*>(m.ais_w3), a));
     };

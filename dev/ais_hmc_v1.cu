@@ -15,17 +15,19 @@
 // end's energy, the Metropolis test (one more Philox call), the block's barriers around each image's
 // acceptance count. At L = 10, 10 evaluations and a few hundred FLOPs besides: the prediction is 10
 // leapfrog steps within 3%, and its projection of --ais 1000 (999 transitions a chain) matches
-// ./vae's measured 13.4 s (bf16) and 35.0 s (fp32). Check: T = 4 (three transitions on the sigmoid
-// schedule) of C = 16 chains from q on 1, 7 and 37 images, decision by decision. Time: T = 2
-// against T = 22.
+// ./vae's measured 13.4 s (bf16) and 35.0 s (fp32), both on mma.sync then. Check: T = 4 (three
+// transitions on the sigmoid schedule) of C = 16 chains from q on 1, 7 and 37 images, decision by
+// decision. Time: T = 2 against T = 22.
 // Both at a fixed step of 0.05 (no adaptation: chains stay independent, so a decision that goes the
 // other way costs one chain's comparison, not its image's) and a full round of the GPU's clusters.
 //
-// Result (H200): a leapfrog step 30.29 us (bf16, 3,840 chains) and 41.09 us (fp32, 1,920): 19% and
-// 14% over the gradient alone (25.41 and 36.00 us on the H100): missed, the HMC state in registers
-// costs 7-10x the 2% predicted. A transition 303.27 and 412.10 us, 10.01 and 10.03 steps: held; its
-// projection of --ais 1000, 12.64 s and 34.34 s, against ./vae's 12.70 s and 34.51 s. fp32 matches
-// float64 within 4.5e-6 at every trajectory's end; bf16 as dev/common.h's run_ais_chain_driver says.
+// Result (H200, bf16's ais_kernel still on mma.sync; dev/ais_gradient_v2.cu times it against the
+// wgmma one that replaced it): a leapfrog step 30.29 us (bf16, 3,840 chains) and 41.09 us (fp32,
+// 1,920): 19% and 14% over the gradient alone (25.41 and 36.00 us on the H100): missed, the HMC state
+// in registers costs 7-10x the 2% predicted. A transition 303.27 and 412.10 us, 10.01 and 10.03
+// steps: held; its projection of --ais 1000, 12.64 s and 34.34 s, against ./vae's 12.70 s and
+// 34.51 s. fp32 matches float64 within 4.5e-6 at every trajectory's end; bf16 as dev/common.h's
+// run_ais_chain_driver says.
 //
 // The float64 reference (dev/common.h's cpu_ais_image) is itself checked without a GPU against
 // dev/ais_pytorch.py's AIS, written from the maths: --reference CSV runs it with step-size adaptation

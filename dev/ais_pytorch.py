@@ -76,23 +76,22 @@ def schedule(T):
 
 
 def bce_and_grad(model, x, z):
-    """BCE(x, logits(z)) per chain and its gradient w.r.t. z, by autograd."""
+    """BCE(x, logits(z)) per chain and its gradient w.r.t. z, by autograd (float64)."""
     z = z.detach().requires_grad_(True)
     logits = model.fc4(F.relu(model.fc3(z)))
-    if logits.dtype != torch.float64:  # bf16 logits: the loss in fp32, as in vae.cu
-        logits, x = logits.float(), x.float()
     bce = F.binary_cross_entropy_with_logits(logits, x.expand_as(logits), reduction="none").sum(-1)
     (grad,) = torch.autograd.grad(bce.sum(), z)
     return bce.detach().double(), grad.double()
 
 
-def ais(model, x, T, C, L, noise, dtype=torch.float64):
-    """log p(x) and the acceptance rate per image, with vae.cu's keyed noise (start, momentum, uniform)."""
+def ais(model, x, T, C, L, noise):
+    """log p(x) and the acceptance rate per image in float64, with vae.cu's keyed noise (start, momentum,
+    uniform)."""
     n, dev = x.shape[0], x.device
     with torch.no_grad():
-        h1 = F.relu(model.fc1(x.to(dtype)))
+        h1 = F.relu(model.fc1(x))
         mu, logvar = model.fc21(h1).double(), model.fc22(h1).double()
-    xs = x[:, None, :].to(dtype)
+    xs = x[:, None, :]
     mu, logvar = mu[:, None, :], logvar[:, None, :]
     inv_var = torch.exp(-logvar)
     eps = noise["start"]
@@ -108,7 +107,7 @@ def ais(model, x, T, C, L, noise, dtype=torch.float64):
     def grad_u(z, g, b):
         return b * (g + z) + (1 - b) * (z - mu) * inv_var
 
-    bce, g = bce_and_grad(model, xs, z.to(dtype))
+    bce, g = bce_and_grad(model, xs, z)
     log_w = torch.zeros(n, C, device=dev, dtype=torch.float64)
     taken = torch.zeros(n, device=dev, dtype=torch.float64)
     for t in range(1, T + 1):
@@ -123,7 +122,7 @@ def ais(model, x, T, C, L, noise, dtype=torch.float64):
         p = p - 0.5 * step * grad_u(z, g, b)
         for step_index in range(1, L + 1):
             z = z + step * p
-            bce, g = bce_and_grad(model, xs, z.to(dtype))
+            bce, g = bce_and_grad(model, xs, z)
             p = p - (1.0 if step_index < L else 0.5) * step * grad_u(z, g, b)
         lpxz, lp0 = densities(z, bce)
         h1 = -b * lpxz - (1 - b) * lp0 + 0.5 * (p * p).sum(-1)

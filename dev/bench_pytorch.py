@@ -697,7 +697,7 @@ def run_ais(model, images, T, n, keys, timed, chains=16, leapfrog=10):
                          torch.full((n, 1), 0.05, device="cuda")]
                 fixed = (weights, x, mu, inv_var, logvar_sum)
                 b_t = [torch.tensor(v, device="cuda") for v in beta]
-                db_t = [torch.tensor(beta[t] - beta[t - 1], device="cuda") for t in range(1, T + 1)] + [b_t[0]]
+                db_t = [torch.tensor(beta[t] - beta[t - 1], device="cuda") for t in range(1, T + 1)]
 
                 def step_fn(*args):
                     return ais_transition(*fixed, *args, chains, leapfrog)
@@ -725,7 +725,7 @@ def run_ais(model, images, T, n, keys, timed, chains=16, leapfrog=10):
                     state = static_state
                 else:
                     cfn, compile_s, note = compile_first_call(step_fn, *state, b_t[1], db_t[0])
-                    print(f"AIS {MODE_NAME[key]}: compiled in {compile_s:.1f} s ({note})", flush=True)
+                    print(f"AIS {key}: compiled in {compile_s:.1f} s ({note})", flush=True)
 
                     def transition(t, state):
                         if hasattr(torch, "compiler") and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
@@ -750,7 +750,7 @@ def run_ais(model, images, T, n, keys, timed, chains=16, leapfrog=10):
                          f"| {'—' if compile_s is None else f'{compile_s:.1f}'} |")
             print(table[-1], flush=True)
         except Exception as e:
-            print(f"AIS {MODE_NAME[key]}: failed, skipped ({first_line(e)})", flush=True)
+            print(f"AIS {key}: failed, skipped ({first_line(e)})", flush=True)
         finally:
             if key.startswith("compiled") and hasattr(torch, "_dynamo"):
                 torch._dynamo.reset()

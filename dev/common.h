@@ -1014,19 +1014,19 @@ struct AisChainDriver {
 // nat (measured, H200), so band = 0.2. Such a chain is left out (log u has density <= 1 per nat, so at
 // most 2 band of the tests come that close: with three tests a chain, fp32 keeps >= 99% of the chains
 // and bf16 >= 21%; 90% and 20% are required). Every other chain must take the same decisions (its count
-// of accepted transitions; a different order would show in z) and match in log w: 1e-5 in fp32 (as
-// test_vae's trajectory check against PyTorch float64), 2e-2 in bf16 (the bf16 tolerance on
-// grad), relative to the largest reference value. fp32 also holds the final z and the last
-// trajectory's end (z, p) to 1e-4 (grad's ~1e-6 relative error enters p at each of the L + 1 kicks of
-// step x |grad U| (~5), ~1e-5 of |p| after L = 10, and the dynamics amplify it). bf16 prints them and
-// does not judge them: the leapfrog code is the same in both paths (judged in fp32), and in bf16 they
-// measure how far the dynamics carry a rounding. A chain whose sums never put a value on the other side
-// of a bf16 rounding boundary matches the rounded reference as fp32 does (one chain: 2.1e-6 at its
-// trajectory's end); one value that lands the other way (~2^-24 / 2^-9 of the ~1,600 rounded values an
-// evaluation) moves z, and with it more values across boundaries: the ends of 1023 chains came up to
-// 1.0e-2 apart (8.1e-2 against plain float64, 5e-2 predicted before it was measured). The last energy
-// change's error is printed in nats: the measured width behind `band`. Then each variant's time per
-// unit at rows_timed chains, evaluations/s, TFLOP/s, and --ais 1000.
+// of accepted transitions; a different order would show in z) and match in log w, the final z and the
+// last trajectory's end (z, p), relative to the largest reference value. fp32: 1e-5 on log w (as
+// test_vae's trajectory check against PyTorch float64), 1e-4 on z and p (grad's ~1e-6 relative error
+// enters p at each of the L + 1 kicks of step x |grad U| (~5), ~1e-5 of |p| after L = 10, and the
+// dynamics amplify it). bf16: 2e-3 on log w (a weighted mean of energies, whose error was at most 0.19
+// nat of ~100) and 5e-2 on z and p (grad's few 1e-3 through the same kicks). A chain whose float32
+// sums never put a value on the other side of a bf16 rounding boundary matches the rounded reference as
+// fp32 does (one chain: 2.1e-6 at its trajectory's end); one value that lands the other way (~2^-24 /
+// 2^-9 of the ~1,600 rounded values an evaluation) moves z, and with it more values across boundaries:
+// the ends of 592 chains came up to 1.4e-2 apart (against plain float64 8.1e-2, over the 5e-2). Every
+// written chain, compared or not, must have a finite log w and z. The last energy change's error is
+// printed in nats: the measured width behind `band`. Then each variant's time per unit at rows_timed
+// chains, evaluations/s, TFLOP/s, and --ais 1000.
 inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VAE* m, const HostWeights* w,
                                  const Images* images, const AisChainDriver& d, int images_timed) {
     const Precision p = m->precision;
@@ -1060,11 +1060,11 @@ inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VA
         return io;
     };
     const bool fp32 = p == PRECISION_FP32;
-    const double tol_w = fp32 ? 1e-5 : 2e-2, band = fp32 ? 1e-3 : 0.2, min_compared = fp32 ? 0.9 : 0.2;
-    const double tol_zp = fp32 ? 1e-4 : INFINITY; // bf16: printed, not judged (above)
-    const AisBf16Weights bf16 = ais_bf16_weights(w);
-    printf("%s, %s: T = %d, C = %d, L = %d, step %.2f, against float64\n", d.name, PRECISION_NAMES[p], d.T, d.C, d.L,
-           step);
+    const double tol_w = fp32 ? 1e-5 : 2e-3, tol_zp = fp32 ? 1e-4 : 5e-2, band = fp32 ? 1e-3 : 0.2;
+    const double min_compared = fp32 ? 0.9 : 0.2;
+    const AisBf16Weights bf16 = fp32 ? AisBf16Weights{} : ais_bf16_weights(w);
+    printf("%s, %s: T = %d, C = %d, L = %d, step %.2f, against float64%s\n", d.name, PRECISION_NAMES[p], d.T, d.C,
+           d.L, step, fp32 ? "" : " with the bf16 path's roundings");
     bool ok = true;
     for (int n : d.check_images) {
         const size_t rows = (size_t)n * d.C;
@@ -1103,7 +1103,9 @@ inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VA
             };
             size_t unwritten = 0, near = 0, differ = 0;
             for (size_t r = 0; r < rows; r++) {
-                if (acc[r] < 0 || acc[r] > d.T - 1) { // NaN-poisoned: 0xFFFFFFFF
+                bool finite = std::isfinite(log_w[r]);
+                for (int j = 0; j < LATENT_DIM; j++) finite = finite && std::isfinite(z[r * LATENT_DIM + j]);
+                if (acc[r] < 0 || acc[r] > d.T - 1 || !finite) { // NaN-poisoned (0xFFFFFFFF), or not finite
                     unwritten++;
                     continue;
                 }
@@ -1124,12 +1126,11 @@ inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VA
             const double e_w = diff[0] / top[0], e_z = diff[1] / top[1], e_p = diff[2] / top[2];
             const size_t compared = rows - unwritten - near - differ;
             const bool good = unwritten == 0 && differ == 0 && compared >= min_compared * rows && e_w <= tol_w &&
-                              e_z <= tol_zp && e_p <= tol_zp && std::isfinite(e_z) && std::isfinite(e_p) &&
-                              std::isfinite(diff[3]);
+                              e_z <= tol_zp && e_p <= tol_zp && std::isfinite(diff[3]);
             printf("check %-16s images %4d: %5zu of %5zu chains compared (%zu near a threshold), %zu decide otherwise, "
-                   "%zu unwritten; log w %.2e (%.0e), z %.2e, trajectory end (z, p) %.2e (%s); last energy change "
-                   "off by %.2e nats %s\n", v.first, n, compared, rows, near, differ, unwritten, e_w, tol_w, e_z, e_p,
-                   fp32 ? "1e-04" : "not judged", diff[3], good ? "OK" : "FAIL");
+                   "%zu unwritten or not finite; log w %.2e (%.0e), z %.2e, trajectory end (z, p) %.2e (%.0e); last "
+                   "energy change off by %.2e nats %s\n", v.first, n, compared, rows, near, differ, unwritten, e_w,
+                   tol_w, e_z, e_p, tol_zp, diff[3], good ? "OK" : "FAIL");
             ok = ok && good;
         }
     }
