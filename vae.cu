@@ -1885,6 +1885,12 @@ template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* ski
     return rank < CLUSTER - 1 ? (int)rank * BN : INPUT_DIM - BN;
 }
 
+// All of fc3's hi and lo parts into the block's shared memory, by cp.async over the whole block.
+__device__ inline void ais_copy_fc3(AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const fp16* __restrict__ ais_w3) {
+    for (int copy = 0; copy < 2; copy++)
+        copy_block_async(&w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
+                         HIDDEN_DIM, AIS_W3_K);
+}
 // The block's resident weights: fc4's rows col0 .. col0 + AIS_BN - 1 (both copies in fp32) and all of
 // fc3's hi and lo parts, by cp.async over the whole block.
 template <Precision P>
@@ -1894,9 +1900,7 @@ __device__ inline void ais_load_weights(AisSmem<P>& sm, const typename Path<P>::
     for (int copy = 0; copy < (Path<P>::SPLIT ? 2 : 1); copy++)
         copy_block_async(&sm.w4[copy][0][0], FC4_K, fc4_wb + ((size_t)copy * INPUT_DIM + col0) * FC4_K, FC4_K, BN,
                          FC4_K);
-    for (int copy = 0; copy < 2; copy++)
-        copy_block_async(&sm.w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
-                         HIDDEN_DIM, AIS_W3_K);
+    ais_copy_fc3(sm.w3, ais_w3);
     cp_async_wait<0>();
     __syncthreads();
 }
@@ -2236,9 +2240,7 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem& sm, const CUtensorMa
         mbar_expect_load(bar, sizeof(sm.w4));
         for (int s = 0; s < AIS_WG_GROUPS; s++) tma_load_2d(addr(&sm.w4[s][0][0]), &w4_map, bar, 64 * s, col0);
     }
-    for (int copy = 0; copy < 2; copy++)
-        copy_block_async(&sm.w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
-                         HIDDEN_DIM, AIS_W3_K);
+    ais_copy_fc3(sm.w3, ais_w3);
     cp_async_wait<0>();
     // fc3's rows, written by cp.async (the generic proxy), are also read by the backward's wgmma (the
     // async proxy: the 8 rows past fc4): this fence makes the writes visible to it
