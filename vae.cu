@@ -389,6 +389,12 @@ template <typename T> __device__ inline void mma_m16n8k16(float* d, const uint32
     if constexpr (std::is_same<T, bf16>::value) MMA_M16N8K16("bf16");
     else MMA_M16N8K16("f16");
 }
+// The same with K = 8, fp16 (AIS's fc3 over its last 8 inputs): a[0], a[1] and b as a[0], a[1] and b[0] above.
+__device__ inline void mma_m16n8k8_f16(float* d, const uint32_t (&a)[2], uint32_t b) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b));
+}
 // d += a b in the path's precision: bf16 one product; fp32 the two corrections (al bh, ah bl), then ah bh.
 template <typename T>
 __device__ inline void mma_parts(float* d, const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
@@ -1612,14 +1618,28 @@ __device__ inline uint32_t cluster_count() {
     return v;
 }
 
-// Two floats at p in the shared memory of block `rank` of the cluster.
+// Two (four) floats at p in the shared memory of block `rank` of the cluster.
+__device__ inline uint32_t cluster_address(const float* p, uint32_t rank) {
+    uint32_t remote = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"((uint32_t)__cvta_generic_to_shared(p)),
+                 "r"(rank));
+#endif
+    return remote;
+}
 __device__ inline float2 cluster_load2(const float* p, uint32_t rank) {
     float2 v = make_float2(0.0f, 0.0f);
 #if __CUDA_ARCH__ >= 900
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"((uint32_t)__cvta_generic_to_shared(p)),
-                 "r"(rank));
-    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(cluster_address(p, rank))
+                 : "memory");
+#endif
+    return v;
+}
+__device__ inline float4 cluster_load4(const float* p, uint32_t rank) {
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#if __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(cluster_address(p, rank)) : "memory");
 #endif
     return v;
 }
@@ -1645,38 +1665,41 @@ __device__ inline float quad_sum(float v) {
 // changes by its curvature (~100) times any error in z or W3 z, and bf16's 2^-9 moved it by 7% (fp16's
 // 2^-11 alone: 2.3%). The backward product through W3 is linear in dh: one product in bf16.
 typedef fp16 AisW3;
-// z as fc3's A fragments, K = 32: the latents, 1 at K = 20..22 (times the bias parts), zeros.
-__device__ inline void ais_z_fragments(const float (&z)[2][AIS_LATENTS], uint32_t (&za)[2][4],
-                                       uint32_t (&za_lo)[2][4]) {
+// z as fc3's A fragments, K = 24 in two steps: an m16n8k16 over latents 0..15 and an m16n8k8 over
+// 16..19, 1 at K = 20..22 (times the bias parts) and a zero; K = 32 in two k16 steps would spend a
+// third of fc3's products on zeros.
+struct AisZFragments {
+    uint32_t k16[4], k16_lo[4], k8[2], k8_lo[2];
+};
+__device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]) {
     const int t = threadIdx.x % 4;
-    #pragma unroll
-    for (int kk = 0; kk < 2; kk++)
-        #pragma unroll
-        for (int i = 0; i < 4; i++) za[kk][i] = za_lo[kk][i] = 0u;
+    AisZFragments f;
     #pragma unroll
     for (int half = 0; half < 2; half++) {
-        pack_parts<AisW3>(za[0][half], za_lo[0][half], z[half][0], z[half][1]);
-        pack_parts<AisW3>(za[0][2 + half], za_lo[0][2 + half], z[half][2], z[half][3]);
+        pack_parts<AisW3>(f.k16[half], f.k16_lo[half], z[half][0], z[half][1]);
+        pack_parts<AisW3>(f.k16[2 + half], f.k16_lo[2 + half], z[half][2], z[half][3]);
         const float k20 = t < 2 ? z[half][4] : 1.0f, k21 = t < 2 ? z[half][5] : t == 2 ? 1.0f : 0.0f;
-        pack_parts<AisW3>(za[1][half], za_lo[1][half], k20, k21);
+        pack_parts<AisW3>(f.k8[half], f.k8_lo[half], k20, k21);
     }
+    return f;
 }
 // fc3's pre-activations of hidden units 16c .. 16c + 15 (an m16n8 accumulator pair) and their ReLU's
-// mask, a bit per value.
-__device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const uint32_t (&za)[2][4],
-                                         const uint32_t (&za_lo)[2][4], int c, float (&h)[8]) {
+// mask, a bit per value: per n8 block the two corrections (lo hi, hi lo), then hi hi, as mma_parts.
+__device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const AisZFragments& za, int c,
+                                         float (&h)[8]) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     #pragma unroll
     for (int i = 0; i < 8; i++) h[i] = 0.0f;
     #pragma unroll
-    for (int j = 0; j < 2; j++)
-        #pragma unroll
-        for (int kk = 0; kk < 2; kk++) {
-            const int n = 16 * c + 8 * j + g, k = 16 * kk + 2 * t;
-            const uint32_t b[2] = {pair_at(&w3[0][n][k]), kk == 0 ? pair_at(&w3[0][n][k + 8]) : 0u};
-            const uint32_t b_lo[2] = {pair_at(&w3[1][n][k]), kk == 0 ? pair_at(&w3[1][n][k + 8]) : 0u};
-            mma_parts<AisW3>(&h[4 * j], za[kk], za_lo[kk], b, b_lo);
-        }
+    for (int j = 0; j < 2; j++) {
+        const AisW3* hi = &w3[0][16 * c + 8 * j + g][2 * t];
+        const AisW3* lo = &w3[1][16 * c + 8 * j + g][2 * t];
+        const uint32_t b[2] = {pair_at(hi), pair_at(hi + 8)}, b_lo[2] = {pair_at(lo), pair_at(lo + 8)};
+        mma_parts<AisW3>(&h[4 * j], za.k16, za.k16_lo, b, b_lo);
+        mma_m16n8k8_f16(&h[4 * j], za.k8_lo, pair_at(hi + 16));
+        mma_m16n8k8_f16(&h[4 * j], za.k8, pair_at(lo + 16));
+        mma_m16n8k8_f16(&h[4 * j], za.k8, pair_at(hi + 16));
+    }
     uint32_t bits = 0;
     #pragma unroll
     for (int i = 0; i < 8; i++) bits |= (h[i] > 0.0f ? 1u : 0u) << i;
@@ -1741,44 +1764,50 @@ __device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K
     }
 }
 // The cluster's merge: wait until every block has read the last shares, store this one's (dz, the BCE
-// share) in share[row][0..20], meet, add all CLUSTER blocks' in rank order, so every block gets the
-// same bits; the closing arrive lets the next evaluation's wait know this block is done reading.
+// share) in share[row], meet, add all CLUSTER blocks' in rank order (this block's own from its shared
+// memory), so every block gets the same bits; the closing arrive lets the next evaluation's wait know
+// this block is done reading. A row keeps each lane's values together: latents 2t, 2t + 1, 8 + 2t,
+// 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2) and the BCE (t = 2, a zero beside it) at
+// 16 + 2t, so a lane reads a block's share of a row in one 16-byte and one 8-byte load, not four
+// 8-byte ones (the merge was a fifth of the kernel's stall samples, most of them on these loads).
 template <int CLUSTER, int PITCH>
 __device__ inline void ais_merge(float (*share)[PITCH], const float (&dz)[3][4], const float (&bce_share)[2],
                                  float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
-    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    static_assert(PITCH >= 24, "a row holds the four lanes' 16-byte groups, then their 8-byte pairs");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const uint32_t own_rank = cluster_rank();
     cluster_wait();
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         float* own = share[warp * TASK_ROWS + g + 8 * half];
-        #pragma unroll
-        for (int nt = 0; nt < 3; nt++) {
-            const int col = 8 * nt + 2 * t;
-            if (col < LATENT_DIM)
-                *reinterpret_cast<float2*>(&own[col]) = make_float2(dz[nt][2 * half], dz[nt][2 * half + 1]);
-            else if (col == LATENT_DIM)
-                own[col] = bce_share[half];
-        }
+        *reinterpret_cast<float4*>(&own[4 * t]) =
+            make_float4(dz[0][2 * half], dz[0][2 * half + 1], dz[1][2 * half], dz[1][2 * half + 1]);
+        if (t < 3)
+            *reinterpret_cast<float2*>(&own[16 + 2 * t]) =
+                t < 2 ? make_float2(dz[2][2 * half], dz[2][2 * half + 1]) : make_float2(bce_share[half], 0.0f);
     }
     cluster_arrive();
     cluster_wait();
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         const float* row = share[warp * TASK_ROWS + g + 8 * half];
-        float2 sum[3] = {}, bce_sum = {};
+        float4 sum4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float2 sum2 = make_float2(0.0f, 0.0f);
         #pragma unroll
         for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++) {
-            #pragma unroll
-            for (int nt = 0; nt < 3; nt++) {
-                if (8 * nt + 2 * t >= LATENT_DIM) continue;
-                const float2 v = cluster_load2(&row[8 * nt + 2 * t], rank);
-                sum[nt].x += v.x, sum[nt].y += v.y;
+            const float4 v = rank == own_rank ? *reinterpret_cast<const float4*>(&row[4 * t])
+                                              : cluster_load4(&row[4 * t], rank);
+            sum4.x += v.x, sum4.y += v.y, sum4.z += v.z, sum4.w += v.w;
+            if (t < 3) {
+                const float2 w = rank == own_rank ? *reinterpret_cast<const float2*>(&row[16 + 2 * t])
+                                                  : cluster_load2(&row[16 + 2 * t], rank);
+                sum2.x += w.x, sum2.y += w.y;
             }
-            bce_sum.x += cluster_load2(&row[LATENT_DIM], rank).x;
         }
-        #pragma unroll
-        for (int i = 0; i < AIS_LATENTS; i++) grad[half][i] = i % 2 ? sum[i / 2].y : sum[i / 2].x;
-        bce[half] = bce_sum.x;
+        // latents past 20 stay zero: their z and p enter |z|^2 and |p|^2
+        grad[half][0] = sum4.x, grad[half][1] = sum4.y, grad[half][2] = sum4.z, grad[half][3] = sum4.w;
+        grad[half][4] = t < 2 ? sum2.x : 0.0f, grad[half][5] = t < 2 ? sum2.y : 0.0f;
+        bce[half] = __shfl_sync(0xffffffffu, sum2.x, (lane & ~3) | 2);
     }
     cluster_arrive();
 }
@@ -1795,15 +1824,14 @@ __device__ inline void ais_gradient(AisSmem<P>& sm, const float (&z)[2][AIS_LATE
     typedef typename Q::T T;
     constexpr int BN = Q::AIS_BN, K_STEPS = (BN + 15) / 16; // fc4's backward K: the block's columns
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    uint32_t za[2][4], za_lo[2][4];
-    ais_z_fragments(z, za, za_lo);
+    const AisZFragments za = ais_z_fragments(z);
     // forward: fc3 16 hidden units at a time, their ReLU straight into fc4 (decoder_mma_kernel's loop)
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
     float logit[BN / 2] = {};
     #pragma unroll 1
     for (int c = 0; c < HIDDEN_DIM / 16; c++) {
         float h[8];
-        sm.mask[warp][c][lane] = (uint8_t)ais_fc3_chunk(sm.w3, za, za_lo, c, h);
+        sm.mask[warp][c][lane] = (uint8_t)ais_fc3_chunk(sm.w3, za, c, h);
         uint32_t a[1][4], a_lo[1][4];
         relu_to_a<T>(a, a_lo, h);
         #pragma unroll
@@ -2121,9 +2149,9 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
 //             are fc4's bias parts and TMA's zeros, computed and dropped (an MN-major tile narrower
 //             than the 64-wide swizzle atom is not a layout the PTX ISA describes)
 // Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares
-// (128 x 22 floats) + the tile's step sizes and acceptances = 229,896 of the 232,448 a block may
+// (128 x 24 floats) + the tile's step sizes and acceptances = 230,920 of the 232,448 a block may
 // have (less 1,024 to align): fc3's ReLU mask lives in registers (a 32-bit word per 64 units).
-enum { AIS_WG_GROUPS = DEC_WG_SLICES, AIS_WG_SHARE = LATENT_DIM + 2 }; // a share: grad, BCE, float2 padding
+enum { AIS_WG_GROUPS = DEC_WG_SLICES, AIS_WG_SHARE = 24 }; // a share row: grad, BCE, padding (ais_merge)
 struct AisWgmmaSmem {
     bf16 w4[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64]; // fc4's column block, K in 64-wide slices (TMA)
     fp16 w3[2][HIDDEN_DIM][AIS_W3_K]; // right after w4: the backward's last k16 step reads 8 rows past it
@@ -2167,8 +2195,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, const f
                                           float (&bce)[2]) {
     constexpr int BN = Path<PRECISION_BF16>::AIS_BN, K_STEPS = (BN + 15) / 16, SLICE_BYTES = BN * 128;
     const int t = threadIdx.x % 4;
-    uint32_t za[2][4], za_lo[2][4];
-    ais_z_fragments(z, za, za_lo);
+    const AisZFragments za = ais_z_fragments(z);
     uint32_t mask[AIS_WG_GROUPS]; // fc3's ReLU: bit 8i + b of group q is value b of chunk 4q + i
     float logit[BN / 2];
     uint32_t a[2][4][4]; // two groups' A fragments: one being read by wgmma, one being written
@@ -2181,7 +2208,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, const f
         for (int i = 0; i < 4; i++) {
             if (i < chunks) {
                 float h[8];
-                mask[q] |= ais_fc3_chunk(sm.w3, za, za_lo, 4 * q + i, h) << (8 * i);
+                mask[q] |= ais_fc3_chunk(sm.w3, za, 4 * q + i, h) << (8 * i);
                 uint32_t hi[1][4], lo[1][4];
                 relu_to_a<bf16>(hi, lo, h);
                 #pragma unroll
@@ -2212,21 +2239,30 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, const f
         ga[s][2] = full ? pack2<bf16>(logit[8 * s + 4], logit[8 * s + 5]) : 0u;
         ga[s][3] = full ? pack2<bf16>(logit[8 * s + 6], logit[8 * s + 7]) : 0u;
     }
-    float dz[3][4] = {};
-    #pragma unroll
-    for (int q = 0; q < AIS_WG_GROUPS; q++) {
-        float dh[32];
+    // group q + 1's wgmmas run while the warps take group q's dh through W3 (two accumulators)
+    float dz[3][4] = {}, dh[2][32];
+    auto backward_group = [&](int q) {
         const uint32_t slice = w4 + q * SLICE_BYTES;
         wgmma_fence();
         #pragma unroll
-        for (int s = 0; s < K_STEPS; s++) wgmma_m64n64k16_rs_mn(dh, ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
+        for (int s = 0; s < K_STEPS; s++)
+            wgmma_m64n64k16_rs_mn(dh[q % 2], ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_accumulators(dh);
+    };
+    backward_group(0);
+    #pragma unroll
+    for (int q = 0; q < AIS_WG_GROUPS; q++) {
+        if (q + 1 < AIS_WG_GROUPS) {
+            backward_group(q + 1);
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
+        fence_accumulators(dh[q % 2]);
         #pragma unroll
         for (int i = 0; i < 4; i++)
             if (i < (q < AIS_WG_GROUPS - 1 ? 4 : 1))
-                ais_w3_backward<false>(sm.w3, 4 * q + i, *reinterpret_cast<const float(*)[8]>(&dh[8 * i]),
+                ais_w3_backward<false>(sm.w3, 4 * q + i, *reinterpret_cast<const float(*)[8]>(&dh[q % 2][8 * i]),
                                        (mask[q] >> (8 * i)) & 0xFFu, dz);
     }
     ais_merge<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.share, dz, bce_share, grad, bce);

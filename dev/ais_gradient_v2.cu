@@ -23,7 +23,7 @@
 // of the SFU, under the other warpgroup's MMAs. Prediction: ~12 us an evaluation of 128 rows per
 // cluster, against v1's measured ~35 (from --ais 1000: 13.4 s); --ais 1000 ~5 s.
 // Shared memory: fc4's 7 slices of 200 x 64 bf16 (179,200 bytes) + fc3 hi and lo (38,400) + the
-// shares (128 x 22 floats: 11,264) + the whole AIS's step sizes and acceptances (1,024) = 229,896
+// shares (128 x 24 floats: 12,288) + the whole AIS's step sizes and acceptances (1,024) = 230,920
 // of the 232,448 a block may have (less 1,024 to align): the mask of fc3's ReLU moves into
 // registers (a 32-bit word per 64 hidden units: 7 a thread).
 // The driver then ran the whole AIS on this gradient (ais_v2_kernel: vae.cu's ais_chains around it)
