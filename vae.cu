@@ -1535,6 +1535,7 @@ enum {
     AIS_WARPS = 8,
     AIS_ROWS = AIS_WARPS * TASK_ROWS, // chains of one tile: AIS_ROWS / C images
     AIS_LATENTS = 6,                  // latents a thread holds per row
+    AIS_SHARE = 24,                   // floats of a block's share of a row: grad, BCE, padding (ais_merge)
     STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4,
 };
 // the step size per image: its start, its bounds, and the acceptance it is adapted toward
@@ -1567,7 +1568,7 @@ struct AisIO {
 template <Precision P> struct AisSmem {
     typename Path<P>::T w4[Path<P>::SPLIT ? 2 : 1][Path<P>::AIS_BN][FC4_K]; // the block's columns of fc4
     fp16 w3[2][HIDDEN_DIM][AIS_W3_K];                                       // all of fc3, hi and lo parts
-    float share[AIS_ROWS][AIS_W3_K];              // the block's share of each row's grad (0..19) and BCE (20)
+    float share[AIS_ROWS][AIS_SHARE];             // the block's share of each row's grad and BCE (ais_merge)
     uint8_t mask[AIS_WARPS][HIDDEN_DIM / 16][32]; // fc3's ReLU, a byte per lane and 16 hidden units
     float step[AIS_ROWS];                         // the tile's images' step sizes
     int accepted[AIS_ROWS];                       // their chains' acceptances in this transition
@@ -1618,7 +1619,7 @@ __device__ inline uint32_t cluster_count() {
     return v;
 }
 
-// Two (four) floats at p in the shared memory of block `rank` of the cluster.
+// p's address in the shared memory of block `rank` of the cluster.
 __device__ inline uint32_t cluster_address(const float* p, uint32_t rank) {
     uint32_t remote = 0;
 #if __CUDA_ARCH__ >= 900
@@ -1627,6 +1628,7 @@ __device__ inline uint32_t cluster_address(const float* p, uint32_t rank) {
 #endif
     return remote;
 }
+// Two (four) floats at p in the shared memory of block `rank` of the cluster.
 __device__ inline float2 cluster_load2(const float* p, uint32_t rank) {
     float2 v = make_float2(0.0f, 0.0f);
 #if __CUDA_ARCH__ >= 900
@@ -1770,10 +1772,10 @@ __device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K
 // 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2) and the BCE (t = 2, a zero beside it) at
 // 16 + 2t, so a lane reads a block's share of a row in one 16-byte and one 8-byte load, not four
 // 8-byte ones (the merge was a fifth of the kernel's stall samples, most of them on these loads).
-template <int CLUSTER, int PITCH>
-__device__ inline void ais_merge(float (*share)[PITCH], const float (&dz)[3][4], const float (&bce_share)[2],
+template <int CLUSTER>
+__device__ inline void ais_merge(float (*share)[AIS_SHARE], const float (&dz)[3][4], const float (&bce_share)[2],
                                  float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
-    static_assert(PITCH >= 24, "a row holds the four lanes' 16-byte groups, then their 8-byte pairs");
+    static_assert(AIS_SHARE >= 24, "a row holds the four lanes' 16-byte groups, then their 8-byte pairs");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const uint32_t own_rank = cluster_rank();
     cluster_wait();
@@ -2147,15 +2149,16 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
 //             transpose bit, 16-bit types only): a k16 step of pixels is 16 rows of 128 bytes, two
 //             8-row swizzle atoms 1024 bytes apart. 7 groups of n64; the last one's units 400..447
 //             are fc4's bias parts and TMA's zeros, computed and dropped (an MN-major tile narrower
-//             than the 64-wide swizzle atom is not a layout the PTX ISA describes)
+//             than the 64-wide swizzle atom is not a layout the PTX ISA describes). Group q + 1's
+//             wgmmas run while the warps take group q's dh through W3 (-3.5% on --ais 100)
 // Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares
 // (128 x 24 floats) + the tile's step sizes and acceptances = 230,920 of the 232,448 a block may
 // have (less 1,024 to align): fc3's ReLU mask lives in registers (a 32-bit word per 64 units).
-enum { AIS_WG_GROUPS = DEC_WG_SLICES, AIS_WG_SHARE = 24 }; // a share row: grad, BCE, padding (ais_merge)
+enum { AIS_WG_GROUPS = DEC_WG_SLICES };
 struct AisWgmmaSmem {
     bf16 w4[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64]; // fc4's column block, K in 64-wide slices (TMA)
     fp16 w3[2][HIDDEN_DIM][AIS_W3_K]; // right after w4: the backward's last k16 step reads 8 rows past it
-    float share[AIS_ROWS][AIS_WG_SHARE];
+    float share[AIS_ROWS][AIS_SHARE];
     float step[AIS_ROWS];
     int accepted[AIS_ROWS];
     uint64_t loaded;
@@ -2239,8 +2242,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, const f
         ga[s][2] = full ? pack2<bf16>(logit[8 * s + 4], logit[8 * s + 5]) : 0u;
         ga[s][3] = full ? pack2<bf16>(logit[8 * s + 6], logit[8 * s + 7]) : 0u;
     }
-    // group q + 1's wgmmas run while the warps take group q's dh through W3 (two accumulators)
-    float dz[3][4] = {}, dh[2][32];
+    float dz[3][4] = {}, dh[2][32]; // group q's dh in dh[q % 2]: W3 reads one while the next wgmmas write the other
     auto backward_group = [&](int q) {
         const uint32_t slice = w4 + q * SLICE_BYTES;
         wgmma_fence();
