@@ -1533,7 +1533,9 @@ __global__ void __launch_bounds__(LSE_THREADS)
 // latents, so the gradient's accumulators are the state's own registers.
 enum {
     AIS_WARPS = 8,
-    AIS_ROWS = AIS_WARPS * TASK_ROWS, // chains of one tile: AIS_ROWS / C images
+    AIS_ROWS = AIS_WARPS * TASK_ROWS, // chains a cluster holds at a time
+    AIS_BAR_GROUP = 1,                // named barriers 1, 2: a tile's warps (ais_chains)
+    AIS_BAR_TURN = 3,                 // 3, 4: bf16's warpgroups' turns at the tensor cores (ais_turn_wait)
     AIS_LATENTS = 6,                  // latents a thread holds per row
     AIS_SHARE = 24,                   // floats of a block's share of a row: grad, BCE, padding (ais_merge)
     STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4,
@@ -1541,6 +1543,13 @@ enum {
 // the step size per image: its start, its bounds, and the acceptance it is adapted toward
 [[maybe_unused]] constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
 [[maybe_unused]] constexpr float AIS_TARGET_ACCEPT = 0.65f;
+// Chains of a tile: a warpgroup's 64 when an image's C fit (its step size then needs no other
+// warpgroup, and the two run apart, one's epilogue beside the other's products), else the block's 128.
+__host__ __device__ inline int ais_tile_rows(int C) { return C <= AIS_ROWS / 2 ? AIS_ROWS / 2 : AIS_ROWS; }
+// Images a cluster holds at a time: its tiles' images.
+__host__ __device__ inline int ais_cluster_images(int C) {
+    return AIS_ROWS / ais_tile_rows(C) * (ais_tile_rows(C) / C);
+}
 // FLOPs of one gradient evaluation: forward 20x400 + 400x784 multiply-adds, backward the same
 constexpr double AIS_FLOPS_PER_EVAL = 4.0 * (LATENT_DIM * HIDDEN_DIM + HIDDEN_DIM * INPUT_DIM);
 
@@ -1565,10 +1574,17 @@ struct AisIO {
     float* proposal;      // tests, or NULL: [n * C][40] the last leapfrog trajectory's end (z, p) before its test
 };
 
+// Where a warpgroup meets its counterparts in the other blocks of the cluster (ais_merge), per block:
+// `stored` completes when their threads have stored their shares, `added` when they have read this
+// block's. Each warpgroup meets only its counterparts, so the two of a block need not keep in step.
+struct AisMeet {
+    uint64_t stored[2], added[2];
+};
 template <Precision P> struct AisSmem {
     typename Path<P>::T w4[Path<P>::SPLIT ? 2 : 1][Path<P>::AIS_BN][FC4_K]; // the block's columns of fc4
     fp16 w3[2][HIDDEN_DIM][AIS_W3_K];                                       // all of fc3, hi and lo parts
     float share[AIS_ROWS][AIS_SHARE];             // the block's share of each row's grad and BCE (ais_merge)
+    AisMeet meet;
     uint8_t mask[AIS_WARPS][HIDDEN_DIM / 16][32]; // fc3's ReLU, a byte per lane and 16 hidden units
     float step[AIS_ROWS];                         // the tile's images' step sizes
     int accepted[AIS_ROWS];                       // their chains' acceptances in this transition
@@ -1595,6 +1611,10 @@ __device__ inline void cluster_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
+}
+__device__ inline void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
 }
 // This block's rank in its cluster, the cluster's index in the grid, and the grid's count of clusters.
 __device__ inline uint32_t cluster_rank() {
@@ -1644,6 +1664,33 @@ __device__ inline float4 cluster_load4(const float* p, uint32_t rank) {
                  : "r"(cluster_address(p, rank)) : "memory");
 #endif
     return v;
+}
+
+// mbarriers across the cluster. A thread releases its shared-memory accesses with one cluster fence,
+// then arrives (relaxed) at the barrier at the same address in each block that must see them; the
+// wait acquires what the arrivals released. It has no time limit, like the cluster barrier: under
+// compute-sanitizer one block may wait seconds for another.
+__device__ inline void fence_cluster() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
+#endif
+}
+__device__ inline void mbar_arrive_at(uint32_t bar, uint32_t rank) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
+                 : "memory");
+#endif
+}
+__device__ inline void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+#if __CUDA_ARCH__ >= 900
+    uint32_t done = 0;
+    while (!done)
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+#endif
 }
 
 // Two values as an A register pair and, for fp16, their lo parts.
@@ -1765,20 +1812,33 @@ __device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K
         mma_m16n8k16<AisW3>(dz[0], a, b0), mma_m16n8k16<AisW3>(dz[1], a, b1), mma_m16n8k16<AisW3>(dz[2], a, r2);
     }
 }
-// The cluster's merge: wait until every block has read the last shares, store this one's (dz, the BCE
-// share) in share[row], meet, add all CLUSTER blocks' in rank order (this block's own from its shared
-// memory), so every block gets the same bits; the closing arrive lets the next evaluation's wait know
-// this block is done reading. A row keeps each lane's values together: latents 2t, 2t + 1, 8 + 2t,
-// 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2) and the BCE (t = 2, a zero beside it) at
-// 16 + 2t, so a lane reads a block's share of a row in one 16-byte and one 8-byte load, not four
-// 8-byte ones (the merge was a fifth of the kernel's stall samples, most of them on these loads).
+// The cluster's merge: wait until the other blocks have read this one's last shares, store this one's
+// (dz, the BCE share) in share[row], meet, add all CLUSTER blocks' in rank order (this block's own from
+// its shared memory), so every block gets the same bits, and tell the others this block has read
+// theirs. A lane reads, in each block, the values its counterpart lane there stored, so each thread
+// arrives itself at the other blocks' barriers ((CLUSTER - 1) x 128 arrivals a phase: a named
+// barrier and then one thread's arrival per block is 7% faster in bf16 and correct by the PTX memory
+// model, but compute-sanitizer's racecheck does not see the other threads' stores ordered by it).
+// `merges` counts the thread's merges: its parity is the barriers' phase. A row keeps each lane's values together:
+// latents 2t, 2t + 1, 8 + 2t, 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2) and the BCE (t = 2,
+// a zero beside it) at 16 + 2t, so a lane reads a block's share of a row in one 16-byte and one 8-byte
+// load, not four 8-byte ones (the merge was a fifth of the kernel's stall samples, most of them on
+// these loads).
 template <int CLUSTER>
-__device__ inline void ais_merge(float (*share)[AIS_SHARE], const float (&dz)[3][4], const float (&bce_share)[2],
-                                 float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
+__device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint32_t& merges, const float (&dz)[3][4],
+                                 const float (&bce_share)[2], float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
     static_assert(AIS_SHARE >= 24, "a row holds the four lanes' 16-byte groups, then their 8-byte pairs");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const uint32_t own_rank = cluster_rank();
-    cluster_wait();
+    const uint32_t stored = (uint32_t)__cvta_generic_to_shared(&meet.stored[warp / 4]);
+    const uint32_t added = (uint32_t)__cvta_generic_to_shared(&meet.added[warp / 4]);
+    auto arrive_at_others = [&](uint32_t bar) {
+        fence_cluster();
+        #pragma unroll
+        for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++)
+            if (rank != own_rank) mbar_arrive_at(bar, rank);
+    };
+    if (merges > 0) mbar_wait_cluster(added, (merges - 1) & 1);
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         float* own = share[warp * TASK_ROWS + g + 8 * half];
@@ -1788,8 +1848,8 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], const float (&dz)[3]
             *reinterpret_cast<float2*>(&own[16 + 2 * t]) =
                 t < 2 ? make_float2(dz[2][2 * half], dz[2][2 * half + 1]) : make_float2(bce_share[half], 0.0f);
     }
-    cluster_arrive();
-    cluster_wait();
+    arrive_at_others(stored);
+    mbar_wait_cluster(stored, merges & 1);
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         const float* row = share[warp * TASK_ROWS + g + 8 * half];
@@ -1811,7 +1871,17 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], const float (&dz)[3]
         grad[half][4] = t < 2 ? sum2.x : 0.0f, grad[half][5] = t < 2 ? sum2.y : 0.0f;
         bce[half] = __shfl_sync(0xffffffffu, sum2.x, (lane & ~3) | 2);
     }
-    cluster_arrive();
+    arrive_at_others(added);
+    merges++;
+}
+// The merge's barriers, before any block's first arrival (the cluster barrier holds those back).
+template <int CLUSTER> __device__ inline void ais_meet_init(AisMeet& meet) {
+    if (threadIdx.x < 2) {
+        mbar_init((uint32_t)__cvta_generic_to_shared(&meet.stored[threadIdx.x]), (CLUSTER - 1) * 128);
+        mbar_init((uint32_t)__cvta_generic_to_shared(&meet.added[threadIdx.x]), (CLUSTER - 1) * 128);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    cluster_sync();
 }
 
 // BCE(x, logits(z)) and grad_z BCE for a warp's 16 rows z[half][i]: this block's columns col0 ..
@@ -1820,8 +1890,9 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], const float (&dz)[3]
 // gradient; bf16 runs ais_gradient_wgmma (below), equal bit for bit to this one's bf16 instance, which
 // only dev/ais_gradient_v1.cu and v2 build (the baseline).
 template <Precision P>
-__device__ inline void ais_gradient(AisSmem<P>& sm, const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
-                                    int skip, float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
+__device__ inline void ais_gradient(AisSmem<P>& sm, uint32_t& merges, const float (&z)[2][AIS_LATENTS],
+                                    const uint8_t* const (&x_row)[2], int skip, float (&grad)[2][AIS_LATENTS],
+                                    float (&bce)[2]) {
     typedef Path<P> Q;
     typedef typename Q::T T;
     constexpr int BN = Q::AIS_BN, K_STEPS = (BN + 15) / 16; // fc4's backward K: the block's columns
@@ -1904,7 +1975,7 @@ __device__ inline void ais_gradient(AisSmem<P>& sm, const float (&z)[2][AIS_LATE
         }
         ais_w3_backward<Q::SPLIT>(sm.w3, c, dh, sm.mask[warp][c][lane], dz);
     }
-    ais_merge<Q::AIS_CLUSTER>(sm.share, dz, bce_share, grad, bce);
+    ais_merge<Q::AIS_CLUSTER>(sm.share, sm.meet, merges, dz, bce_share, grad, bce);
 }
 
 // Block `rank`'s column block of the logits: its first column (the last block starts at 784 - AIS_BN)
@@ -1951,27 +2022,33 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
     return ((philox_keyed(seed, stream, image, chain, counter).x >> 8) + 1) * (1.0f / 16777216.0f);
 }
 
-// The chains of a cluster's tiles, each tile 128 chains (128 / C images, all C chains of each), run
-// through all their T - 1 transitions on chip; `gradient(z, x_row, grad, bce)` evaluates the warp's
-// 16 rows as ais_gradient does (x_row: each row's pixels from the block's first column col0), and
-// step and accepted are the block's shared arrays of AIS_ROWS (the tile's step sizes, its images'
-// acceptances in a transition). Every block of the cluster runs the same arithmetic on the same bits,
-// so each holds z; the block of rank 0 writes the results. The energies in float32 (H ~ 100: the
-// Metropolis test sees differences of ~1e-5 nats), the weights in float64. A chain's p, u and start
-// are keyed by (seed, image, chain, transition).
+// The chains of a cluster's tiles (ais_tile_rows: a warpgroup's 64 or the block's 128 chains, all C
+// chains of each of its images), run through all their T - 1 transitions on chip; `gradient(z, x_row,
+// grad, bce)` evaluates the warp's 16 rows as ais_gradient does (x_row: each row's pixels from the
+// block's first column col0), and step and accepted are the block's shared arrays of AIS_ROWS (a
+// tile's step sizes, its images' acceptances in a transition). Every block of the cluster runs the
+// same arithmetic on the same bits, so each holds z; the block of rank 0 writes the results. The
+// energies in float32 (H ~ 100: the Metropolis test sees differences of ~1e-5 nats), the weights in
+// float64. A chain's p, u and start are keyed by (seed, image, chain, transition).
 template <typename Gradient>
 __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, float* step_of, int* accepted_of,
                                   Gradient gradient) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int C = io.chains, per_tile = AIS_ROWS / C, tiles = ceil_div(io.n, per_tile);
-    for (int tile = cluster_index(); tile < tiles; tile += cluster_count()) {
+    const int C = io.chains, tile_rows = ais_tile_rows(C), groups = AIS_ROWS / tile_rows;
+    const int per_tile = tile_rows / C, tiles = ceil_div(io.n, per_tile);
+    const int group = warp * TASK_ROWS / tile_rows, first_warp = group * tile_rows / TASK_ROWS;
+    const int tid = threadIdx.x - 32 * first_warp; // the thread's index in its group
+    step_of += group * tile_rows, accepted_of += group * tile_rows;
+    auto group_sync = [&] { named_bar_sync(AIS_BAR_GROUP + group, 2 * tile_rows); };
+    for (int first = cluster_index() * groups; first < tiles; first += cluster_count() * groups) {
+        const int tile = first + group; // past the last: a tile of dead rows, as many evaluations as the other
         int local[2], image[2], chain[2];
         bool live[2];
         const uint8_t* x_row[2];
         float z[2][AIS_LATENTS], mu[2][AIS_LATENTS], inv_var[2][AIS_LATENTS], logvar_sum[2];
         #pragma unroll
         for (int half = 0; half < 2; half++) {
-            const int row = warp * TASK_ROWS + g + 8 * half;
+            const int row = (warp - first_warp) * TASK_ROWS + g + 8 * half;
             local[half] = row / C, chain[half] = row % C, image[half] = tile * per_tile + local[half];
             live[half] = local[half] < per_tile && image[half] < io.n;
             const int im = live[half] ? image[half] : 0; // dead rows run along on image 0, write nothing
@@ -1992,12 +2069,12 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
             }
             logvar_sum[half] = quad_sum(logvar_sum[half]);
         }
-        if (threadIdx.x < per_tile) step_of[threadIdx.x] = io.step0, accepted_of[threadIdx.x] = 0;
-        __syncthreads();
+        if (tid < per_tile) step_of[tid] = io.step0, accepted_of[tid] = 0;
+        group_sync();
 
         float grad[2][AIS_LATENTS], bce[2];
         gradient(z, x_row, grad, bce);
-        const size_t row0 = (size_t)tile * per_tile * C + warp * TASK_ROWS + g; // rows of the launch
+        const size_t row0 = (size_t)tile * per_tile * C + (warp - first_warp) * TASK_ROWS + g; // launch's rows
         if (io.grad0 && rank == 0)
             #pragma unroll
             for (int half = 0; half < 2; half++)
@@ -2105,15 +2182,15 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
                 accepted[half] += accept;
                 if (accept && live[half] && t == 0) atomicAdd(&accepted_of[local[half]], 1);
             }
-            __syncthreads();
-            if (threadIdx.x < per_tile) { // each image's step size, from the acceptance of its C chains
-                const float rate = (float)accepted_of[threadIdx.x] / C, old = step_of[threadIdx.x];
+            group_sync();
+            if (tid < per_tile) { // each image's step size, from the acceptance of its C chains
+                const float rate = (float)accepted_of[tid] / C, old = step_of[tid];
                 if (io.adapt)
-                    step_of[threadIdx.x] =
+                    step_of[tid] =
                         fminf(fmaxf(old * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN), AIS_STEP_MAX);
-                accepted_of[threadIdx.x] = 0;
+                accepted_of[tid] = 0;
             }
-            __syncthreads();
+            group_sync();
         }
         if (rank == 0) {
             #pragma unroll
@@ -2129,10 +2206,9 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
                         if (j < LATENT_DIM) io.z_out[row * LATENT_DIM + j] = z[half][i];
                     }
             }
-            if (threadIdx.x < per_tile && tile * per_tile + (int)threadIdx.x < io.n)
-                io.step_out[tile * per_tile + threadIdx.x] = step_of[threadIdx.x];
+            if (tid < per_tile && tile * per_tile + tid < io.n) io.step_out[tile * per_tile + tid] = step_of[tid];
         }
-        __syncthreads(); // the step sizes are the next tile's
+        group_sync(); // the step sizes are the next tile's
     }
 }
 
@@ -2159,6 +2235,7 @@ struct AisWgmmaSmem {
     bf16 w4[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64]; // fc4's column block, K in 64-wide slices (TMA)
     fp16 w3[2][HIDDEN_DIM][AIS_W3_K]; // right after w4: the backward's last k16 step reads 8 rows past it
     float share[AIS_ROWS][AIS_SHARE];
+    AisMeet meet;
     float step[AIS_ROWS];
     int accepted[AIS_ROWS];
     uint64_t loaded;
@@ -2191,11 +2268,24 @@ __device__ inline void wgmma_m64n64k16_rs_mn(float (&d)[32], const uint32_t (&a)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
                  : "memory");
 }
+// The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward
+// products in a turn and its backward ones in the next, and runs its epilogue, W3 products and merge
+// while the other issues (--ais 100: -7%; a turn for the forward or the backward alone gains nothing).
+// Warpgroup 1 hands warpgroup 0 the first turn (ais_turns_first) and 0 takes 1's last hand-over
+// (ais_turns_last), so both must evaluate as often (ais_chains' tiles).
+__device__ inline void ais_turn_wait() { named_bar_sync(AIS_BAR_TURN + threadIdx.x / 128, 256); }
+__device__ inline void ais_turn_pass() { named_bar_arrive(AIS_BAR_TURN + 1 - threadIdx.x / 128, 256); }
+__device__ inline void ais_turns_first() {
+    if (threadIdx.x >= 128) named_bar_arrive(AIS_BAR_TURN, 256);
+}
+__device__ inline void ais_turns_last() {
+    if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256);
+}
 // BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as in ais_gradient); w4: the
-// shared-memory address of sm.w4.
-__device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, const float (&z)[2][AIS_LATENTS],
-                                          const uint8_t* const (&x_row)[2], int skip, float (&grad)[2][AIS_LATENTS],
-                                          float (&bce)[2]) {
+// shared-memory address of sm.w4; merges as in ais_merge.
+__device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_t& merges,
+                                          const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
+                                          int skip, float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
     constexpr int BN = Path<PRECISION_BF16>::AIS_BN, K_STEPS = (BN + 15) / 16, SLICE_BYTES = BN * 128;
     const int t = threadIdx.x % 4;
     const AisZFragments za = ais_z_fragments(z);
@@ -2203,6 +2293,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, const f
     float logit[BN / 2];
     uint32_t a[2][4][4]; // two groups' A fragments: one being read by wgmma, one being written
     const uint32_t a_bias[4] = {bias_ones<bf16>(t), bias_ones<bf16>(t), 0u, 0u};
+    ais_turn_wait();
     #pragma unroll
     for (int q = 0; q < AIS_WG_GROUPS; q++) {
         const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1; // 400 = 6 x 64 + 16
@@ -2227,6 +2318,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, const f
             if (i < chunks + (q == AIS_WG_GROUPS - 1 ? 1 : 0))
                 wgmma_m64n200k16_rs(logit, a[q % 2][i], smem_desc_128b(w4 + q * SLICE_BYTES) + 2 * i, q + i > 0);
         wgmma_commit();
+        if (q + 1 == AIS_WG_GROUPS) ais_turn_pass();
         wgmma_wait<1>(); // the group before is done: its A registers are free for the next
     }
     wgmma_wait<0>();
@@ -2251,11 +2343,13 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, const f
             wgmma_m64n64k16_rs_mn(dh[q % 2], ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
         wgmma_commit();
     };
+    ais_turn_wait();
     backward_group(0);
     #pragma unroll
     for (int q = 0; q < AIS_WG_GROUPS; q++) {
         if (q + 1 < AIS_WG_GROUPS) {
             backward_group(q + 1);
+            if (q + 2 == AIS_WG_GROUPS) ais_turn_pass();
             wgmma_wait<1>();
         } else {
             wgmma_wait<0>();
@@ -2267,7 +2361,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, const f
                 ais_w3_backward<false>(sm.w3, 4 * q + i, *reinterpret_cast<const float(*)[8]>(&dh[q % 2][8 * i]),
                                        (mask[q] >> (8 * i)) & 0xFFu, dz);
     }
-    ais_merge<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.share, dz, bce_share, grad, bce);
+    ais_merge<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.share, sm.meet, merges, dz, bce_share, grad, bce);
 }
 // The block's weights for ais_gradient_wgmma: fc4's column block col0 by TMA, fc3's parts by cp.async.
 __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem& sm, const CUtensorMap& w4_map,
@@ -2303,27 +2397,30 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     const uint32_t rank = cluster_rank();
     int skip;
     const int col0 = ais_columns<P>(rank, &skip);
+    uint32_t merges = 0; // the thread's merges (ais_merge)
     if constexpr (P == PRECISION_BF16) {
         AisWgmmaSmem& sm = smem_aligned_1024<AisWgmmaSmem>(smem_raw);
         ais_load_weights_wgmma(sm, w4_map, ais_w3, col0);
-        cluster_arrive(); // the first evaluation's wait: every block has started
+        ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
+        ais_turns_first();
         const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4[0][0][0]);
         ais_chains(io, rank, col0, sm.step, sm.accepted,
                    [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                        float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
-                       ais_gradient_wgmma(sm, w4, z, x_row, skip, grad, bce);
+                       ais_gradient_wgmma(sm, w4, merges, z, x_row, skip, grad, bce);
                    });
+        ais_turns_last();
     } else {
         AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
         ais_load_weights(sm, fc4_wb, ais_w3, col0);
-        cluster_arrive();
+        ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
         ais_chains(io, rank, col0, sm.step, sm.accepted,
                    [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                        float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
-                       ais_gradient<P>(sm, z, x_row, skip, grad, bce);
+                       ais_gradient<P>(sm, merges, z, x_row, skip, grad, bce);
                    });
     }
-    cluster_wait(); // no block leaves while another may still read its shares
+    cluster_sync(); // no block leaves while another may still read its shares or arrive at its barriers
 #endif
 }
 
@@ -2456,9 +2553,9 @@ template <Precision P>
 static void ais_launch(const AisIO& io, const void* fc4_wb, const CUtensorMap& w4_map, const void* ais_w3,
                        int clusters, cudaStream_t stream) {
     typedef typename Path<P>::T T;
-    const int tiles = ceil_div(io.n, AIS_ROWS / io.chains);
+    const int rounds = ceil_div(io.n, ais_cluster_images(io.chains));
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = ais_config<P>(&attr, clusters < tiles ? clusters : tiles, stream);
+    const cudaLaunchConfig_t cfg = ais_config<P>(&attr, clusters < rounds ? clusters : rounds, stream);
     cudaCheck(cudaLaunchKernelEx(&cfg, ais_kernel<P>, static_cast<const T*>(fc4_wb), w4_map,
                                  static_cast<const fp16*>(ais_w3), io));
 }
@@ -3749,7 +3846,7 @@ static void ais_buffers_free(AisBuffers* b) {
 // image's estimates. Returns the time in ms.
 static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, const AisBuffers* b,
                      const float* d_z_start, const char* what) {
-    const int C = cfg->chains, round = m->ais_clusters * (AIS_ROWS / C), rounds = ceil_div(n, round);
+    const int C = cfg->chains, round = m->ais_clusters * ais_cluster_images(C), rounds = ceil_div(n, round);
     int slice = round * ceil_div(rounds, 50);
     if (slice > m->max_batch) slice = m->max_batch / round * round;
     AisIO io = {};

@@ -37,12 +37,13 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     int skip;
     const int col0 = ais_columns<P>(cluster_rank(), &skip);
     ais_load_weights(sm, fc4_wb, ais_w3, col0);
-    cluster_arrive();
+    ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
+    uint32_t merges = 0;
     vae::ais_driver_tiles(a, col0, [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                                        float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
-        ais_gradient<P>(sm, z, x_row, skip, grad, bce);
+        ais_gradient<P>(sm, merges, z, x_row, skip, grad, bce);
     });
-    cluster_wait();
+    cluster_sync();
 #endif
 }
 

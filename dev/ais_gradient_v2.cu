@@ -52,13 +52,16 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     int skip;
     const int col0 = ais_columns<PRECISION_BF16>(cluster_rank(), &skip);
     ais_load_weights_wgmma(sm, w4_map, ais_w3, col0);
-    cluster_arrive();
+    ais_meet_init<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.meet);
+    ais_turns_first();
+    uint32_t merges = 0;
     const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4[0][0][0]);
     vae::ais_driver_tiles(a, col0, [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                                        float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
-        ais_gradient_wgmma(sm, w4, z, x_row, skip, grad, bce);
+        ais_gradient_wgmma(sm, w4, merges, z, x_row, skip, grad, bce);
     });
-    cluster_wait();
+    ais_turns_last();
+    cluster_sync();
 #endif
 }
 
@@ -73,11 +76,12 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     int skip;
     const int col0 = ais_columns<PRECISION_BF16>(rank, &skip);
     ais_load_weights(sm, fc4_wb, ais_w3, col0);
-    cluster_arrive();
+    ais_meet_init<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.meet);
+    uint32_t merges = 0;
     ais_chains(io, rank, col0, sm.step, sm.accepted,
                [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2], float (&grad)[2][AIS_LATENTS],
-                   float (&bce)[2]) { ais_gradient<PRECISION_BF16>(sm, z, x_row, skip, grad, bce); });
-    cluster_wait();
+                   float (&bce)[2]) { ais_gradient<PRECISION_BF16>(sm, merges, z, x_row, skip, grad, bce); });
+    cluster_sync();
 #endif
 }
 
@@ -117,9 +121,9 @@ int main() {
                                            clusters * AIS_ROWS, 2e-2);
     // the whole transition (dev/ais_hmc_v1.cu's transition check and time): the mma.sync baseline, vae.cu's
     auto ais_mma = [&](const AisIO& io) {
-        const int tiles = ceil_div(io.n, AIS_ROWS / io.chains);
+        const int rounds = ceil_div(io.n, ais_cluster_images(io.chains));
         cudaLaunchAttribute attr2;
-        const cudaLaunchConfig_t cfg = config(&attr2, mma_clusters < tiles ? mma_clusters : tiles, mma_smem);
+        const cudaLaunchConfig_t cfg = config(&attr2, mma_clusters < rounds ? mma_clusters : rounds, mma_smem);
         cudaCheck(cudaLaunchKernelEx(&cfg, ais_mma_kernel, static_cast<const bf16*>(m.fc4_wb),
                                      static_cast<const fp16*>(m.ais_w3), io));
     };
@@ -130,7 +134,7 @@ int main() {
     ais_schedule(beta.data(), 4);
     const vae::AisChainDriver transition = {"transition", 4, 16, 10, beta, {1, 7, 37}, true};
     ok = vae::run_ais_chain_driver({{"v1 mma.sync", ais_mma}, {"v2 ais_kernel", production}}, &m, &weights, &images,
-                                   transition, std::min(m.ais_clusters, mma_clusters) * (AIS_ROWS / 16)) && ok;
+                                   transition, std::min(m.ais_clusters, mma_clusters) * ais_cluster_images(16)) && ok;
     vae_free(&m);
     free(weights.data), free(images.pixels);
     return ok ? 0 : 1;

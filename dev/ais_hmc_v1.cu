@@ -81,7 +81,7 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
     const vae::AisChainDriver transition = {"transition", 4, 16, 10, beta, {1, 7, 37}, true};
     bool ok = true;
     for (const vae::AisChainDriver& d : {leapfrog, transition}) {
-        const int images_timed = std::min(m.ais_clusters * (AIS_ROWS / d.C), images->count);
+        const int images_timed = std::min(m.ais_clusters * ais_cluster_images(d.C), images->count);
         ok = vae::run_ais_chain_driver({{"v1 ais_kernel", production}}, &m, w, images, d, images_timed) && ok;
     }
     vae_free(&m);

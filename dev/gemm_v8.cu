@@ -198,11 +198,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned cta) 
         "r"(cta)
         : "memory");
 }
-// All threads of all CTAs in the cluster; orders shared-memory accesses across them.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
 }
