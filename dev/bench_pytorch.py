@@ -620,7 +620,11 @@ def ais_gradient(w3, b3, w4, b4, x, z):
 
 
 def check_ais_gradient(model):
-    """The written-out gradient against autograd, both float64, on 64 rows: an error in it fails here."""
+    """The written-out gradient against autograd, both float64, on 64 rows: an error in it fails here.
+
+    An error in the formula is off by O(1); float64 rounding is ~1e-12 here (seen: 1.4e-12 on a 16-core
+    machine, under 1e-12 on others: the summation order of the 784-term products, whose sigmoid - x
+    terms cancel, follows the CPU's threads), so the bound is 1e-9."""
     m64 = copy.deepcopy(model).double().cpu()
     gen = torch.Generator().manual_seed(0)
     z = 0.6 * torch.randn(64, 20, generator=gen, dtype=torch.float64)
@@ -631,7 +635,7 @@ def check_ais_gradient(model):
     (ref_grad,) = torch.autograd.grad(ref.sum(), zg)
     err = max(((bce - ref).abs().max() / ref.abs().max()).item(),
               ((grad.double() - ref_grad).abs().max() / ref_grad.abs().max()).item())
-    if not err < 1e-12:
+    if not err < 1e-9:
         sys.exit(f"bench_pytorch.py --ais: the written-out gradient is {err:.2e} off autograd's (float64)")
     return err
 
