@@ -2212,10 +2212,10 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
     }
 }
 
-// bf16's gradient on wgmma (dev/ais_gradient_v2.cu: 22.4 us an evaluation of 3,840 rows on an H200
-// against mma.sync's 25.4 on an H100, the whole AIS 17% faster on the H200). The same cluster of 4
-// blocks, column block of 200 logits, fc3 (mma.sync, hi and lo parts), epilogue, W3 backward and
-// merge; fc4's two products move to the warpgroup:
+// bf16's gradient on wgmma (dev/ais_gradient_v2.cu: 17.6 us an evaluation of 3,840 rows on an H200
+// with the warpgroups' turns, 22.4 before them, against mma.sync's 25.4 on an H100). The same
+// cluster of 4 blocks, column block of 200 logits, fc3 (mma.sync, hi and lo parts), epilogue, W3
+// backward and merge; fc4's two products move to the warpgroup:
 //   forward   per 64 hidden units, each warp runs fc3 for its 16 rows (4 chunks of 16) and the
 //             warpgroup issues 4 m64n200k16 wgmmas with those ReLUs as A from registers and the
 //             block's fc4 as B from shared memory (K-major, the 128-byte swizzle TMA writes: the
@@ -2387,7 +2387,9 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem& sm, const CUtensorMa
 // 16 chains' gradient over those columns (bf16: ais_gradient_wgmma, a warpgroup's 64 rows at once;
 // fp32: ais_gradient on mma.sync, which has no room for wgmma's layout of two copies beside fc3),
 // and the blocks add their 84-byte shares per row through distributed shared memory: nothing else
-// moves. Streaming fc4 instead would move 627 KB (bf16) per block per evaluation.
+// moves. Streaming fc4 instead would move 627 KB (bf16) per block per evaluation. A block's two
+// warpgroups hold separate tiles when C <= 64 and meet only their counterparts in the other blocks,
+// so neither waits for the other's epilogue; in bf16 they take turns at the tensor cores.
 template <Precision P>
 __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const __grid_constant__ CUtensorMap w4_map,

@@ -10,7 +10,8 @@
 //   backward  (sigmoid - x) W4 over the block's columns (B by ldmatrix.trans of the same rows), the
 //             ReLU's mask, then dz += dh W3
 //   merge     the blocks' 84-byte shares of each row (grad, BCE) added in rank order through
-//             distributed shared memory: two cluster barriers per evaluation
+//             distributed shared memory: two cluster barriers per evaluation (now two mbarriers
+//             a warpgroup, where it meets only its counterparts in the other blocks)
 // Its kernel here wraps ais_gradient in a loop of `evals` evaluations of the same z, so the time of
 // one evaluation is the difference of two loop lengths, the weights' load and the launch left out.
 // That is the whole of --ais but the HMC arithmetic (a few hundred FLOPs a chain per evaluation).

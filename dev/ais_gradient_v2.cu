@@ -37,7 +37,9 @@
 // Now vae.cu's bf16 gradient (ais_gradient_wgmma, ais_load_weights_wgmma: ais_kernel<PRECISION_BF16>),
 // which this driver checks and times: the gradient alone as below, and the whole AIS beside the mma.sync
 // gradient it replaced (ais_mma_kernel: ais_chains around ais_gradient<PRECISION_BF16>, written out
-// here as the baseline).
+// here as the baseline). Since the warpgroups run apart (their own tiles, their own meetings in the
+// merge) and take turns at the tensor cores (ais_turn_wait): 17.61 us an evaluation (281 TFLOP/s),
+// the whole AIS 207.7 us a transition against 224.6 before (H200).
 //
 // Build and run from the repository root (needs data/: make data; sm_90a):
 //   make -C dev ais_gradient_v2 && ./dev/ais_gradient_v2
