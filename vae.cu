@@ -1543,9 +1543,12 @@ enum {
 // the step size per image: its start, its bounds, and the acceptance it is adapted toward
 [[maybe_unused]] constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
 [[maybe_unused]] constexpr float AIS_TARGET_ACCEPT = 0.65f;
-// Chains of a tile: a warpgroup's 64 when an image's C fit (its step size then needs no other
-// warpgroup, and the two run apart, one's epilogue beside the other's products), else the block's 128.
-__host__ __device__ inline int ais_tile_rows(int C) { return C <= AIS_ROWS / 2 ? AIS_ROWS / 2 : AIS_ROWS; }
+// Chains of a tile: a warpgroup's 64 when two such tiles hold as many images as the block's 128 (C = 16:
+// 4 + 4 of 8; not C = 5: 12 + 12 of 25, nor any C > 64), so that its images' step sizes need no other
+// warpgroup and the two run apart, one's epilogue beside the other's products; else the block's 128.
+__host__ __device__ inline int ais_tile_rows(int C) {
+    return 2 * (AIS_ROWS / 2 / C) >= AIS_ROWS / C ? AIS_ROWS / 2 : AIS_ROWS;
+}
 // Images a cluster holds at a time: its tiles' images.
 __host__ __device__ inline int ais_cluster_images(int C) {
     return AIS_ROWS / ais_tile_rows(C) * (ais_tile_rows(C) / C);
@@ -1586,7 +1589,7 @@ template <Precision P> struct AisSmem {
     float share[AIS_ROWS][AIS_SHARE];             // the block's share of each row's grad and BCE (ais_merge)
     AisMeet meet;
     uint8_t mask[AIS_WARPS][HIDDEN_DIM / 16][32]; // fc3's ReLU, a byte per lane and 16 hidden units
-    float step[AIS_ROWS];                         // the tile's images' step sizes
+    float step[AIS_ROWS];                         // the tiles' images' step sizes (ais_chains)
     int accepted[AIS_ROWS];                       // their chains' acceptances in this transition
 };
 
@@ -1819,11 +1822,11 @@ __device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K
 // arrives itself at the other blocks' barriers ((CLUSTER - 1) x 128 arrivals a phase: a named
 // barrier and then one thread's arrival per block is 7% faster in bf16 and correct by the PTX memory
 // model, but compute-sanitizer's racecheck does not see the other threads' stores ordered by it).
-// `merges` counts the thread's merges: its parity is the barriers' phase. A row keeps each lane's values together:
-// latents 2t, 2t + 1, 8 + 2t, 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2) and the BCE (t = 2,
-// a zero beside it) at 16 + 2t, so a lane reads a block's share of a row in one 16-byte and one 8-byte
-// load, not four 8-byte ones (the merge was a fifth of the kernel's stall samples, most of them on
-// these loads).
+// `merges` counts the thread's merges: its parity is the barriers' phase. A row keeps each lane's
+// values together: latents 2t, 2t + 1, 8 + 2t, 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2)
+// and the BCE (t = 2, a zero beside it) at 16 + 2t, so a lane reads a block's share of a row in one
+// 16-byte and one 8-byte load, not four 8-byte ones (the merge was a fifth of the kernel's stall
+// samples, most of them on these loads).
 template <int CLUSTER>
 __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint32_t& merges, const float (&dz)[3][4],
                                  const float (&bce_share)[2], float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
@@ -2228,9 +2231,11 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
 //             than the 64-wide swizzle atom is not a layout the PTX ISA describes). Group q + 1's
 //             wgmmas run while the warps take group q's dh through W3 (-3.5% on --ais 100)
 // Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares
-// (128 x 24 floats) + the tile's step sizes and acceptances = 230,920 of the 232,448 a block may
-// have (less 1,024 to align): fc3's ReLU mask lives in registers (a 32-bit word per 64 units).
+// (128 x 24 floats) and their 4 mbarriers + the tiles' step sizes and acceptances = 230,952 of the
+// 232,448 a block may have (less 1,024 to align): fc3's ReLU mask lives in registers (a 32-bit word
+// per 64 units).
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
+static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
 struct AisWgmmaSmem {
     bf16 w4[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64]; // fc4's column block, K in 64-wide slices (TMA)
     fp16 w3[2][HIDDEN_DIM][AIS_W3_K]; // right after w4: the backward's last k16 step reads 8 rows past it
@@ -2270,7 +2275,7 @@ __device__ inline void wgmma_m64n64k16_rs_mn(float (&d)[32], const uint32_t (&a)
 }
 // The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward
 // products in a turn and its backward ones in the next, and runs its epilogue, W3 products and merge
-// while the other issues (--ais 100: -7%; a turn for the forward or the backward alone gains nothing).
+// while the other issues (--ais 100: -8%; a turn for the forward or the backward alone gains nothing).
 // Warpgroup 1 hands warpgroup 0 the first turn (ais_turns_first) and 0 takes 1's last hand-over
 // (ais_turns_last), so both must evaluate as often (ais_chains' tiles).
 __device__ inline void ais_turn_wait() { named_bar_sync(AIS_BAR_TURN + threadIdx.x / 128, 256); }
@@ -2349,7 +2354,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
     for (int q = 0; q < AIS_WG_GROUPS; q++) {
         if (q + 1 < AIS_WG_GROUPS) {
             backward_group(q + 1);
-            if (q + 2 == AIS_WG_GROUPS) ais_turn_pass();
+            if (q + 2 == AIS_WG_GROUPS) ais_turn_pass(); // after issuing the last group
             wgmma_wait<1>();
         } else {
             wgmma_wait<0>();

@@ -715,7 +715,8 @@ inline void load_model_inputs(const char* driver, HostWeights* w, Images* images
         fail("%s (make data, then run from the repository root: ./dev/%s)", err.msg, driver);
 }
 
-// A gradient kernel's loop over its cluster's tiles of AIS_ROWS rows, as ais_kernel holds them:
+// A gradient kernel's loop over its cluster's tiles of AIS_ROWS rows, as ais_kernel holds them when a
+// tile is the block's (both warpgroups evaluate together, as many times: what bf16's turns need):
 // thread (warp, g, t) has rows tile * AIS_ROWS + 16 warp + g and + 8 (those past a.rows repeat the
 // last one's data and write nothing), latents 8 (i / 2) + 2t + i % 2 of each, and the pixels from
 // col0. gradient(z, x_row, grad, bce) runs a.evals times; the cluster's rank 0 writes the result.
