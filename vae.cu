@@ -1604,20 +1604,12 @@ __device__ inline void ldmatrix_x2_trans(uint32_t& r0, uint32_t& r1, const void*
 }
 
 // Thread block clusters (sm_90): the blocks of a cluster run together, reach each other's shared
-// memory (mapa + ld.shared::cluster) and meet at a barrier split into arrive and wait.
-__device__ inline void cluster_arrive() {
+// memory (mapa + ld.shared::cluster) and meet at the cluster barrier (its arrive, then its wait).
+__device__ inline void cluster_sync() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#endif
-}
-__device__ inline void cluster_wait() {
-#if __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
-}
-__device__ inline void cluster_sync() {
-    cluster_arrive();
-    cluster_wait();
 }
 // This block's rank in its cluster, the cluster's index in the grid, and the grid's count of clusters.
 __device__ inline uint32_t cluster_rank() {
@@ -1675,8 +1667,8 @@ __device__ inline float4 cluster_load4(const float* p, uint32_t rank) {
 // reads of other blocks' shared memory among them); fence_shared_release only its stores to its own
 // block's shared memory, and the wait's acquire only accesses to shared memory: the full fence and a
 // full acquire also invalidate the L1 (CCTL.IVALL), where the spilled registers live (ncu: ~5% of the
-// stall samples on them and the fence; --ais 100 bf16 -2% without). The wait has no
-// time limit, like the cluster barrier: under compute-sanitizer one block may wait seconds for another.
+// stall samples on them and the fence; --ais 100 bf16 -2% without). The wait has no time limit, like
+// the cluster barrier: under compute-sanitizer one block may wait seconds for another.
 __device__ inline void fence_cluster() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
