@@ -1760,9 +1760,12 @@ __device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3
     return bits;
 }
 // The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from
-// the block's first column): the row's BCE share (decoder_epilogue's sum), and sigmoid(l) - x in
-// place of each logit (zero in the skipped blocks).
-template <int N>
+// the block's first column): sigmoid(l) - x in place of each logit (zero in the skipped blocks), and
+// when ENERGY the row's BCE share (decoder_epilogue's sum; else zero). Only the trajectory's end needs
+// the energy, so 9 of L = 10 evaluations skip its 3 instructions a logit (--ais 100 bf16 -5%). x is a
+// product rounded as written (__fmul_rn): fused into sigmoid - x where the sum does not use it, it
+// would round once less and the two instances would part in the last bit.
+template <bool ENERGY, int N>
 __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
                                     float (&bce_share)[2]) {
     const int t = threadIdx.x % 4;
@@ -1773,9 +1776,10 @@ __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_
         for (int j = 0; j < N / 4; j++) {
             const uint32_t px = *reinterpret_cast<const uint16_t*>(&x_row[half][8 * j + 2 * t]);
             float* l = &logit[4 * j + 2 * half];
-            const float x0 = byte_as_float(px, 0) * (1.0f / 255.0f), x1 = byte_as_float(px, 1) * (1.0f / 255.0f);
+            const float x0 = __fmul_rn(byte_as_float(px, 0), 1.0f / 255.0f);
+            const float x1 = __fmul_rn(byte_as_float(px, 1), 1.0f / 255.0f);
             const float e0 = fast_exp2(-fabsf(l[0]) * 1.4426950409f), e1 = fast_exp2(-fabsf(l[1]) * 1.4426950409f);
-            if (j >= skip) {
+            if (ENERGY && j >= skip) {
                 dot = fmaf(0.5f - x0, l[0], fmaf(0.5f - x1, l[1], dot));
                 abs_sum += fabsf(l[0]) + fabsf(l[1]);
                 prod0 = fmaf(prod0, e0, prod0), prod1 = fmaf(prod1, e1, prod1);
@@ -1783,7 +1787,7 @@ __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_
             l[0] = j >= skip ? __fdividef(l[0] >= 0.0f ? 1.0f : e0, 1.0f + e0) - x0 : 0.0f;
             l[1] = j >= skip ? __fdividef(l[1] >= 0.0f ? 1.0f : e1, 1.0f + e1) - x1 : 0.0f;
         }
-        bce_share[half] = quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1));
+        bce_share[half] = ENERGY ? quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1)) : 0.0f;
     }
 }
 // dz += (dh masked by fc3's ReLU) W3 over hidden units 16c .. 16c + 15 (dh: an m16n8 accumulator
@@ -1818,17 +1822,18 @@ __device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K
     }
 }
 // The cluster's merge: wait until the other blocks have read this one's last shares, store this one's
-// (dz, the BCE share) in share[row], meet, add all CLUSTER blocks' in rank order (this block's own from
-// its shared memory), so every block gets the same bits, and tell the others this block has read
-// theirs. A lane reads, in each block, the values its counterpart lane there stored, so each thread
-// arrives itself at the other blocks' barriers ((CLUSTER - 1) x 128 arrivals a phase: a named
-// barrier and then one thread's arrival per block is 7% faster in bf16 and correct by the PTX memory
-// model, but compute-sanitizer's racecheck does not see the other threads' stores ordered by it).
-// `merges` counts the thread's merges: its parity is the barriers' phase. A row keeps each lane's
-// values together: latents 2t, 2t + 1, 8 + 2t, 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2)
-// and the BCE (t = 2, a zero beside it) at 16 + 2t, so a lane reads a block's share of a row in one
-// 16-byte and one 8-byte load, not four 8-byte ones (the merge was a fifth of the kernel's stall
-// samples, most of them on these loads).
+// (dz, the BCE share) in share[row], meet, add all CLUSTER blocks' in rank order, so every block gets
+// the same bits, and tell the others this block has read theirs. A lane reads, in each block, the
+// values its counterpart lane there stored, so each thread arrives itself at the other blocks'
+// barriers ((CLUSTER - 1) x 128 arrivals a phase: a named barrier and then one thread's arrival per
+// block is 7% faster in bf16 and correct by the PTX memory model, but compute-sanitizer's racecheck
+// does not see the other threads' stores ordered by it). `merges` counts the thread's merges: its
+// parity is the barriers' phase. A row keeps each lane's values together: latents 2t, 2t + 1, 8 + 2t,
+// 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2), the BCE (t = 2, a zero beside it) or zeros
+// (t = 3) at 16 + 2t, so a lane reads a block's share of a row in one 16-byte and one 8-byte load, not
+// four 8-byte ones. A row's loads from all blocks (its own through the same cluster window) are
+// issued before its first add: with a branch for the own block's, each load had waited for the add
+// before it, 12 DSMEM round trips in a row (bf16: 4,700 cycles of an evaluation's 32,800; 1,650 now).
 template <int CLUSTER>
 __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint32_t& merges, const float (&dz)[3][4],
                                  const float (&bce_share)[2], float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
@@ -1852,27 +1857,26 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
         float* own = share[warp * TASK_ROWS + g + 8 * half];
         *reinterpret_cast<float4*>(&own[4 * t]) =
             make_float4(dz[0][2 * half], dz[0][2 * half + 1], dz[1][2 * half], dz[1][2 * half + 1]);
-        if (t < 3)
-            *reinterpret_cast<float2*>(&own[16 + 2 * t]) =
-                t < 2 ? make_float2(dz[2][2 * half], dz[2][2 * half + 1]) : make_float2(bce_share[half], 0.0f);
+        *reinterpret_cast<float2*>(&own[16 + 2 * t]) = t < 2    ? make_float2(dz[2][2 * half], dz[2][2 * half + 1])
+                                                        : t == 2 ? make_float2(bce_share[half], 0.0f)
+                                                                 : make_float2(0.0f, 0.0f);
     }
     arrive_at_others(stored, true);
     mbar_wait_cluster(stored, merges & 1);
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         const float* row = share[warp * TASK_ROWS + g + 8 * half];
+        float4 v4[CLUSTER];
+        float2 v2[CLUSTER];
+        #pragma unroll
+        for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++)
+            v4[rank] = cluster_load4(&row[4 * t], rank), v2[rank] = cluster_load2(&row[16 + 2 * t], rank);
         float4 sum4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         float2 sum2 = make_float2(0.0f, 0.0f);
         #pragma unroll
-        for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++) {
-            const float4 v = rank == own_rank ? *reinterpret_cast<const float4*>(&row[4 * t])
-                                              : cluster_load4(&row[4 * t], rank);
-            sum4.x += v.x, sum4.y += v.y, sum4.z += v.z, sum4.w += v.w;
-            if (t < 3) {
-                const float2 w = rank == own_rank ? *reinterpret_cast<const float2*>(&row[16 + 2 * t])
-                                                  : cluster_load2(&row[16 + 2 * t], rank);
-                sum2.x += w.x, sum2.y += w.y;
-            }
+        for (int rank = 0; rank < CLUSTER; rank++) {
+            sum4.x += v4[rank].x, sum4.y += v4[rank].y, sum4.z += v4[rank].z, sum4.w += v4[rank].w;
+            sum2.x += v2[rank].x, sum2.y += v2[rank].y;
         }
         // latents past 20 stay zero: their z and p enter |z|^2 and |p|^2
         grad[half][0] = sum4.x, grad[half][1] = sum4.y, grad[half][2] = sum4.z, grad[half][3] = sum4.w;
@@ -1900,7 +1904,7 @@ template <int CLUSTER> __device__ inline void ais_meet_init(AisMeet& meet) {
 template <Precision P>
 __device__ inline void ais_gradient(AisSmem<P>& sm, uint32_t& merges, const float (&z)[2][AIS_LATENTS],
                                     const uint8_t* const (&x_row)[2], int skip, float (&grad)[2][AIS_LATENTS],
-                                    float (&bce)[2]) {
+                                    float (&bce)[2], bool energy) {
     typedef Path<P> Q;
     typedef typename Q::T T;
     constexpr int BN = Q::AIS_BN, K_STEPS = (BN + 15) / 16; // fc4's backward K: the block's columns
@@ -1941,7 +1945,10 @@ __device__ inline void ais_gradient(AisSmem<P>& sm, uint32_t& merges, const floa
         mma_m16n8k16<T>(&logit[4 * nt], a_bias, b);
     }
     float bce_share[2];
-    ais_epilogue(logit, x_row, skip, bce_share);
+    if (energy)
+        ais_epilogue<true>(logit, x_row, skip, bce_share);
+    else
+        ais_epilogue<false>(logit, x_row, skip, bce_share);
     // backward: dh3 = (sigmoid - x) W4 over the block's columns (B: ldmatrix.trans of the same rows),
     // masked by the ReLU, then grad += dh3 W3, 16 hidden units at a time
     uint32_t ga[K_STEPS][4], ga_lo[K_STEPS][4];
@@ -2032,12 +2039,13 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
 
 // The chains of a cluster's tiles (ais_tile_rows: a warpgroup's 64 or the block's 128 chains, all C
 // chains of each of its images), run through all their T - 1 transitions on chip; `gradient(z, x_row,
-// grad, bce)` evaluates the warp's 16 rows as ais_gradient does (x_row: each row's pixels from the
-// block's first column col0), and step and accepted are the block's shared arrays of AIS_ROWS (a
-// tile's step sizes, its images' acceptances in a transition). Every block of the cluster runs the
-// same arithmetic on the same bits, so each holds z; the block of rank 0 writes the results. The
-// energies in float32 (H ~ 100: the Metropolis test sees differences of ~1e-5 nats), the weights in
-// float64. A chain's p, u and start are keyed by (seed, image, chain, transition).
+// grad, bce, energy)` evaluates the warp's 16 rows as ais_gradient does (x_row: each row's pixels from
+// the block's first column col0; bce only when energy: a trajectory's start and end), and step and
+// accepted are the block's shared arrays of AIS_ROWS (a tile's step sizes, its images' acceptances in
+// a transition). Every block of the cluster runs the same arithmetic on the same bits, so each holds
+// z; the block of rank 0 writes the results. The energies in float32 (H ~ 100: the Metropolis test
+// sees differences of ~1e-5 nats), the weights in float64. A chain's p, u and start are keyed by
+// (seed, image, chain, transition).
 template <typename Gradient>
 __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, float* step_of, int* accepted_of,
                                   Gradient gradient) {
@@ -2081,7 +2089,7 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
         group_sync();
 
         float grad[2][AIS_LATENTS], bce[2];
-        gradient(z, x_row, grad, bce);
+        gradient(z, x_row, grad, bce, true);
         const size_t row0 = (size_t)tile * per_tile * C + (warp - first_warp) * TASK_ROWS + g; // launch's rows
         if (io.grad0 && rank == 0)
             #pragma unroll
@@ -2160,7 +2168,7 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
                 for (int half = 0; half < 2; half++)
                     #pragma unroll
                     for (int i = 0; i < AIS_LATENTS; i++) z[half][i] = fmaf(step[half], p[half][i], z[half][i]);
-                gradient(z, x_row, grad, bce);
+                gradient(z, x_row, grad, bce, l == io.leapfrog);
                 kick(l < io.leapfrog ? 1.0f : 0.5f);
             }
             log_densities(z, bce, lpxz, lp0);
@@ -2295,7 +2303,7 @@ __device__ inline void ais_turns_last() {
 // shared-memory address of sm.w4; merges as in ais_merge.
 __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_t& merges,
                                           const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
-                                          int skip, float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
+                                          int skip, float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
     constexpr int BN = Path<PRECISION_BF16>::AIS_BN, K_STEPS = (BN + 15) / 16, SLICE_BYTES = BN * 128;
     const int t = threadIdx.x % 4;
     const AisZFragments za = ais_z_fragments(z);
@@ -2334,7 +2342,10 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
     wgmma_wait<0>();
     fence_accumulators(logit);
     float bce_share[2];
-    ais_epilogue(logit, x_row, skip, bce_share);
+    if (energy)
+        ais_epilogue<true>(logit, x_row, skip, bce_share);
+    else
+        ais_epilogue<false>(logit, x_row, skip, bce_share);
     uint32_t ga[K_STEPS][4];
     #pragma unroll
     for (int s = 0; s < K_STEPS; s++) {
@@ -2418,8 +2429,8 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
         const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4[0][0][0]);
         ais_chains(io, rank, col0, sm.step, sm.accepted,
                    [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
-                       float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
-                       ais_gradient_wgmma(sm, w4, merges, z, x_row, skip, grad, bce);
+                       float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
+                       ais_gradient_wgmma(sm, w4, merges, z, x_row, skip, grad, bce, energy);
                    });
         ais_turns_last();
     } else {
@@ -2428,8 +2439,8 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
         ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
         ais_chains(io, rank, col0, sm.step, sm.accepted,
                    [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
-                       float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
-                       ais_gradient<P>(sm, merges, z, x_row, skip, grad, bce);
+                       float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
+                       ais_gradient<P>(sm, merges, z, x_row, skip, grad, bce, energy);
                    });
     }
     cluster_sync(); // no block leaves while another may still read its shares or arrive at its barriers

@@ -41,8 +41,8 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
     uint32_t merges = 0;
     vae::ais_driver_tiles(a, col0, [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
-                                       float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
-        ais_gradient<P>(sm, merges, z, x_row, skip, grad, bce);
+                                       float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
+        ais_gradient<P>(sm, merges, z, x_row, skip, grad, bce, energy);
     });
     cluster_sync();
 #endif

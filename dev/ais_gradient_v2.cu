@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     uint32_t merges = 0;
     const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4[0][0][0]);
     vae::ais_driver_tiles(a, col0, [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
-                                       float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
-        ais_gradient_wgmma(sm, w4, merges, z, x_row, skip, grad, bce);
+                                       float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
+        ais_gradient_wgmma(sm, w4, merges, z, x_row, skip, grad, bce, energy);
     });
     ais_turns_last();
     cluster_sync();
@@ -82,7 +82,9 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     uint32_t merges = 0;
     ais_chains(io, rank, col0, sm.step, sm.accepted,
                [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2], float (&grad)[2][AIS_LATENTS],
-                   float (&bce)[2]) { ais_gradient<PRECISION_BF16>(sm, merges, z, x_row, skip, grad, bce); });
+                   float (&bce)[2], bool energy) {
+                   ais_gradient<PRECISION_BF16>(sm, merges, z, x_row, skip, grad, bce, energy);
+               });
     cluster_sync();
 #endif
 }

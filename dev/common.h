@@ -719,7 +719,8 @@ inline void load_model_inputs(const char* driver, HostWeights* w, Images* images
 // tile is the block's (both warpgroups evaluate together, as many times: what bf16's turns need):
 // thread (warp, g, t) has rows tile * AIS_ROWS + 16 warp + g and + 8 (those past a.rows repeat the
 // last one's data and write nothing), latents 8 (i / 2) + 2t + i % 2 of each, and the pixels from
-// col0. gradient(z, x_row, grad, bce) runs a.evals times; the cluster's rank 0 writes the result.
+// col0. gradient(z, x_row, grad, bce, true) runs a.evals times (the energy too); the cluster's rank 0
+// writes the result.
 template <typename Gradient>
 __device__ inline void ais_driver_tiles(const AisGradientArgs& a, int col0, Gradient gradient) {
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
@@ -736,7 +737,7 @@ __device__ inline void ais_driver_tiles(const AisGradientArgs& a, int col0, Grad
                 z[half][i] = j < LATENT_DIM ? a.z[(size_t)r * LATENT_DIM + j] : 0.0f;
             }
         }
-        for (int e = 0; e < a.evals; e++) gradient(z, x_row, grad, bce);
+        for (int e = 0; e < a.evals; e++) gradient(z, x_row, grad, bce, true);
         for (int half = 0; half < 2 && cluster_rank() == 0; half++) {
             if (row[half] >= a.rows) continue;
             for (int i = 0; i < AIS_LATENTS; i++) {
