@@ -1737,6 +1737,22 @@ __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]
     }
     return f;
 }
+// fc3's parts as bf16's wgmmas read them: 8 x 8 core matrices of 128 contiguous bytes, [part][unit /
+// 8][k / 8][unit % 8][k % 8], no swizzle. A k16 step is two cores 128 bytes apart (the descriptor's
+// leading offset), groups of 8 units 384 bytes apart (its stride). K = 24 is three cores: the second
+// k16 step takes the next group's first core as its K = 24..31, times A's zeros, and the last group
+// of the lo part takes `pad` (zeros). The same 19,200 bytes a part as the rows [400][24] of mma.sync.
+struct AisW3Cores {
+    AisW3 core[2][HIDDEN_DIM / 8][AIS_W3_K / 8][8][8];
+    AisW3 pad[64];
+};
+// Where hidden unit `unit`'s K = 8 k8 .. 8 k8 + 7 of fc3's part `part` start, in either layout.
+__device__ inline const AisW3* ais_w3_at(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], int part, int unit, int k8) {
+    return &w3[part][unit][8 * k8];
+}
+__device__ inline const AisW3* ais_w3_at(const AisW3Cores& w3, int part, int unit, int k8) {
+    return &w3.core[part][unit / 8][k8][unit % 8][0];
+}
 // fc3's pre-activations of hidden units 16c .. 16c + 15 (an m16n8 accumulator pair) and their ReLU's
 // mask, a bit per value: per n8 block the two corrections (lo hi, hi lo), then hi hi, as mma_parts.
 __device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const AisZFragments& za, int c,
@@ -1792,9 +1808,8 @@ __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_
 }
 // dz += (dh masked by fc3's ReLU) W3 over hidden units 16c .. 16c + 15 (dh: an m16n8 accumulator
 // pair; B: W3's rows by ldmatrix.trans); three products in fp32's path, one in bf16's.
-template <bool SPLIT>
-__device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], int c, const float (&dh)[8],
-                                       uint32_t bits, float (&dz)[3][4]) {
+template <bool SPLIT, typename W3>
+__device__ inline void ais_w3_backward(const W3& w3, int c, const float (&dh)[8], uint32_t bits, float (&dz)[3][4]) {
     const int lane = threadIdx.x % 32;
     const int t_row = lane % 8 + ((lane / 8) % 2) * 8, t_col = (lane / 16) * 8; // ldmatrix_x4_trans: k16 x two n8
     float m[8];
@@ -1806,12 +1821,12 @@ __device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K
     pack_parts<AisW3>(a[2], a_lo[2], m[4], m[5]);
     pack_parts<AisW3>(a[3], a_lo[3], m[6], m[7]);
     uint32_t r[4], q[4] = {}, r2[2], q2[2] = {};
-    const AisW3* row = &w3[0][16 * c + t_row][0];
-    ldmatrix_x4_trans(r, row + t_col);
-    ldmatrix_x2_trans(r2[0], r2[1], row + 16);
+    const int unit = 16 * c + t_row;
+    ldmatrix_x4_trans(r, ais_w3_at(w3, 0, unit, t_col / 8));
+    ldmatrix_x2_trans(r2[0], r2[1], ais_w3_at(w3, 0, unit, 2));
     if constexpr (SPLIT) {
-        ldmatrix_x4_trans(q, row + HIDDEN_DIM * AIS_W3_K + t_col);
-        ldmatrix_x2_trans(q2[0], q2[1], row + HIDDEN_DIM * AIS_W3_K + 16);
+        ldmatrix_x4_trans(q, ais_w3_at(w3, 1, unit, t_col / 8));
+        ldmatrix_x2_trans(q2[0], q2[1], ais_w3_at(w3, 1, unit, 2));
     }
     const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]}, c1[2] = {q[2], q[3]};
     if constexpr (SPLIT) {
@@ -2001,11 +2016,21 @@ template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* ski
     return rank < CLUSTER - 1 ? (int)rank * BN : INPUT_DIM - BN;
 }
 
-// All of fc3's hi and lo parts into the block's shared memory, by cp.async over the whole block.
+// All of fc3's hi and lo parts into the block's shared memory, by cp.async over the whole block: as
+// rows, or as wgmma's core matrices with their zero pad.
 __device__ inline void ais_copy_fc3(AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const fp16* __restrict__ ais_w3) {
     for (int copy = 0; copy < 2; copy++)
         copy_block_async(&w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
                          HIDDEN_DIM, AIS_W3_K);
+}
+__device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais_w3) {
+    constexpr int K8 = AIS_W3_K / 8;
+    for (int c = threadIdx.x; c < 2 * HIDDEN_DIM * K8; c += blockDim.x) {
+        const int row = c / K8, k8 = c % K8, part = row / HIDDEN_DIM, unit = row % HIDDEN_DIM;
+        cp_async16(&w3.core[part][unit / 8][k8][unit % 8][0], ais_w3 + (size_t)row * AIS_W3_K + 8 * k8, true);
+    }
+    if (threadIdx.x < sizeof(w3.pad) / 16) cp_async16(&w3.pad[8 * threadIdx.x], ais_w3, false); // zeros
+    cp_async_commit();
 }
 // The block's resident weights: fc4's rows col0 .. col0 + AIS_BN - 1 (both copies in fp32) and all of
 // fc3's hi and lo parts, by cp.async over the whole block.
@@ -2230,12 +2255,15 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
 
 // bf16's gradient on wgmma (dev/ais_gradient_v2.cu: 17.6 us an evaluation of 3,840 rows on an H200
 // with the warpgroups' turns, 22.4 before them, against mma.sync's 25.4 on an H100). The same
-// cluster of 4 blocks, column block of 200 logits, fc3 (mma.sync, hi and lo parts), epilogue, W3
-// backward and merge; fc4's two products move to the warpgroup:
-//   forward   per 64 hidden units, each warp runs fc3 for its 16 rows (4 chunks of 16) and the
-//             warpgroup issues 4 m64n200k16 wgmmas with those ReLUs as A from registers and the
-//             block's fc4 as B from shared memory (K-major, the 128-byte swizzle TMA writes: the
-//             decoder's layout); the next group's fc3 runs while they do
+// cluster of 4 blocks, column block of 200 logits, epilogue, W3 backward and merge; fc3 (hi and lo
+// parts, three products) and fc4's two products move to the warpgroup:
+//   forward   per 64 hidden units, fc3 as 6 m64n64k16 wgmmas (z's parts as A from registers, fc3's
+//             parts as B in core matrices, AisW3Cores; the sums are ais_fc3_chunk's to the bit),
+//             then 4 m64n200k16 wgmmas with its ReLU as A from registers and the block's fc4 as B
+//             from shared memory (K-major, the 128-byte swizzle TMA writes: the decoder's layout);
+//             fc3 of the next group runs before them and its ReLU is taken while they run. fc3 on
+//             mma.sync had been a chain of 9 products per 16 units a warp: the forward took ~9,000
+//             cycles of an evaluation's ~31,000 (6,900 now; --ais 100 -6%)
 //   backward  dh[64 x 64 hidden] = (sigmoid - x)[64 x 200] W4[200 x 64]: A = the epilogue's values
 //             (13 k16 steps, in registers), B = the same shared memory read MN-major (wgmma's
 //             transpose bit, 16-bit types only): a k16 step of pixels is 16 rows of 128 bytes, two
@@ -2243,15 +2271,15 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
 //             are fc4's bias parts and TMA's zeros, computed and dropped (an MN-major tile narrower
 //             than the 64-wide swizzle atom is not a layout the PTX ISA describes). Group q + 1's
 //             wgmmas run while the warps take group q's dh through W3 (-3.5% on --ais 100)
-// Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares
-// (128 x 24 floats) and their 4 mbarriers + the tiles' step sizes and acceptances = 230,952 of the
-// 232,448 a block may have (less 1,024 to align): fc3's ReLU mask lives in registers (a 32-bit word
-// per 64 units).
+// Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) and their pad
+// (128) + the shares (128 x 24 floats) and their 4 mbarriers + the tiles' step sizes and acceptances
+// = 231,080 of the 232,448 a block may have (less 1,024 to align): fc3's ReLU mask lives in
+// registers (a 32-bit word per 64 units).
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
 static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
 struct AisWgmmaSmem {
     bf16 w4[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64]; // fc4's column block, K in 64-wide slices (TMA)
-    fp16 w3[2][HIDDEN_DIM][AIS_W3_K]; // right after w4: the backward's last k16 step reads 8 rows past it
+    AisW3Cores w3; // right after w4: the backward's last k16 step reads 8 rows past it
     float share[AIS_ROWS][AIS_SHARE];
     AisMeet meet;
     float step[AIS_ROWS];
@@ -2271,20 +2299,26 @@ __device__ inline uint64_t smem_desc_128b_mn(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(1024 >> 4) << 16 | (uint64_t)(1024 >> 4) << 32 |
            (uint64_t)1 << 62;
 }
-// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers (bf16), B MN-major (imm-trans-b = 1).
-__device__ inline void wgmma_m64n64k16_rs_mn(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
-                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
-                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
-                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
-                 : "memory");
+#define WGMMA_M64N64K16_RS(TYPE, TRANS_B)                                                                      \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                          \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                                      \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                              \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                   \
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, " TRANS_B ";\n}\n"                                              \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),            \
+                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),          \
+                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),          \
+                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                               \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
+                 : "memory")
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers; B K-major (fc3's fp16 parts) or MN-major
+// (imm-trans-b = 1: the backward's bf16 fc4).
+template <typename T, bool MN_MAJOR>
+__device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    static_assert(std::is_same<T, bf16>::value == MN_MAJOR, "the two the kernels use: fp16 K-major, bf16 MN-major");
+    if constexpr (MN_MAJOR) WGMMA_M64N64K16_RS("bf16", "1");
+    else WGMMA_M64N64K16_RS("f16", "0");
 }
 // The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward
 // products in a turn and its backward ones in the next, and runs its epilogue, W3 products and merge
@@ -2299,6 +2333,38 @@ __device__ inline void ais_turns_first() {
 __device__ inline void ais_turns_last() {
     if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256);
 }
+// wgmma descriptor of a K-major 16-bit tile of 8 x 8 core matrices without swizzle (AisW3Cores): the
+// two cores of a k16 step `leading` bytes apart, 8-row groups `stride` bytes apart (layout type 0).
+__device__ inline uint64_t smem_desc_cores(uint32_t addr, uint32_t leading, uint32_t stride) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(leading >> 4) << 16 | (uint64_t)(stride >> 4) << 32;
+}
+// The last group's fc3 (N = 16 hidden units), as wgmma_m64n64k16_rs<fp16, false>.
+__device__ inline void wgmma_m64n16k16_f16_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+                 "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
+                 : "memory");
+}
+// fc3's pre-activations of group q's hidden units (64, the last group's 16: N) for the warpgroup's 64
+// rows as one wgmma group, committed: per k16 step the two corrections (lo hi, hi lo), then hi hi, in
+// ais_fc3_chunk's order, so the sums are its own to the bit. h: each warp's rows in the accumulator
+// layout, 8 values per 16 units as ais_fc3_chunk's h. w3: the shared-memory address of sm.w3.
+template <int N>
+__device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, const AisZFragments& za) {
+    constexpr uint32_t CORE = 128, GROUP = CORE * AIS_W3_K / 8; // a core matrix; 8 units' three cores
+    const uint32_t hi = w3 + q * 8 * GROUP, lo = hi + HIDDEN_DIM / 8 * GROUP;
+    const uint32_t k8[4] = {za.k8[0], za.k8[1], 0u, 0u}, k8_lo[4] = {za.k8_lo[0], za.k8_lo[1], 0u, 0u};
+    auto product = [&](const uint32_t (&a)[4], uint32_t b, bool accumulate) {
+        if constexpr (N == 64) wgmma_m64n64k16_rs<fp16, false>(h, a, smem_desc_cores(b, CORE, GROUP), accumulate);
+        else wgmma_m64n16k16_f16_rs(h, a, smem_desc_cores(b, CORE, GROUP), accumulate);
+    };
+    wgmma_fence();
+    product(za.k16_lo, hi, false), product(za.k16, lo, true), product(za.k16, hi, true);
+    product(k8_lo, hi + 2 * CORE, true), product(k8, lo + 2 * CORE, true), product(k8, hi + 2 * CORE, true);
+    wgmma_commit();
+}
 // BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as in ais_gradient); w4: the
 // shared-memory address of sm.w4; merges as in ais_merge.
 __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_t& merges,
@@ -2311,18 +2377,27 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
     float logit[BN / 2];
     uint32_t a[2][4][4]; // two groups' A fragments: one being read by wgmma, one being written
     const uint32_t a_bias[4] = {bias_ones<bf16>(t), bias_ones<bf16>(t), 0u, 0u};
-    ais_turn_wait();
-    #pragma unroll
-    for (int q = 0; q < AIS_WG_GROUPS; q++) {
+    // fc3 of group q + 1 runs on the tensor cores before fc4 of group q, and its ReLU is taken while
+    // fc4 runs (the wait leaves fc4's group pending)
+    const uint32_t w3 = (uint32_t)__cvta_generic_to_shared(&sm.w3);
+    float h[32];
+    auto fc3_group = [&](int q) {
+        if (q < AIS_WG_GROUPS - 1) ais_fc3_wgmma<64>(h, w3, q, za);
+        else ais_fc3_wgmma<16>(*reinterpret_cast<float(*)[8]>(h), w3, q, za);
+    };
+    auto to_a = [&](int q) { // group q's ReLU as fc4's A fragments, and its mask
         const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1; // 400 = 6 x 64 + 16
+        fence_accumulators(h);
         mask[q] = 0u;
         #pragma unroll
         for (int i = 0; i < 4; i++) {
             if (i < chunks) {
-                float h[8];
-                mask[q] |= ais_fc3_chunk(sm.w3, za, 4 * q + i, h) << (8 * i);
-                uint32_t hi[1][4], lo[1][4];
-                relu_to_a<bf16>(hi, lo, h);
+                const float(&chunk)[8] = *reinterpret_cast<const float(*)[8]>(&h[8 * i]);
+                uint32_t bits = 0, hi[1][4], lo[1][4];
+                #pragma unroll
+                for (int v = 0; v < 8; v++) bits |= (chunk[v] > 0.0f ? 1u : 0u) << v;
+                mask[q] |= bits << (8 * i);
+                relu_to_a<bf16>(hi, lo, chunk);
                 #pragma unroll
                 for (int r = 0; r < 4; r++) a[q % 2][i][r] = hi[0][r];
             } else if (i == chunks) { // the last group's next k16 step: K = 400..415, the bias parts
@@ -2330,6 +2405,15 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
                 for (int r = 0; r < 4; r++) a[q % 2][i][r] = a_bias[r];
             }
         }
+    };
+    fc3_group(0); // before the turn: a turn starts with fc4
+    ais_turn_wait();
+    wgmma_wait<0>();
+    to_a(0);
+    #pragma unroll
+    for (int q = 0; q < AIS_WG_GROUPS; q++) {
+        const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1;
+        if (q + 1 < AIS_WG_GROUPS) fc3_group(q + 1);
         wgmma_fence();
         #pragma unroll
         for (int i = 0; i < 4; i++)
@@ -2337,7 +2421,10 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
                 wgmma_m64n200k16_rs(logit, a[q % 2][i], smem_desc_128b(w4 + q * SLICE_BYTES) + 2 * i, q + i > 0);
         wgmma_commit();
         if (q + 1 == AIS_WG_GROUPS) ais_turn_pass();
-        wgmma_wait<1>(); // the group before is done: its A registers are free for the next
+        if (q + 1 < AIS_WG_GROUPS) {
+            wgmma_wait<1>(); // fc3 of q + 1 is done (and fc4 of q - 1, whose A buffer it overwrites)
+            to_a(q + 1);
+        }
     }
     wgmma_wait<0>();
     fence_accumulators(logit);
@@ -2361,7 +2448,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
         wgmma_fence();
         #pragma unroll
         for (int s = 0; s < K_STEPS; s++)
-            wgmma_m64n64k16_rs_mn(dh[q % 2], ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
+            wgmma_m64n64k16_rs<bf16, true>(dh[q % 2], ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
         wgmma_commit();
     };
     ais_turn_wait();
@@ -2395,8 +2482,8 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem& sm, const CUtensorMa
     }
     ais_copy_fc3(sm.w3, ais_w3);
     cp_async_wait<0>();
-    // fc3's rows, written by cp.async (the generic proxy), are also read by the backward's wgmma (the
-    // async proxy: the 8 rows past fc4): this fence makes the writes visible to it
+    // fc3's cores, written by cp.async (the generic proxy), are read by wgmma (the async proxy: fc3's
+    // products, and the backward's 8 rows past fc4): this fence makes the writes visible to it
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
