@@ -1738,21 +1738,17 @@ __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]
     return f;
 }
 // fc3's parts as bf16's wgmmas read them: 8 x 8 core matrices of 128 contiguous bytes, [part][unit /
-// 8][k / 8][unit % 8][k % 8], no swizzle. A k16 step is two cores 128 bytes apart (the descriptor's
-// leading offset), groups of 8 units 384 bytes apart (its stride). K = 24 is three cores: the second
-// k16 step takes the next group's first core as its K = 24..31, times A's zeros, and the last group
-// of the lo part takes `pad` (zeros). The same 19,200 bytes a part as the rows [400][24] of mma.sync.
+// 8][k / 8][unit % 8][k % 8], no swizzle, the same 19,200 bytes a part as mma.sync's rows [400][24].
+// Forward (K-major, K = latents): a k16 step is two cores 128 bytes apart, groups of 8 units 384
+// bytes apart; K = 24 is three cores, so the second k16 step takes the next group's first core as
+// its K = 24..31, times A's zeros, and the lo part's last group takes `pad` (zeros). Backward
+// (MN-major, K = units, N = 24 latents): a k16 step is two groups 384 bytes apart, the three cores
+// of a row of 8 units 128 bytes apart.
 struct AisW3Cores {
     AisW3 core[2][HIDDEN_DIM / 8][AIS_W3_K / 8][8][8];
     AisW3 pad[64];
 };
-// Where hidden unit `unit`'s K = 8 k8 .. 8 k8 + 7 of fc3's part `part` start, in either layout.
-__device__ inline const AisW3* ais_w3_at(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], int part, int unit, int k8) {
-    return &w3[part][unit][8 * k8];
-}
-__device__ inline const AisW3* ais_w3_at(const AisW3Cores& w3, int part, int unit, int k8) {
-    return &w3.core[part][unit / 8][k8][unit % 8][0];
-}
+constexpr uint32_t AIS_W3_CORE_BYTES = 128, AIS_W3_GROUP_BYTES = AIS_W3_CORE_BYTES * (AIS_W3_K / 8); // 8 units' cores
 // fc3's pre-activations of hidden units 16c .. 16c + 15 (an m16n8 accumulator pair) and their ReLU's
 // mask, a bit per value: per n8 block the two corrections (lo hi, hi lo), then hi hi, as mma_parts.
 __device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const AisZFragments& za, int c,
@@ -1808,8 +1804,9 @@ __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_
 }
 // dz += (dh masked by fc3's ReLU) W3 over hidden units 16c .. 16c + 15 (dh: an m16n8 accumulator
 // pair; B: W3's rows by ldmatrix.trans); three products in fp32's path, one in bf16's.
-template <bool SPLIT, typename W3>
-__device__ inline void ais_w3_backward(const W3& w3, int c, const float (&dh)[8], uint32_t bits, float (&dz)[3][4]) {
+template <bool SPLIT>
+__device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], int c, const float (&dh)[8],
+                                       uint32_t bits, float (&dz)[3][4]) {
     const int lane = threadIdx.x % 32;
     const int t_row = lane % 8 + ((lane / 8) % 2) * 8, t_col = (lane / 16) * 8; // ldmatrix_x4_trans: k16 x two n8
     float m[8];
@@ -1821,12 +1818,12 @@ __device__ inline void ais_w3_backward(const W3& w3, int c, const float (&dh)[8]
     pack_parts<AisW3>(a[2], a_lo[2], m[4], m[5]);
     pack_parts<AisW3>(a[3], a_lo[3], m[6], m[7]);
     uint32_t r[4], q[4] = {}, r2[2], q2[2] = {};
-    const int unit = 16 * c + t_row;
-    ldmatrix_x4_trans(r, ais_w3_at(w3, 0, unit, t_col / 8));
-    ldmatrix_x2_trans(r2[0], r2[1], ais_w3_at(w3, 0, unit, 2));
+    const AisW3* row = &w3[0][16 * c + t_row][0];
+    ldmatrix_x4_trans(r, row + t_col);
+    ldmatrix_x2_trans(r2[0], r2[1], row + 16);
     if constexpr (SPLIT) {
-        ldmatrix_x4_trans(q, ais_w3_at(w3, 1, unit, t_col / 8));
-        ldmatrix_x2_trans(q2[0], q2[1], ais_w3_at(w3, 1, unit, 2));
+        ldmatrix_x4_trans(q, row + HIDDEN_DIM * AIS_W3_K + t_col);
+        ldmatrix_x2_trans(q2[0], q2[1], row + HIDDEN_DIM * AIS_W3_K + 16);
     }
     const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]}, c1[2] = {q[2], q[3]};
     if constexpr (SPLIT) {
@@ -2255,8 +2252,8 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
 
 // bf16's gradient on wgmma (dev/ais_gradient_v2.cu: 17.6 us an evaluation of 3,840 rows on an H200
 // with the warpgroups' turns, 22.4 before them, against mma.sync's 25.4 on an H100). The same
-// cluster of 4 blocks, column block of 200 logits, epilogue, W3 backward and merge; fc3 (hi and lo
-// parts, three products) and fc4's two products move to the warpgroup:
+// cluster of 4 blocks, column block of 200 logits, epilogue and merge; all four products move to the
+// warpgroup (fc3 with hi and lo parts, three products, its backward with one):
 //   forward   per 64 hidden units, fc3 as 6 m64n64k16 wgmmas (z's parts as A from registers, fc3's
 //             parts as B in core matrices, AisW3Cores; the sums are ais_fc3_chunk's to the bit),
 //             then 4 m64n200k16 wgmmas with its ReLU as A from registers and the block's fc4 as B
@@ -2270,7 +2267,11 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
 //             8-row swizzle atoms 1024 bytes apart. 7 groups of n64; the last one's units 400..447
 //             are fc4's bias parts and TMA's zeros, computed and dropped (an MN-major tile narrower
 //             than the 64-wide swizzle atom is not a layout the PTX ISA describes). Group q + 1's
-//             wgmmas run while the warps take group q's dh through W3 (-3.5% on --ais 100)
+//             wgmmas run while the warps mask group q's dh by the ReLU into fp16 A fragments, and
+//             dz += those W3 follows as 4 m64n24k16 (fc3's hi part read MN-major from its cores, in
+//             the order of mma.sync's ais_w3_backward: the same sums). On mma.sync (12 products and
+//             4 ldmatrix a warp per 64 units) the backward had taken ~9,500 cycles of an evaluation
+//             (5,200 now; --ais 100 -15%)
 // Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) and their pad
 // (128) + the shares (128 x 24 floats) and their 4 mbarriers + the tiles' step sizes and acceptances
 // = 231,080 of the 232,448 a block may have (less 1,024 to align): fc3's ReLU mask lives in
@@ -2333,8 +2334,8 @@ __device__ inline void ais_turns_first() {
 __device__ inline void ais_turns_last() {
     if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256);
 }
-// wgmma descriptor of a K-major 16-bit tile of 8 x 8 core matrices without swizzle (AisW3Cores): the
-// two cores of a k16 step `leading` bytes apart, 8-row groups `stride` bytes apart (layout type 0).
+// wgmma descriptor of a 16-bit tile of 8 x 8 core matrices without swizzle (AisW3Cores; layout type
+// 0): cores adjacent along K `leading` bytes apart, along M or N `stride` bytes apart.
 __device__ inline uint64_t smem_desc_cores(uint32_t addr, uint32_t leading, uint32_t stride) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(leading >> 4) << 16 | (uint64_t)(stride >> 4) << 32;
 }
@@ -2347,13 +2348,23 @@ __device__ inline void wgmma_m64n16k16_f16_rs(float (&d)[8], const uint32_t (&a)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
                  : "memory");
 }
+// D[64 x 24] (+)= A[64 x 16] B[16 x 24] in fp16, A from registers, B MN-major (imm-trans-b = 1): the
+// backward through fc3, B = fc3's hi part in its core matrices read as [unit][latent].
+__device__ inline void wgmma_m64n24k16_f16_rs_mn(float (&d)[12], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, 1, 1, 1, 1;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b)
+                 : "memory");
+}
 // fc3's pre-activations of group q's hidden units (64, the last group's 16: N) for the warpgroup's 64
 // rows as one wgmma group, committed: per k16 step the two corrections (lo hi, hi lo), then hi hi, in
 // ais_fc3_chunk's order, so the sums are its own to the bit. h: each warp's rows in the accumulator
 // layout, 8 values per 16 units as ais_fc3_chunk's h. w3: the shared-memory address of sm.w3.
 template <int N>
 __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, const AisZFragments& za) {
-    constexpr uint32_t CORE = 128, GROUP = CORE * AIS_W3_K / 8; // a core matrix; 8 units' three cores
+    constexpr uint32_t CORE = AIS_W3_CORE_BYTES, GROUP = AIS_W3_GROUP_BYTES;
     const uint32_t hi = w3 + q * 8 * GROUP, lo = hi + HIDDEN_DIM / 8 * GROUP;
     const uint32_t k8[4] = {za.k8[0], za.k8[1], 0u, 0u}, k8_lo[4] = {za.k8_lo[0], za.k8_lo[1], 0u, 0u};
     auto product = [&](const uint32_t (&a)[4], uint32_t b, bool accumulate) {
@@ -2443,6 +2454,8 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
         ga[s][3] = full ? pack2<bf16>(logit[8 * s + 6], logit[8 * s + 7]) : 0u;
     }
     float dz[3][4] = {}, dh[2][32]; // group q's dh in dh[q % 2]: W3 reads one while the next wgmmas write the other
+    float(&dz_acc)[12] = *reinterpret_cast<float(*)[12]>(&dz[0][0]); // W3's m64n24 accumulators: n8 block j at 4j
+    uint32_t masked[4][4]; // group q's dh through fc3's ReLU, as W3's A fragments (fp16), a k16 step per 16 units
     auto backward_group = [&](int q) {
         const uint32_t slice = w4 + q * SLICE_BYTES;
         wgmma_fence();
@@ -2462,13 +2475,29 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
         } else {
             wgmma_wait<0>();
         }
+        // dz += masked W3 as one wgmma group per 64 units (4 m64n24k16, in ais_w3_backward's order: the
+        // same sums); its A registers are free again after the next wait
         fence_accumulators(dh[q % 2]);
+        const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1;
         #pragma unroll
         for (int i = 0; i < 4; i++)
-            if (i < (q < AIS_WG_GROUPS - 1 ? 4 : 1))
-                ais_w3_backward<false>(sm.w3, 4 * q + i, *reinterpret_cast<const float(*)[8]>(&dh[q % 2][8 * i]),
-                                       (mask[q] >> (8 * i)) & 0xFFu, dz);
+            if (i < chunks)
+                #pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const int v = 8 * i + 2 * r;
+                    const uint32_t bits = mask[q] >> (8 * i + 2 * r);
+                    masked[i][r] = pack2<fp16>(bits & 1u ? dh[q % 2][v] : 0.0f, bits & 2u ? dh[q % 2][v + 1] : 0.0f);
+                }
+        wgmma_fence();
+        #pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (i < chunks) // units 16 (4q + i) .. + 15: two core groups of fc3's hi part, K-adjacent
+                wgmma_m64n24k16_f16_rs_mn(dz_acc, masked[i], smem_desc_cores(w3 + (4 * q + i) * 2 * AIS_W3_GROUP_BYTES,
+                                                                             AIS_W3_GROUP_BYTES, AIS_W3_CORE_BYTES));
+        wgmma_commit();
     }
+    wgmma_wait<0>();
+    fence_accumulators(dz_acc);
     ais_merge<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.share, sm.meet, merges, dz, bce_share, grad, bce);
 }
 // The block's weights for ais_gradient_wgmma: fc4's column block col0 by TMA, fc3's parts by cp.async.
