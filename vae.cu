@@ -1781,12 +1781,21 @@ template <bool ENERGY, int N>
 __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
                                     float (&bce_share)[2]) {
     const int t = threadIdx.x % 4;
+    // all the pixel pairs first (from L2: the L1 beside 231 KB of shared memory keeps little), then
+    // the arithmetic: loaded where used, they had come in small batches, each a round trip to L2
+    // (bf16 --ais 100 -8%)
+    uint32_t pixels[2][N / 4];
+    #pragma unroll
+    for (int half = 0; half < 2; half++)
+        #pragma unroll
+        for (int j = 0; j < N / 4; j++)
+            pixels[half][j] = *reinterpret_cast<const uint16_t*>(&x_row[half][8 * j + 2 * t]);
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         float dot = 0.0f, abs_sum = 0.0f, prod0 = 1.0f, prod1 = 1.0f;
         #pragma unroll
         for (int j = 0; j < N / 4; j++) {
-            const uint32_t px = *reinterpret_cast<const uint16_t*>(&x_row[half][8 * j + 2 * t]);
+            const uint32_t px = pixels[half][j];
             float* l = &logit[4 * j + 2 * half];
             const float x0 = __fmul_rn(byte_as_float(px, 0), 1.0f / 255.0f);
             const float x1 = __fmul_rn(byte_as_float(px, 1), 1.0f / 255.0f);
