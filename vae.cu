@@ -1852,9 +1852,11 @@ __device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K
 // parity is the barriers' phase. A row keeps each lane's values together: latents 2t, 2t + 1, 8 + 2t,
 // 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2), the BCE (t = 2, a zero beside it) or zeros
 // (t = 3) at 16 + 2t, so a lane reads a block's share of a row in one 16-byte and one 8-byte load, not
-// four 8-byte ones. A row's loads from all blocks (its own through the same cluster window) are
-// issued before its first add: with a branch for the own block's, each load had waited for the add
-// before it, 12 DSMEM round trips in a row (bf16: 4,700 cycles of an evaluation's 32,800; 1,650 now).
+// four 8-byte ones. A row's loads from all blocks are issued before its first add: with a branch for
+// the own block's, each load had waited for the add before it, 12 DSMEM round trips in a row (bf16:
+// 4,700 cycles of an evaluation's 32,800; 1,650 now). The own block's load goes through the cluster
+// window too, so there is no branch, but its value is not used: the adds take the thread's own
+// registers (the same bits), as reading its own store through that alias would need a proxy fence.
 template <int CLUSTER>
 __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint32_t& merges, const float (&dz)[3][4],
                                  const float (&bce_share)[2], float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
@@ -1872,15 +1874,21 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
         for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++)
             if (rank != own_rank) mbar_arrive_at(bar, rank);
     };
+    float4 own4[2];
+    float2 own2[2];
+    #pragma unroll
+    for (int half = 0; half < 2; half++) {
+        own4[half] = make_float4(dz[0][2 * half], dz[0][2 * half + 1], dz[1][2 * half], dz[1][2 * half + 1]);
+        own2[half] = t < 2    ? make_float2(dz[2][2 * half], dz[2][2 * half + 1])
+                     : t == 2 ? make_float2(bce_share[half], 0.0f)
+                              : make_float2(0.0f, 0.0f);
+    }
     if (merges > 0) mbar_wait_cluster(added, (merges - 1) & 1);
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         float* own = share[warp * TASK_ROWS + g + 8 * half];
-        *reinterpret_cast<float4*>(&own[4 * t]) =
-            make_float4(dz[0][2 * half], dz[0][2 * half + 1], dz[1][2 * half], dz[1][2 * half + 1]);
-        *reinterpret_cast<float2*>(&own[16 + 2 * t]) = t < 2    ? make_float2(dz[2][2 * half], dz[2][2 * half + 1])
-                                                        : t == 2 ? make_float2(bce_share[half], 0.0f)
-                                                                 : make_float2(0.0f, 0.0f);
+        *reinterpret_cast<float4*>(&own[4 * t]) = own4[half];
+        *reinterpret_cast<float2*>(&own[16 + 2 * t]) = own2[half];
     }
     arrive_at_others(stored, true);
     mbar_wait_cluster(stored, merges & 1);
@@ -1895,9 +1903,11 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
         float4 sum4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         float2 sum2 = make_float2(0.0f, 0.0f);
         #pragma unroll
-        for (int rank = 0; rank < CLUSTER; rank++) {
-            sum4.x += v4[rank].x, sum4.y += v4[rank].y, sum4.z += v4[rank].z, sum4.w += v4[rank].w;
-            sum2.x += v2[rank].x, sum2.y += v2[rank].y;
+        for (int rank = 0; rank < CLUSTER; rank++) { // the own block's values from registers, not its alias
+            const float4 a = rank == (int)own_rank ? own4[half] : v4[rank];
+            const float2 b = rank == (int)own_rank ? own2[half] : v2[rank];
+            sum4.x += a.x, sum4.y += a.y, sum4.z += a.z, sum4.w += a.w;
+            sum2.x += b.x, sum2.y += b.y;
         }
         // latents past 20 stay zero: their z and p enter |z|^2 and |p|^2
         grad[half][0] = sum4.x, grad[half][1] = sum4.y, grad[half][2] = sum4.z, grad[half][3] = sum4.w;
@@ -2259,8 +2269,8 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
     }
 }
 
-// bf16's gradient on wgmma (dev/ais_gradient_v2.cu: 17.6 us an evaluation of 3,840 rows on an H200
-// with the warpgroups' turns, 22.4 before them, against mma.sync's 25.4 on an H100). The same
+// bf16's gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it: 141.9 us a
+// transition of 3,840 chains on an H200, 207.7 with fc3 and its backward on mma.sync). The same
 // cluster of 4 blocks, column block of 200 logits, epilogue and merge; all four products move to the
 // warpgroup (fc3 with hi and lo parts, three products, its backward with one):
 //   forward   per 64 hidden units, fc3 as 6 m64n64k16 wgmmas (z's parts as A from registers, fc3's
@@ -2269,7 +2279,7 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
 //             from shared memory (K-major, the 128-byte swizzle TMA writes: the decoder's layout);
 //             fc3 of the next group runs before them and its ReLU is taken while they run. fc3 on
 //             mma.sync had been a chain of 9 products per 16 units a warp: the forward took ~9,000
-//             cycles of an evaluation's ~31,000 (6,900 now; --ais 100 -6%)
+//             cycles of an evaluation's ~31,000 (--ais 100 -6%)
 //   backward  dh[64 x 64 hidden] = (sigmoid - x)[64 x 200] W4[200 x 64]: A = the epilogue's values
 //             (13 k16 steps, in registers), B = the same shared memory read MN-major (wgmma's
 //             transpose bit, 16-bit types only): a k16 step of pixels is 16 rows of 128 bytes, two
@@ -2331,8 +2341,9 @@ __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4]
     else WGMMA_M64N64K16_RS("f16", "0");
 }
 // The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward
-// products in a turn and its backward ones in the next, and runs its epilogue, W3 products and merge
-// while the other issues (--ais 100: -8%; a turn for the forward or the backward alone gains nothing).
+// products in a turn (its first fc3 group just before) and its backward ones in the next (W3's last
+// group just after), and runs its epilogue and merge while the other issues (--ais 100: -8% when
+// they came in; without them -10% now; a turn for the forward or the backward alone gains nothing).
 // Warpgroup 1 hands warpgroup 0 the first turn (ais_turns_first) and 0 takes 1's last hand-over
 // (ais_turns_last), so both must evaluate as often (ais_chains' tiles).
 __device__ inline void ais_turn_wait() { named_bar_sync(AIS_BAR_TURN + threadIdx.x / 128, 256); }
@@ -2537,8 +2548,9 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem& sm, const CUtensorMa
 // fp32: ais_gradient on mma.sync, which has no room for wgmma's layout of two copies beside fc3),
 // and the blocks add their 84-byte shares per row through distributed shared memory: nothing else
 // moves. Streaming fc4 instead would move 627 KB (bf16) per block per evaluation. A block's two
-// warpgroups hold separate tiles when C <= 64 and meet only their counterparts in the other blocks,
-// so neither waits for the other's epilogue; in bf16 they take turns at the tensor cores.
+// warpgroups hold separate tiles when ais_tile_rows says so (C = 16) and meet only their
+// counterparts in the other blocks, so neither waits for the other's epilogue; in bf16 they take
+// turns at the tensor cores.
 template <Precision P>
 __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const __grid_constant__ CUtensorMap w4_map,
