@@ -1854,9 +1854,10 @@ __device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K
 // (t = 3) at 16 + 2t, so a lane reads a block's share of a row in one 16-byte and one 8-byte load, not
 // four 8-byte ones. A row's loads from all blocks are issued before its first add: with a branch for
 // the own block's, each load had waited for the add before it, 12 DSMEM round trips in a row (bf16:
-// 4,700 cycles of an evaluation's 32,800; 1,650 now). The own block's load goes through the cluster
-// window too, so there is no branch, but its value is not used: the adds take the thread's own
-// registers (the same bits), as reading its own store through that alias would need a proxy fence.
+// 4,700 cycles of an evaluation's 32,800; 1,650 now). The own block's share is read through the
+// cluster window too, as the other blocks read it, ordered after its store by the same release and
+// acquire; adding the own share from the thread's registers instead (no load to wait for) was 4%
+// slower (bf16 --ais 100 0.590 -> 0.616 s; the registers it holds through the merge spill).
 template <int CLUSTER>
 __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint32_t& merges, const float (&dz)[3][4],
                                  const float (&bce_share)[2], float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
@@ -1874,21 +1875,15 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
         for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++)
             if (rank != own_rank) mbar_arrive_at(bar, rank);
     };
-    float4 own4[2];
-    float2 own2[2];
-    #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        own4[half] = make_float4(dz[0][2 * half], dz[0][2 * half + 1], dz[1][2 * half], dz[1][2 * half + 1]);
-        own2[half] = t < 2    ? make_float2(dz[2][2 * half], dz[2][2 * half + 1])
-                     : t == 2 ? make_float2(bce_share[half], 0.0f)
-                              : make_float2(0.0f, 0.0f);
-    }
     if (merges > 0) mbar_wait_cluster(added, (merges - 1) & 1);
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         float* own = share[warp * TASK_ROWS + g + 8 * half];
-        *reinterpret_cast<float4*>(&own[4 * t]) = own4[half];
-        *reinterpret_cast<float2*>(&own[16 + 2 * t]) = own2[half];
+        *reinterpret_cast<float4*>(&own[4 * t]) =
+            make_float4(dz[0][2 * half], dz[0][2 * half + 1], dz[1][2 * half], dz[1][2 * half + 1]);
+        *reinterpret_cast<float2*>(&own[16 + 2 * t]) = t < 2    ? make_float2(dz[2][2 * half], dz[2][2 * half + 1])
+                                                        : t == 2 ? make_float2(bce_share[half], 0.0f)
+                                                                 : make_float2(0.0f, 0.0f);
     }
     arrive_at_others(stored, true);
     mbar_wait_cluster(stored, merges & 1);
@@ -1903,11 +1898,9 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
         float4 sum4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         float2 sum2 = make_float2(0.0f, 0.0f);
         #pragma unroll
-        for (int rank = 0; rank < CLUSTER; rank++) { // the own block's values from registers, not its alias
-            const float4 a = rank == (int)own_rank ? own4[half] : v4[rank];
-            const float2 b = rank == (int)own_rank ? own2[half] : v2[rank];
-            sum4.x += a.x, sum4.y += a.y, sum4.z += a.z, sum4.w += a.w;
-            sum2.x += b.x, sum2.y += b.y;
+        for (int rank = 0; rank < CLUSTER; rank++) {
+            sum4.x += v4[rank].x, sum4.y += v4[rank].y, sum4.z += v4[rank].z, sum4.w += v4[rank].w;
+            sum2.x += v2[rank].x, sum2.y += v2[rank].y;
         }
         // latents past 20 stay zero: their z and p enter |z|^2 and |p|^2
         grad[half][0] = sum4.x, grad[half][1] = sum4.y, grad[half][2] = sum4.z, grad[half][3] = sum4.w;
