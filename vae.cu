@@ -1721,7 +1721,8 @@ __device__ inline float quad_sum(float v) {
 typedef fp16 AisW3;
 // z as fc3's A fragments, K = 24 in two steps: an m16n8k16 over latents 0..15 and an m16n8k8 over
 // 16..19, 1 at K = 20..22 (times the bias parts) and a zero; K = 32 in two k16 steps would spend a
-// third of fc3's products on zeros.
+// third of mma.sync's fc3 products on zeros. (wgmma has no k8: ais_fc3_wgmma's second step is a k16
+// with k8 as the lower half of its A and zeros above.)
 struct AisZFragments {
     uint32_t k16[4], k16_lo[4], k8[2], k8_lo[2];
 };
