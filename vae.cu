@@ -1775,9 +1775,11 @@ __device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3
 // The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from
 // the block's first column): sigmoid(l) - x in place of each logit (zero in the skipped blocks), and
 // when ENERGY the row's BCE share (decoder_epilogue's sum; else zero). Only the trajectory's end needs
-// the energy, so 9 of L = 10 evaluations skip its 3 instructions a logit (--ais 100 bf16 -5%). x is a
-// product rounded as written (__fmul_rn): fused into sigmoid - x where the sum does not use it, it
-// would round once less and the two instances would part in the last bit.
+// the energy, so 9 of L = 10 evaluations skip its 3 instructions a logit (--ais 100 bf16 -5%).
+// sigmoid(l) = 1 / (1 + exp(-l)): two MUFU operations and two others a logit (exp(-l) overflows to
+// infinity for l < -88 and the reciprocal to 0, the limit); the form with exp(-|l|) and a select on
+// the sign took five others (--ais 100 bf16 -2%). The energy's sum keeps exp(-|l|) and x as a product
+// rounded as written (__fmul_rn); sigmoid - x is one fmaf in both instances, so they agree.
 template <bool ENERGY, int N>
 __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
                                     float (&bce_share)[2]) {
@@ -1798,16 +1800,18 @@ __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_
         for (int j = 0; j < N / 4; j++) {
             const uint32_t px = pixels[half][j];
             float* l = &logit[4 * j + 2 * half];
-            const float x0 = __fmul_rn(byte_as_float(px, 0), 1.0f / 255.0f);
-            const float x1 = __fmul_rn(byte_as_float(px, 1), 1.0f / 255.0f);
-            const float e0 = fast_exp2(-fabsf(l[0]) * 1.4426950409f), e1 = fast_exp2(-fabsf(l[1]) * 1.4426950409f);
+            const float b0 = byte_as_float(px, 0), b1 = byte_as_float(px, 1);
             if (ENERGY && j >= skip) {
+                const float x0 = __fmul_rn(b0, 1.0f / 255.0f), x1 = __fmul_rn(b1, 1.0f / 255.0f);
+                const float e0 = fast_exp2(-fabsf(l[0]) * 1.4426950409f), e1 = fast_exp2(-fabsf(l[1]) * 1.4426950409f);
                 dot = fmaf(0.5f - x0, l[0], fmaf(0.5f - x1, l[1], dot));
                 abs_sum += fabsf(l[0]) + fabsf(l[1]);
                 prod0 = fmaf(prod0, e0, prod0), prod1 = fmaf(prod1, e1, prod1);
             }
-            l[0] = j >= skip ? __fdividef(l[0] >= 0.0f ? 1.0f : e0, 1.0f + e0) - x0 : 0.0f;
-            l[1] = j >= skip ? __fdividef(l[1] >= 0.0f ? 1.0f : e1, 1.0f + e1) - x1 : 0.0f;
+            const float s0 = __fdividef(1.0f, 1.0f + fast_exp2(l[0] * -1.4426950409f));
+            const float s1 = __fdividef(1.0f, 1.0f + fast_exp2(l[1] * -1.4426950409f));
+            l[0] = j >= skip ? fmaf(b0, -1.0f / 255.0f, s0) : 0.0f;
+            l[1] = j >= skip ? fmaf(b1, -1.0f / 255.0f, s1) : 0.0f;
         }
         bce_share[half] = ENERGY ? quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1)) : 0.0f;
     }
