@@ -1775,11 +1775,12 @@ __device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3
 // The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from
 // the block's first column): sigmoid(l) - x in place of each logit (zero in the skipped blocks), and
 // when ENERGY the row's BCE share (decoder_epilogue's sum; else zero). Only the trajectory's end needs
-// the energy, so 9 of L = 10 evaluations skip its 3 instructions a logit (--ais 100 bf16 -5%).
-// sigmoid(l) = 1 / (1 + exp(-l)): two MUFU operations and two others a logit (exp(-l) overflows to
-// infinity for l < -88 and the reciprocal to 0, the limit); the form with exp(-|l|) and a select on
-// the sign took five others (--ais 100 bf16 -2%). The energy's sum keeps exp(-|l|) and x as a product
-// rounded as written (__fmul_rn); sigmoid - x is one fmaf in both instances, so they agree.
+// the energy, so 9 of L = 10 evaluations skip its sum (its own exp(-|l|) and x, 3 instructions more a
+// logit; --ais 100 bf16 -5%). sigmoid(l) - x = fmaf(byte, -1/255, 1 / (1 + exp(-l))): two MUFU
+// operations and three others a logit (exp(-l) overflows to infinity for l < -88 and the reciprocal
+// to 0, the limit); (l >= 0 ? 1 : e) / (1 + e) with e = exp(-|l|), x rounded apart, took about seven
+// others (--ais 100 bf16 -2%). The sum keeps exp(-|l|) and x as a product rounded as written
+// (__fmul_rn); sigmoid - x is the same fmaf in both instances, so they agree.
 template <bool ENERGY, int N>
 __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
                                     float (&bce_share)[2]) {
@@ -2383,7 +2384,8 @@ __device__ inline void wgmma_m64n24k16_f16_rs_mn(float (&d)[12], const uint32_t 
 // above bf16's smallest 2^-133. Pair j (register r of k16 step i: j = 4i + r) keeps its two flags at
 // bits j and 16 + j, so one shift places both. As comparisons (h > 0) the bits had become predicates
 // that ptxas kept by moving bits between registers, three instructions a bit plus a repacking after
-// the forward: 1,900 of the kernel's 17,500 instructions (--ais 100 bf16 0.590 -> 0.510 s).
+// the forward: 1,900 of the 17,500 SASS instructions in the kernel's code (--ais 100 bf16 0.590 ->
+// 0.510 s).
 __device__ inline uint32_t relu_pair_flags(uint32_t pair, int j) {
     uint32_t flags;
     asm("min.relu.s16x2 %0, %1, %2;\n" : "=r"(flags) : "r"(pair), "r"(0x00010001u));
