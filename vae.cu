@@ -389,12 +389,6 @@ template <typename T> __device__ inline void mma_m16n8k16(float* d, const uint32
     if constexpr (std::is_same<T, bf16>::value) MMA_M16N8K16("bf16");
     else MMA_M16N8K16("f16");
 }
-// The same with K = 8, fp16 (AIS's fc3 over its last 8 inputs): a[0], a[1] and b as a[0], a[1] and b[0] above.
-__device__ inline void mma_m16n8k8_f16(float* d, const uint32_t (&a)[2], uint32_t b) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(b));
-}
 // d += a b in the path's precision: bf16 one product; fp32 the two corrections (al bh, ah bl), then ah bh.
 template <typename T>
 __device__ inline void mma_parts(float* d, const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
@@ -1719,12 +1713,17 @@ __device__ inline float quad_sum(float v) {
 // changes by its curvature (~100) times any error in z or W3 z, and bf16's 2^-9 moved it by 7% (fp16's
 // 2^-11 alone: 2.3%). The backward product through W3 is linear in dh: one product in bf16.
 typedef fp16 AisW3;
-// z as fc3's A fragments, K = 24 in two steps: an m16n8k16 over latents 0..15 and an m16n8k8 over
-// 16..19, 1 at K = 20..22 (times the bias parts) and a zero; K = 32 in two k16 steps would spend a
-// third of mma.sync's fc3 products on zeros. (wgmma has no k8: ais_fc3_wgmma's second step is a k16
-// with k8 as the lower half of its A and zeros above.)
+// z as fc3's A fragments: latents 0..15 as a k16 step of hi parts and one of lo parts (three
+// products: lo hi, hi lo, hi hi), and the rest of all three products in one more k16 step, k24:
+//   K  0..7   z hi 16..19, 1, 1, 1, 0   times  W3 hi 16..19, the bias parts, 0
+//   K  8..11  z hi 16..19               times  W3 lo 16..19
+//   K 12..15  z lo 16..19               times  W3 hi 16..19
+// 15 of its 16 products used: K = 24 of each part in k8 steps took six products a 16 units, or wgmma
+// (no k8) six k16 steps, half of them zeros; four now (--ais 100 on an H200: bf16 0.495 -> 0.491 s,
+// fp32 3.13 -> 3.10 s). Thread t holds K 2t, 2t + 1 and 8 + 2t, 9 + 2t: lanes t = 2, 3 take z lo
+// 16..19 from lanes 0, 1.
 struct AisZFragments {
-    uint32_t k16[4], k16_lo[4], k8[2], k8_lo[2];
+    uint32_t k16[4], k16_lo[4], k24[4];
 };
 __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]) {
     const int t = threadIdx.x % 4;
@@ -1734,24 +1733,28 @@ __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]
         pack_parts<AisW3>(f.k16[half], f.k16_lo[half], z[half][0], z[half][1]);
         pack_parts<AisW3>(f.k16[2 + half], f.k16_lo[2 + half], z[half][2], z[half][3]);
         const float k20 = t < 2 ? z[half][4] : 1.0f, k21 = t < 2 ? z[half][5] : t == 2 ? 1.0f : 0.0f;
-        pack_parts<AisW3>(f.k8[half], f.k8_lo[half], k20, k21);
+        uint32_t k8, k8_lo;
+        pack_parts<AisW3>(k8, k8_lo, k20, k21);
+        const uint32_t lo_of_lane_t_minus_2 = __shfl_sync(0xffffffffu, k8_lo, (threadIdx.x % 32 & ~3) | (t & 1));
+        f.k24[half] = k8, f.k24[2 + half] = t < 2 ? k8 : lo_of_lane_t_minus_2;
     }
     return f;
 }
-// fc3's parts as bf16's wgmmas read them: 8 x 8 core matrices of 128 contiguous bytes, [part][unit /
-// 8][k / 8][unit % 8][k % 8], no swizzle, the same 19,200 bytes a part as mma.sync's rows [400][24].
-// Forward (K-major, K = latents): a k16 step is two cores 128 bytes apart, groups of 8 units 384
-// bytes apart; K = 24 is three cores, so the second k16 step takes the next group's first core as
-// its K = 24..31, times A's zeros, and the lo part's last group takes `pad` (zeros). Backward
-// (MN-major, K = units, N = 24 latents): a k16 step is two groups 384 bytes apart, the three cores
-// of a row of 8 units 128 bytes apart.
+// fc3's parts as bf16's wgmmas read them: 8 x 8 core matrices of 128 contiguous bytes, [unit / 8][k /
+// 8][unit % 8][k % 8], no swizzle, the 38,400 bytes of mma.sync's rows [2][400][24] as the k16 steps
+// take them: the hi part K = 32, [W3 hi | bias parts | 0 | W3 lo 16..19, W3 hi 16..19] (k24's B), the
+// lo part K = 16. Forward (K-major, K = latents): a k16 step is two cores 128 bytes apart, groups of 8
+// units 512 (hi) or 256 (lo) bytes apart. Backward (MN-major, K = units, N = 24 latents, hi only): a
+// k16 step is two groups 512 bytes apart, the three cores of a row of 8 units 128 bytes apart.
 struct AisW3Cores {
-    AisW3 core[2][HIDDEN_DIM / 8][AIS_W3_K / 8][8][8];
-    AisW3 pad[64];
+    AisW3 hi[HIDDEN_DIM / 8][4][8][8];
+    AisW3 lo[HIDDEN_DIM / 8][2][8][8];
 };
-constexpr uint32_t AIS_W3_CORE_BYTES = 128, AIS_W3_GROUP_BYTES = AIS_W3_CORE_BYTES * (AIS_W3_K / 8); // 8 units' cores
+constexpr uint32_t AIS_W3_CORE_BYTES = 128, AIS_W3_HI_GROUP_BYTES = 4 * 128, AIS_W3_LO_GROUP_BYTES = 2 * 128;
 // fc3's pre-activations of hidden units 16c .. 16c + 15 (an m16n8 accumulator pair) and their ReLU's
-// mask, a bit per value: per n8 block the two corrections (lo hi, hi lo), then hi hi, as mma_parts.
+// mask, a bit per value: per n8 block the two corrections (lo hi, hi lo), then hi hi, as mma_parts,
+// then k24 (its B from the rows: K 8..11 of lane t < 2 are W3 lo 16 + 2t, 17 + 2t, K 12..15 of lane
+// t >= 2 W3 hi 12 + 2t, 13 + 2t).
 __device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const AisZFragments& za, int c,
                                          float (&h)[8]) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
@@ -1763,9 +1766,8 @@ __device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3
         const AisW3* lo = &w3[1][16 * c + 8 * j + g][2 * t];
         const uint32_t b[2] = {pair_at(hi), pair_at(hi + 8)}, b_lo[2] = {pair_at(lo), pair_at(lo + 8)};
         mma_parts<AisW3>(&h[4 * j], za.k16, za.k16_lo, b, b_lo);
-        mma_m16n8k8_f16(&h[4 * j], za.k8_lo, pair_at(hi + 16));
-        mma_m16n8k8_f16(&h[4 * j], za.k8, pair_at(lo + 16));
-        mma_m16n8k8_f16(&h[4 * j], za.k8, pair_at(hi + 16));
+        const uint32_t b24[2] = {pair_at(hi + 16), t < 2 ? pair_at(lo + 16) : pair_at(hi + 12)};
+        mma_m16n8k16<AisW3>(&h[4 * j], za.k24, b24);
     }
     uint32_t bits = 0;
     #pragma unroll
@@ -2038,13 +2040,23 @@ __device__ inline void ais_copy_fc3(AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const 
         copy_block_async(&w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
                          HIDDEN_DIM, AIS_W3_K);
 }
+// The rows [2][400][24] as AisW3Cores: a unit's hi K 0..23 and lo K 0..15 by cp.async, 16 bytes a
+// core row; the hi part's last core row (W3 lo 16..19, W3 hi 16..19) from two 8-byte halves.
 __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais_w3) {
-    constexpr int K8 = AIS_W3_K / 8;
-    for (int c = threadIdx.x; c < 2 * HIDDEN_DIM * K8; c += blockDim.x) {
-        const int row = c / K8, k8 = c % K8, part = row / HIDDEN_DIM, unit = row % HIDDEN_DIM;
-        cp_async16(&w3.core[part][unit / 8][k8][unit % 8][0], ais_w3 + (size_t)row * AIS_W3_K + 8 * k8, true);
+    constexpr int WHOLE = 5; // a unit's core rows copied whole: 3 hi, 2 lo
+    for (int c = threadIdx.x; c < HIDDEN_DIM * WHOLE; c += blockDim.x) {
+        const int unit = c / WHOLE, k8 = c % WHOLE;
+        const fp16* hi = ais_w3 + (size_t)unit * AIS_W3_K;
+        const fp16* lo = hi + (size_t)HIDDEN_DIM * AIS_W3_K;
+        if (k8 < 3) cp_async16(&w3.hi[unit / 8][k8][unit % 8][0], hi + 8 * k8, true);
+        else cp_async16(&w3.lo[unit / 8][k8 - 3][unit % 8][0], lo + 8 * (k8 - 3), true);
     }
-    if (threadIdx.x < sizeof(w3.pad) / 16) cp_async16(&w3.pad[8 * threadIdx.x], ais_w3, false); // zeros
+    for (int unit = threadIdx.x; unit < HIDDEN_DIM; unit += blockDim.x) {
+        const fp16* hi = ais_w3 + (size_t)unit * AIS_W3_K;
+        const fp16* lo = hi + (size_t)HIDDEN_DIM * AIS_W3_K;
+        *reinterpret_cast<uint2*>(&w3.hi[unit / 8][3][unit % 8][0]) = *reinterpret_cast<const uint2*>(lo + 16);
+        *reinterpret_cast<uint2*>(&w3.hi[unit / 8][3][unit % 8][4]) = *reinterpret_cast<const uint2*>(hi + 16);
+    }
     cp_async_commit();
 }
 // The block's resident weights: fc4's rows col0 .. col0 + AIS_BN - 1 (both copies in fp32) and all of
@@ -2272,7 +2284,7 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
 // transition of 3,840 chains on an H200, 207.7 with fc3 and its backward on mma.sync). The same
 // cluster of 4 blocks, column block of 200 logits, epilogue and merge; all four products move to the
 // warpgroup (fc3 with hi and lo parts, three products, its backward with one):
-//   forward   per 64 hidden units, fc3 as 6 m64n64k16 wgmmas (z's parts as A from registers, fc3's
+//   forward   per 64 hidden units, fc3 as 4 m64n64k16 wgmmas (z's parts as A from registers, fc3's
 //             parts as B in core matrices, AisW3Cores; the sums are ais_fc3_chunk's to the bit),
 //             then 4 m64n200k16 wgmmas with its ReLU as A from registers and the block's fc4 as B
 //             from shared memory (K-major, the 128-byte swizzle TMA writes: the decoder's layout);
@@ -2399,21 +2411,20 @@ __device__ inline uint32_t relu_pair_keep(uint32_t mask, int j) {
     return keep;
 }
 // fc3's pre-activations of group q's hidden units (64, the last group's 16: N) for the warpgroup's 64
-// rows as one wgmma group, committed: per k16 step the two corrections (lo hi, hi lo), then hi hi, in
+// rows as one wgmma group, committed: the two corrections (lo hi, hi lo), hi hi, then k24, in
 // ais_fc3_chunk's order, so the sums are its own to the bit. h: each warp's rows in the accumulator
 // layout, 8 values per 16 units as ais_fc3_chunk's h. w3: the shared-memory address of sm.w3.
 template <int N>
 __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, const AisZFragments& za) {
-    constexpr uint32_t CORE = AIS_W3_CORE_BYTES, GROUP = AIS_W3_GROUP_BYTES;
-    const uint32_t hi = w3 + q * 8 * GROUP, lo = hi + HIDDEN_DIM / 8 * GROUP;
-    const uint32_t k8[4] = {za.k8[0], za.k8[1], 0u, 0u}, k8_lo[4] = {za.k8_lo[0], za.k8_lo[1], 0u, 0u};
-    auto product = [&](const uint32_t (&a)[4], uint32_t b, bool accumulate) {
-        if constexpr (N == 64) wgmma_m64n64k16_rs<fp16, false>(h, a, smem_desc_cores(b, CORE, GROUP), accumulate);
-        else wgmma_m64n16k16_f16_rs(h, a, smem_desc_cores(b, CORE, GROUP), accumulate);
+    constexpr uint32_t CORE = AIS_W3_CORE_BYTES, HI = AIS_W3_HI_GROUP_BYTES, LO = AIS_W3_LO_GROUP_BYTES;
+    const uint32_t hi = w3 + q * 8 * HI, lo = w3 + HIDDEN_DIM / 8 * HI + q * 8 * LO;
+    auto product = [&](const uint32_t (&a)[4], uint32_t b, uint32_t group, bool accumulate) {
+        if constexpr (N == 64) wgmma_m64n64k16_rs<fp16, false>(h, a, smem_desc_cores(b, CORE, group), accumulate);
+        else wgmma_m64n16k16_f16_rs(h, a, smem_desc_cores(b, CORE, group), accumulate);
     };
     wgmma_fence();
-    product(za.k16_lo, hi, false), product(za.k16, lo, true), product(za.k16, hi, true);
-    product(k8_lo, hi + 2 * CORE, true), product(k8, lo + 2 * CORE, true), product(k8, hi + 2 * CORE, true);
+    product(za.k16_lo, hi, HI, false), product(za.k16, lo, LO, true), product(za.k16, hi, HI, true);
+    product(za.k24, hi + 2 * CORE, HI, true);
     wgmma_commit();
 }
 // BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as in ais_gradient); w4: the
@@ -2533,9 +2544,11 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
         wgmma_fence();
         #pragma unroll
         for (int i = 0; i < 4; i++)
-            if (i < chunks) // units 16 (4q + i) .. + 15: two core groups of fc3's hi part, K-adjacent
-                wgmma_m64n24k16_f16_rs_mn(dz_acc, masked[i], smem_desc_cores(w3 + (4 * q + i) * 2 * AIS_W3_GROUP_BYTES,
-                                                                             AIS_W3_GROUP_BYTES, AIS_W3_CORE_BYTES));
+            if (i < chunks) { // units 16 (4q + i) .. + 15: two core groups of fc3's hi part, K-adjacent
+                const uint32_t units = w3 + (4 * q + i) * 2 * AIS_W3_HI_GROUP_BYTES;
+                wgmma_m64n24k16_f16_rs_mn(dz_acc, masked[i],
+                                          smem_desc_cores(units, AIS_W3_HI_GROUP_BYTES, AIS_W3_CORE_BYTES));
+            }
         wgmma_commit();
     }
     wgmma_wait<0>();
@@ -2553,8 +2566,8 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem& sm, const CUtensorMa
     }
     ais_copy_fc3(sm.w3, ais_w3);
     cp_async_wait<0>();
-    // fc3's cores, written by cp.async (the generic proxy), are read by wgmma (the async proxy: fc3's
-    // products, and the backward's 8 rows past fc4): this fence makes the writes visible to it
+    // fc3's cores, written by cp.async and stores (the generic proxy), are read by wgmma (the async
+    // proxy: fc3's products, and the backward's 8 rows past fc4): this fence makes the writes visible to it
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
     mbar_wait(addr(&sm.loaded), 0);
