@@ -1534,6 +1534,19 @@ enum {
     AIS_SHARE = 24,                   // floats of a block's share of a row: grad, BCE, padding (ais_merge)
     STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4,
 };
+// A thread's chain state kept in memory, not registers (ais_chains): per row p0's mean and inverse
+// variance, read by each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when
+// the proposal is rejected. Slot s of thread x of block b: state[(b AIS_STATE_SLOTS + s) AIS_THREADS +
+// x], a warp's 32 values adjacent. In registers beside the gradient's accumulators they were spilled
+// (bf16: ptxas's 996 bytes of spill stores and 2,740 of loads a thread, 696 and 1,916 now; fp32: 52
+// and 136, none now), the spill slots reloaded from L2 on the leapfrog's path after the merge's fence,
+// and with k24 (AisZFragments) and ais_release_shares the bf16 wgmmas serialized for want of
+// registers. The pointer is not __restrict__: with it nvcc keeps the values in registers again.
+enum {
+    AIS_THREADS = AIS_WARPS * 32,
+    AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 12, AIS_SLOT_Z0 = 24, AIS_SLOT_GRAD0 = 36, AIS_SLOT_BCE0 = 48,
+    AIS_STATE_SLOTS = 50,
+};
 // the step size per image: its start, its bounds, and the acceptance it is adapted toward
 [[maybe_unused]] constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
 [[maybe_unused]] constexpr float AIS_TARGET_ACCEPT = 0.65f;
@@ -1679,6 +1692,13 @@ __device__ inline void mbar_arrive_at(uint32_t bar, uint32_t rank) {
                  "mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
                  : "memory");
 #endif
+}
+// One arrival at the barrier at address bar in each other block of the cluster.
+template <int CLUSTER> __device__ inline void arrive_at_other_blocks(uint32_t bar) {
+    const uint32_t own_rank = cluster_rank();
+    #pragma unroll
+    for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++)
+        if (rank != own_rank) mbar_arrive_at(bar, rank);
 }
 __device__ inline void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
 #if __CUDA_ARCH__ >= 900
@@ -1851,38 +1871,28 @@ __device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K
     }
 }
 // The cluster's merge: wait until the other blocks have read this one's last shares, store this one's
-// (dz, the BCE share) in share[row], meet, add all CLUSTER blocks' in rank order, so every block gets
-// the same bits, and tell the others this block has read theirs. A lane reads, in each block, the
-// values its counterpart lane there stored, so each thread arrives itself at the other blocks'
-// barriers ((CLUSTER - 1) x 128 arrivals a phase: a named barrier and then one thread's arrival per
-// block is 7% faster in bf16 and correct by the PTX memory model, but compute-sanitizer's racecheck
-// does not see the other threads' stores ordered by it). `merges` counts the thread's merges: its
-// parity is the barriers' phase. A row keeps each lane's values together: latents 2t, 2t + 1, 8 + 2t,
-// 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2), the BCE (t = 2, a zero beside it) or zeros
-// (t = 3) at 16 + 2t, so a lane reads a block's share of a row in one 16-byte and one 8-byte load, not
-// four 8-byte ones. A row's loads from all blocks are issued before its first add: with a branch for
-// the own block's, each load had waited for the add before it, 12 DSMEM round trips in a row (bf16:
-// 4,700 cycles of an evaluation's 32,800; 1,650 now). The own block's share is read through the
-// cluster window too, as the other blocks read it, ordered after its store by the same release and
-// acquire; adding the own share from the thread's registers instead (no load to wait for) was 4%
-// slower (bf16 --ais 100 0.590 -> 0.616 s; the registers it holds through the merge spill).
+// (dz, the BCE share) in share[row], meet, and add all CLUSTER blocks' in rank order, so every block
+// gets the same bits; the next evaluation tells the others this block has read theirs
+// (ais_release_shares). A lane reads, in each block, the values its counterpart lane there stored, so
+// each thread arrives itself at the other blocks' barriers ((CLUSTER - 1) x 128 arrivals a phase: a
+// named barrier and then one thread's arrival per block is 7% faster in bf16 and correct by the PTX
+// memory model, but compute-sanitizer's racecheck does not see the other threads' stores ordered by it).
+// `merges` counts the thread's merges: its parity is the barriers' phase. A row keeps each lane's values
+// together: latents 2t, 2t + 1, 8 + 2t, 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2), the BCE
+// (t = 2, a zero beside it) or zeros (t = 3) at 16 + 2t, so a lane reads a block's share of a row in one
+// 16-byte and one 8-byte load, not four 8-byte ones. A row's loads from all blocks are issued before its
+// first add: with a branch for the own block's, each load had waited for the add before it, 12 DSMEM
+// round trips in a row (bf16: 4,700 cycles of an evaluation's 32,800; 1,650 now). The own block's share
+// is read through the cluster window too, as the other blocks read it, ordered after its store by the
+// same release and acquire; adding the own share from the thread's registers instead (no load to wait
+// for) was 4% slower (bf16 --ais 100 0.590 -> 0.616 s; the registers it holds through the merge spill).
 template <int CLUSTER>
 __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint32_t& merges, const float (&dz)[3][4],
                                  const float (&bce_share)[2], float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
     static_assert(AIS_SHARE >= 24, "a row holds the four lanes' 16-byte groups, then their 8-byte pairs");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const uint32_t own_rank = cluster_rank();
     const uint32_t stored = (uint32_t)__cvta_generic_to_shared(&meet.stored[warp / 4]);
     const uint32_t added = (uint32_t)__cvta_generic_to_shared(&meet.added[warp / 4]);
-    auto arrive_at_others = [&](uint32_t bar, bool own_stores_only) {
-        if (own_stores_only)
-            fence_shared_release();
-        else
-            fence_cluster();
-        #pragma unroll
-        for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++)
-            if (rank != own_rank) mbar_arrive_at(bar, rank);
-    };
     if (merges > 0) mbar_wait_cluster(added, (merges - 1) & 1);
     #pragma unroll
     for (int half = 0; half < 2; half++) {
@@ -1893,7 +1903,8 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
                                                         : t == 2 ? make_float2(bce_share[half], 0.0f)
                                                                  : make_float2(0.0f, 0.0f);
     }
-    arrive_at_others(stored, true);
+    fence_shared_release();
+    arrive_at_other_blocks<CLUSTER>(stored);
     mbar_wait_cluster(stored, merges & 1);
     #pragma unroll
     for (int half = 0; half < 2; half++) {
@@ -1915,8 +1926,18 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
         grad[half][4] = t < 2 ? sum2.x : 0.0f, grad[half][5] = t < 2 ? sum2.y : 0.0f;
         bce[half] = __shfl_sync(0xffffffffu, sum2.x, (lane & ~3) | 2);
     }
-    arrive_at_others(added, false); // after reads of other blocks' shared memory
     merges++;
+}
+// After a merge: tell the other blocks this one has read their shares (the `added` arrivals, which
+// they wait for at their next merge), its reads ordered before them by the full fence. Not at the
+// merge's end but in the next evaluation, bf16 once its forward products are issued, where the
+// thread would wait for them, fp32 before its forward: the fence (MEMBAR.GPU, then CCTL.IVALL) had
+// held up the transition's arithmetic after the merge. With the chain state in memory (AIS_STATE_SLOTS),
+// --ais 100 on an H200: bf16 0.491 -> 0.481 s, fp32 3.10 -> 3.09 s; each alone, before k24, ~-1%.
+template <int CLUSTER> __device__ inline void ais_release_shares(AisMeet& meet, uint32_t merges) {
+    if (merges == 0) return;
+    fence_cluster(); // after reads of other blocks' shared memory
+    arrive_at_other_blocks<CLUSTER>((uint32_t)__cvta_generic_to_shared(&meet.added[threadIdx.x / 128]));
 }
 // The merge's barriers, before any block's first arrival (the cluster barrier holds those back).
 template <int CLUSTER> __device__ inline void ais_meet_init(AisMeet& meet) {
@@ -1942,6 +1963,7 @@ __device__ inline void ais_gradient(AisSmem<P>& sm, uint32_t& merges, const floa
     constexpr int BN = Q::AIS_BN, K_STEPS = (BN + 15) / 16; // fc4's backward K: the block's columns
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const AisZFragments za = ais_z_fragments(z);
+    ais_release_shares<Path<P>::AIS_CLUSTER>(sm.meet, merges);
     // forward: fc3 16 hidden units at a time, their ReLU straight into fc4 (decoder_mma_kernel's loop)
     const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
     float logit[BN / 2] = {};
@@ -2099,8 +2121,8 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
 // sees differences of ~1e-5 nats), the weights in float64. A chain's p, u and start are keyed by
 // (seed, image, chain, transition).
 template <typename Gradient>
-__device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, float* step_of, int* accepted_of,
-                                  Gradient gradient) {
+__device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, int col0, float* step_of,
+                                  int* accepted_of, Gradient gradient) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int C = io.chains, tile_rows = ais_tile_rows(C), groups = AIS_ROWS / tile_rows;
     const int per_tile = tile_rows / C, tiles = ceil_div(io.n, per_tile);
@@ -2113,7 +2135,11 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
         int local[2], image[2], chain[2];
         bool live[2];
         const uint8_t* x_row[2];
-        float z[2][AIS_LATENTS], mu[2][AIS_LATENTS], inv_var[2][AIS_LATENTS], logvar_sum[2];
+        float z[2][AIS_LATENTS], logvar_sum[2];
+        float* slots = state + (size_t)blockIdx.x * AIS_STATE_SLOTS * AIS_THREADS + threadIdx.x;
+        auto slot = [&](int s) -> float& { return slots[s * AIS_THREADS]; };
+        auto mu = [&](int half, int i) -> float& { return slot(AIS_SLOT_MU + AIS_LATENTS * half + i); };
+        auto inv_var = [&](int half, int i) -> float& { return slot(AIS_SLOT_INV_VAR + AIS_LATENTS * half + i); };
         #pragma unroll
         for (int half = 0; half < 2; half++) {
             const int row = (warp - first_warp) * TASK_ROWS + g + 8 * half;
@@ -2125,12 +2151,12 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
             #pragma unroll
             for (int i = 0; i < AIS_LATENTS; i++) {
                 const int j = 8 * (i / 2) + 2 * t + i % 2;
-                mu[half][i] = inv_var[half][i] = z[half][i] = 0.0f;
+                mu(half, i) = inv_var(half, i) = z[half][i] = 0.0f;
                 if (j >= LATENT_DIM) continue;
                 const float* mulv = io.mulv + (size_t)im * MULV_DIM;
                 const float m = mulv[j], logvar = mulv[LATENT_DIM + j];
                 float kl_term;
-                mu[half][i] = m, inv_var[half][i] = expf(-logvar), logvar_sum[half] += logvar;
+                mu(half, i) = m, inv_var(half, i) = expf(-logvar), logvar_sum[half] += logvar;
                 z[half][i] = io.z_start ? io.z_start[(size_t)im * LATENT_DIM + j]
                                         : latent_z(m, logvar, gaussian(io.seed, STREAM_POSTERIOR, io.first_image + im,
                                                                        chain[half], j), &kl_term);
@@ -2161,8 +2187,8 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
                 float sq = 0.0f, mahal = 0.0f;
                 #pragma unroll
                 for (int i = 0; i < AIS_LATENTS; i++) {
-                    const float d = zz[half][i] - mu[half][i];
-                    sq = fmaf(zz[half][i], zz[half][i], sq), mahal = fmaf(d * d, inv_var[half][i], mahal);
+                    const float d = zz[half][i] - mu(half, i);
+                    sq = fmaf(zz[half][i], zz[half][i], sq), mahal = fmaf(d * d, inv_var(half, i), mahal);
                 }
                 lpxz[half] = -b[half] - 0.5f * quad_sum(sq), lp0[half] = -0.5f * (quad_sum(mahal) + logvar_sum[half]);
             }
@@ -2181,7 +2207,7 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
             if (s == io.T) break;
             const float beta = (float)io.beta[io.reverse ? io.T - s : s]; // the transition's target f_beta
             // HMC: momentum, the start's H, L leapfrog steps, the Metropolis test
-            float p[2][AIS_LATENTS], z0[2][AIS_LATENTS], grad0[2][AIS_LATENTS], bce0[2], step[2], h0[2];
+            float p[2][AIS_LATENTS], step[2], h0[2];
             #pragma unroll
             for (int half = 0; half < 2; half++) {
                 float kinetic = 0.0f;
@@ -2199,9 +2225,11 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
                 }
                 h0[half] = -beta * lpxz[half] - (1.0f - beta) * lp0[half] + 0.5f * quad_sum(kinetic);
                 step[half] = step_of[local[half] < per_tile ? local[half] : 0];
-                bce0[half] = bce[half];
+                slot(AIS_SLOT_BCE0 + half) = bce[half];
                 #pragma unroll
-                for (int i = 0; i < AIS_LATENTS; i++) z0[half][i] = z[half][i], grad0[half][i] = grad[half][i];
+                for (int i = 0; i < AIS_LATENTS; i++)
+                    slot(AIS_SLOT_Z0 + AIS_LATENTS * half + i) = z[half][i],
+                    slot(AIS_SLOT_GRAD0 + AIS_LATENTS * half + i) = grad[half][i];
             }
             // p -= eps/2 grad U first, then L times: z += eps p, the gradient, p -= eps grad U (eps/2 at the end)
             auto kick = [&](float scale) {
@@ -2210,7 +2238,7 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
                     #pragma unroll
                     for (int i = 0; i < AIS_LATENTS; i++) {
                         const float grad_u = beta * (grad[half][i] + z[half][i]) +
-                                             (1.0f - beta) * (z[half][i] - mu[half][i]) * inv_var[half][i];
+                                             (1.0f - beta) * (z[half][i] - mu(half, i)) * inv_var(half, i);
                         p[half][i] = fmaf(-scale * step[half], grad_u, p[half][i]);
                     }
             };
@@ -2243,9 +2271,11 @@ __device__ inline void ais_chains(const AisIO& io, uint32_t rank, int col0, floa
                 const bool accept = logf(u) < h0[half] - h1; // false for a non-finite proposal
                 delta_h[half] = h0[half] - h1;
                 if (!accept) {
-                    bce[half] = bce0[half];
+                    bce[half] = slot(AIS_SLOT_BCE0 + half);
                     #pragma unroll
-                    for (int i = 0; i < AIS_LATENTS; i++) z[half][i] = z0[half][i], grad[half][i] = grad0[half][i];
+                    for (int i = 0; i < AIS_LATENTS; i++)
+                        z[half][i] = slot(AIS_SLOT_Z0 + AIS_LATENTS * half + i),
+                        grad[half][i] = slot(AIS_SLOT_GRAD0 + AIS_LATENTS * half + i);
                 }
                 accepted[half] += accept;
                 if (accept && live[half] && t == 0) atomicAdd(&accepted_of[local[half]], 1);
@@ -2491,6 +2521,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
             to_a(q + 1);
         }
     }
+    ais_release_shares<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.meet, merges);
     wgmma_wait<0>();
     fence_accumulators(logit);
     float bce_share[2];
@@ -2578,15 +2609,15 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem& sm, const CUtensorMa
 // wgmma's layout; fp32: 104 in hi and lo copies, 170 KB) and all of fc3; its 8 warps each evaluate
 // 16 chains' gradient over those columns (bf16: ais_gradient_wgmma, a warpgroup's 64 rows at once;
 // fp32: ais_gradient on mma.sync, which has no room for wgmma's layout of two copies beside fc3),
-// and the blocks add their 84-byte shares per row through distributed shared memory: nothing else
-// moves. Streaming fc4 instead would move 627 KB (bf16) per block per evaluation. A block's two
+// and the blocks add their 84-byte shares per row through distributed shared memory: no weights
+// move. Streaming fc4 instead would move 627 KB (bf16) per block per evaluation. A block's two
 // warpgroups hold separate tiles when ais_tile_rows says so (C = 16) and meet only their
 // counterparts in the other blocks, so neither waits for the other's epilogue; in bf16 they take
-// turns at the tensor cores.
+// turns at the tensor cores. state: the threads' AIS_STATE_SLOTS (ais_state_bytes).
 template <Precision P>
-__global__ void __launch_bounds__(AIS_WARPS * 32, 1)
+__global__ void __launch_bounds__(AIS_THREADS, 1)
     ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const __grid_constant__ CUtensorMap w4_map,
-               const fp16* __restrict__ ais_w3, const AisIO io) {
+               const fp16* __restrict__ ais_w3, float* state, const AisIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
     extern __shared__ __align__(16) uint8_t smem_raw[];
     const uint32_t rank = cluster_rank();
@@ -2599,7 +2630,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
         ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
         ais_turns_first();
         const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4[0][0][0]);
-        ais_chains(io, rank, col0, sm.step, sm.accepted,
+        ais_chains(io, state, rank, col0, sm.step, sm.accepted,
                    [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                        float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
                        ais_gradient_wgmma(sm, w4, merges, z, x_row, skip, grad, bce, energy);
@@ -2609,7 +2640,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
         AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
         ais_load_weights(sm, fc4_wb, ais_w3, col0);
         ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
-        ais_chains(io, rank, col0, sm.step, sm.accepted,
+        ais_chains(io, state, rank, col0, sm.step, sm.accepted,
                    [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                        float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
                        ais_gradient<P>(sm, merges, z, x_row, skip, grad, bce, energy);
@@ -2732,6 +2763,7 @@ static void decoder_launch(const DecoderIO& io, const void* fc4_wb, const void* 
 
 // ais_kernel over io.n images in precision P: a grid of clusters of AIS_CLUSTER blocks, `clusters`
 // of them (the most the GPU runs at once, ais_max_clusters) or one per tile when there are fewer.
+// state: ais_state_bytes(clusters) of scratch, AIS_STATE_SLOTS floats a thread.
 template <Precision P> static int ais_smem() {
     return P == PRECISION_BF16 ? (int)sizeof(AisWgmmaSmem) + 1024 : (int)sizeof(AisSmem<P>); // bf16: to align
 }
@@ -2740,19 +2772,22 @@ static cudaLaunchConfig_t ais_config(cudaLaunchAttribute* attr, int clusters, cu
     attr->id = cudaLaunchAttributeClusterDimension;
     attr->val.clusterDim.x = Path<P>::AIS_CLUSTER, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(Path<P>::AIS_CLUSTER * clusters), cfg.blockDim = dim3(AIS_WARPS * 32);
+    cfg.gridDim = dim3(Path<P>::AIS_CLUSTER * clusters), cfg.blockDim = dim3(AIS_THREADS);
     cfg.dynamicSmemBytes = ais_smem<P>(), cfg.stream = stream, cfg.attrs = attr, cfg.numAttrs = 1;
     return cfg;
 }
+template <Precision P> static size_t ais_state_bytes(int clusters) {
+    return (size_t)clusters * Path<P>::AIS_CLUSTER * AIS_STATE_SLOTS * AIS_THREADS * sizeof(float);
+}
 template <Precision P>
 static void ais_launch(const AisIO& io, const void* fc4_wb, const CUtensorMap& w4_map, const void* ais_w3,
-                       int clusters, cudaStream_t stream) {
+                       float* state, int clusters, cudaStream_t stream) {
     typedef typename Path<P>::T T;
     const int rounds = ceil_div(io.n, ais_cluster_images(io.chains));
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = ais_config<P>(&attr, clusters < rounds ? clusters : rounds, stream);
     cudaCheck(cudaLaunchKernelEx(&cfg, ais_kernel<P>, static_cast<const T*>(fc4_wb), w4_map,
-                                 static_cast<const fp16*>(ais_w3), io));
+                                 static_cast<const fp16*>(ais_w3), state, io));
 }
 template <Precision P> static int ais_max_clusters() {
     cudaLaunchAttribute attr;
@@ -2817,6 +2852,7 @@ typedef struct {
     unsigned *enc_tickets, *dec_tickets; // per 16 images, per 16 decoder rows; zero between launches
     const void* ais_w3;                  // fc3 for ais_kernel: [parts][400][24]
     int ais_clusters;                    // ais_kernel's clusters at once; 0 without sm_90a code (--ais needs it)
+    float* ais_state;                    // ais_kernel's chain state for ais_clusters (ais_state_bytes)
     bool wgmma;   // encoder and decoder on Hopper's wgmma kernels (set at init; tests turn it off to check
                   // the kernels other GPUs run)
     bool overlap; // the decoder launched while the kernel before it runs (sm_90+)
@@ -2870,6 +2906,7 @@ template <Precision P> static void vae_init_path(VAE* m) {
     allow_shared_memory<P>(m->wgmma);
     if (!m->wgmma) return;
     m->ais_clusters = ais_max_clusters<P>();
+    m->ais_state = (float*)device_alloc(ais_state_bytes<P>(m->ais_clusters), "the AIS chains' state", m->max_batch);
     m->w1_map = tensor_map_16bit(m->fc1_wp, Path<P>::ENC_SLICES * ENC_BN, FC1_K, ENC_BN);
     m->w4_map = tensor_map_16bit(m->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
     m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
@@ -2935,7 +2972,8 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
 
 static void vae_free(VAE* m) {
     void* buffers[] = {m->params,      m->h1,        m->mulv,     m->z,          m->h3,         m->logits, m->recon,
-                       m->row_log_ratio, m->bce_parts, m->params16, m->z_rows, m->enc_partials, m->enc_tickets};
+                       m->row_log_ratio, m->bce_parts, m->params16, m->z_rows, m->enc_partials, m->enc_tickets,
+                       m->ais_state};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
@@ -3061,9 +3099,9 @@ static void vae_ais(VAE* m, AisIO io, bool from_prior) {
     else vae_encode(m, io.pixels, io.n);
     io.mulv = m->mulv;
     if (m->precision == PRECISION_FP32)
-        ais_launch<PRECISION_FP32>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_clusters, m->stream);
+        ais_launch<PRECISION_FP32>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, m->stream);
     else
-        ais_launch<PRECISION_BF16>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_clusters, m->stream);
+        ais_launch<PRECISION_BF16>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, m->stream);
 }
 
 // ----------------------------------------------------------------------------

@@ -75,7 +75,8 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
 // The whole AIS on the mma.sync gradient vae.cu's bf16 ais_kernel used before (ais_gradient<PRECISION_BF16>,
 // still vae.cu's fp32 gradient): the baseline of the transition time.
 __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
-    ais_mma_kernel(const bf16* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3, const AisIO io) {
+    ais_mma_kernel(const bf16* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3, float* __restrict__ state,
+                   const AisIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(16) uint8_t smem_raw[];
     AisSmem<PRECISION_BF16>& sm = *reinterpret_cast<AisSmem<PRECISION_BF16>*>(smem_raw);
@@ -85,7 +86,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
     ais_load_weights(sm, fc4_wb, ais_w3, col0);
     ais_meet_init<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.meet);
     uint32_t merges = 0;
-    ais_chains(io, rank, col0, sm.step, sm.accepted,
+    ais_chains(io, state, rank, col0, sm.step, sm.accepted,
                [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2], float (&grad)[2][AIS_LATENTS],
                    float (&bce)[2], bool energy) {
                    ais_gradient<PRECISION_BF16>(sm, merges, z, x_row, skip, grad, bce, energy);
@@ -129,21 +130,23 @@ int main() {
     bool ok = vae::run_ais_gradient_driver({{"v2 wgmma bf16", launch_v2}}, &m, &weights, &images,
                                            clusters * AIS_ROWS, 2e-2);
     // the whole transition (dev/ais_hmc_v1.cu's transition check and time): the mma.sync baseline, vae.cu's
+    float* mma_state = (float*)device_alloc(ais_state_bytes<PRECISION_BF16>(mma_clusters), "the chains' state", 0);
     auto ais_mma = [&](const AisIO& io) {
         const int rounds = ceil_div(io.n, ais_cluster_images(io.chains));
         cudaLaunchAttribute attr2;
         const cudaLaunchConfig_t cfg = config(&attr2, mma_clusters < rounds ? mma_clusters : rounds, mma_smem);
         cudaCheck(cudaLaunchKernelEx(&cfg, ais_mma_kernel, static_cast<const bf16*>(m.fc4_wb),
-                                     static_cast<const fp16*>(m.ais_w3), io));
+                                     static_cast<const fp16*>(m.ais_w3), mma_state, io));
     };
     auto production = [&](const AisIO& io) {
-        ais_launch<PRECISION_BF16>(io, m.fc4_wb, m.w4_map, m.ais_w3, m.ais_clusters, 0);
+        ais_launch<PRECISION_BF16>(io, m.fc4_wb, m.w4_map, m.ais_w3, m.ais_state, m.ais_clusters, 0);
     };
     std::vector<double> beta(5);
     ais_schedule(beta.data(), 4);
     const vae::AisChainDriver transition = {"transition", 4, 16, 10, beta, {1, 7, 37}, true};
     ok = vae::run_ais_chain_driver({{"v1 mma.sync", ais_mma}, {"v2 ais_kernel", production}}, &m, &weights, &images,
                                    transition, std::min(m.ais_clusters, mma_clusters) * ais_cluster_images(16)) && ok;
+    cudaCheck(cudaFree(mma_state));
     vae_free(&m);
     free(weights.data), free(images.pixels);
     return ok ? 0 : 1;

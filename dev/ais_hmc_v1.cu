@@ -27,7 +27,8 @@
 // in registers costs 7-10x the 2% predicted. A transition 303.27 and 412.10 us, 10.01 and 10.03
 // steps: held; its projection of --ais 1000, 12.64 s and 34.34 s, against ./vae's 12.70 s and
 // 34.51 s. fp32 matches float64 within 4.5e-6 at every trajectory's end; bf16 as dev/common.h's
-// run_ais_chain_driver says.
+// run_ais_chain_driver says. Since then part of that state left the registers (vae.cu's
+// AIS_STATE_SLOTS: mu, 1 / var and the start's z, grad and BCE in memory; z and p stay).
 //
 // The float64 reference (dev/common.h's cpu_ais_image) is itself checked without a GPU against
 // dev/ais_pytorch.py's AIS, written from the maths: --reference CSV runs it with step-size adaptation
@@ -74,7 +75,9 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
     VAE m;
     vae_init(&m, w, images->count, P);
     if (m.ais_clusters == 0) fail("no sm_90a code for this GPU: build with make -C dev ais_hmc_v1 on a Hopper GPU");
-    auto production = [&](const AisIO& io) { ais_launch<P>(io, m.fc4_wb, m.w4_map, m.ais_w3, m.ais_clusters, 0); };
+    auto production = [&](const AisIO& io) {
+        ais_launch<P>(io, m.fc4_wb, m.w4_map, m.ais_w3, m.ais_state, m.ais_clusters, 0);
+    };
     const vae::AisChainDriver leapfrog = {"leapfrog step", 2, 1, 10, {0.0, 1.0, 1.0}, {1, 7, 37, 1023}, false};
     std::vector<double> beta(5);
     ais_schedule(beta.data(), 4);

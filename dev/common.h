@@ -821,9 +821,9 @@ inline void production_ais_gradient(const VAE* m, const AisGradientArgs& a) {
     io.T = 1, io.leapfrog = 1, io.step0 = AIS_STEP_START, io.log_w = d_log_w, io.accepted = d_accepted;
     io.step_out = d_step, io.grad0 = a.grad, io.bce0 = a.bce;
     if (m->precision == PRECISION_FP32)
-        ais_launch<PRECISION_FP32>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_clusters, 0);
+        ais_launch<PRECISION_FP32>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, 0);
     else
-        ais_launch<PRECISION_BF16>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_clusters, 0);
+        ais_launch<PRECISION_BF16>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, 0);
     cudaCheck(cudaGetLastError()), cudaCheck(cudaDeviceSynchronize());
     void* buffers[] = {d_beta, d_log_w, d_accepted, d_mulv, d_step};
     for (void* p : buffers) cudaCheck(cudaFree(p));
