@@ -2310,7 +2310,7 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
     }
 }
 
-// bf16's gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it: 118.0 us a
+// bf16's gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it: 114.6 us a
 // transition of 3,840 chains on an H200, 207.7 with fc3 and its backward on mma.sync). The same
 // cluster of 4 blocks, column block of 200 logits, epilogue and merge; all four products move to the
 // warpgroup (fc3 with hi and lo parts, three products, its backward with one):

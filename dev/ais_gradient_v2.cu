@@ -42,9 +42,10 @@
 // the whole AIS 207.7 us a transition against 224.6 before (H200). Since then fc3 and its backward
 // moved onto wgmma too (ais_fc3_wgmma, fc3's parts in core matrices: the design above is v2's, the
 // header's numbers are history): the whole AIS 141.9 us a transition, 118.0 once fc3's ReLU mask came
-// off fc4's A fragments; the gradient alone here, which evaluates with the energy every time, 12.45
-// us, then 18.83 once the epilogue loaded its pixels first (it spills in this kernel; worklog, AIS),
-// 17.70 since (ptxas serializes this kernel's wgmmas for want of registers).
+// off fc4's A fragments, 114.6 with fc3 in four k16 steps and the chain state in memory; the gradient
+// alone here, which evaluates with the energy every time, 12.45 us, then 18.83 once the epilogue
+// loaded its pixels first (it spills in this kernel; worklog, AIS), 17.70 while ptxas serialized this
+// kernel's wgmmas for want of registers, 10.69 since 7602c85 and 2ab90a6 (no longer serialized).
 //
 // Build and run from the repository root (needs data/: make data; sm_90a):
 //   make -C dev ais_gradient_v2 && ./dev/ais_gradient_v2
