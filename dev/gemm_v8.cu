@@ -381,8 +381,9 @@ template <int BN, int STEPS = kBK / 16>
 __device__ __forceinline__ void mma_k_tile(float (&d)[BN / 2], unsigned a_tile, unsigned b_tile) {
     wgmma_fence();  // the accumulators were last written by earlier wgmmas
     const uint64_t da = smem_desc_128b(a_tile), db = smem_desc_128b(b_tile);
+    // a k16 step is +32 bytes along K: +2 in the descriptor's address field (bytes / 16)
 #pragma unroll
-    for (int kk = 0; kk < STEPS; ++kk) wgmma_bf16<BN>(d, da + 2 * kk, db + 2 * kk);  // +32 bytes = +2 in the address field
+    for (int kk = 0; kk < STEPS; ++kk) wgmma_bf16<BN>(d, da + 2 * kk, db + 2 * kk);
     wgmma_commit();
 }
 
