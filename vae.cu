@@ -2906,7 +2906,8 @@ template <Precision P> static void vae_init_path(VAE* m) {
     allow_shared_memory<P>(m->wgmma);
     if (!m->wgmma) return;
     m->ais_clusters = ais_max_clusters<P>();
-    m->ais_state = (float*)device_alloc(ais_state_bytes<P>(m->ais_clusters), "the AIS chains' state", m->max_batch);
+    if (m->ais_clusters > 0) // not without sm_90a code, where --ais stops at require_ais
+        m->ais_state = (float*)device_alloc(ais_state_bytes<P>(m->ais_clusters), "the AIS chains' state", m->max_batch);
     m->w1_map = tensor_map_16bit(m->fc1_wp, Path<P>::ENC_SLICES * ENC_BN, FC1_K, ENC_BN);
     m->w4_map = tensor_map_16bit(m->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
     m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
