@@ -1536,12 +1536,13 @@ enum {
 };
 // A thread's chain state kept in memory, not registers (ais_chains): per row p0's mean and inverse
 // variance, read by each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when
-// the proposal is rejected. Slot s of thread x of block b: state[(b AIS_STATE_SLOTS + s) AIS_THREADS +
-// x], a warp's 32 values adjacent. In registers beside the gradient's accumulators they were spilled
-// (bf16: ptxas's 996 bytes of spill stores and 2,740 of loads a thread, 696 and 1,916 now; fp32: 52
-// and 136, none now), the spill slots reloaded from L2 on the leapfrog's path after the merge's fence,
-// and with k24 (AisZFragments) and ais_release_shares the bf16 wgmmas serialized for want of
-// registers. The pointer is not __restrict__: with it nvcc keeps the values in registers again.
+// the proposal is rejected. Slot s of thread i of block b:
+// state[(b * AIS_STATE_SLOTS + s) * AIS_THREADS + i], a warp's 32 values adjacent. In registers beside
+// the gradient's accumulators they were spilled (bf16: ptxas's 996 bytes of spill stores and 2,740 of
+// loads a thread, 696 and 1,916 now; fp32: 52 and 136, none now), the spill slots reloaded from L2 on
+// the leapfrog's path after the merge's fence, and with k24 (AisZFragments) and ais_release_shares the
+// bf16 wgmmas serialized for want of registers. The pointer is not __restrict__: with it nvcc keeps the
+// values in registers again.
 enum {
     AIS_THREADS = AIS_WARPS * 32,
     AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 12, AIS_SLOT_Z0 = 24, AIS_SLOT_GRAD0 = 36, AIS_SLOT_BCE0 = 48,
