@@ -1545,8 +1545,8 @@ enum {
 // values in registers again.
 enum {
     AIS_THREADS = AIS_WARPS * 32,
-    AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 12, AIS_SLOT_Z0 = 24, AIS_SLOT_GRAD0 = 36, AIS_SLOT_BCE0 = 48,
-    AIS_STATE_SLOTS = 50,
+    AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 2 * AIS_LATENTS, AIS_SLOT_Z0 = 4 * AIS_LATENTS,
+    AIS_SLOT_GRAD0 = 6 * AIS_LATENTS, AIS_SLOT_BCE0 = 8 * AIS_LATENTS, AIS_STATE_SLOTS = AIS_SLOT_BCE0 + 2,
 };
 // the step size per image: its start, its bounds, and the acceptance it is adapted toward
 [[maybe_unused]] constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
@@ -2063,22 +2063,21 @@ __device__ inline void ais_copy_fc3(AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const 
         copy_block_async(&w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
                          HIDDEN_DIM, AIS_W3_K);
 }
-// The rows [2][400][24] as AisW3Cores: a unit's hi K 0..23 and lo K 0..15 by cp.async, 16 bytes a
-// core row; the hi part's last core row (W3 lo 16..19, W3 hi 16..19) from two 8-byte halves.
+// The rows [2][400][24] as AisW3Cores, a unit's six 16-byte core rows: hi K 0..23 and lo K 0..15 by
+// cp.async, the hi part's last (W3 lo 16..19, W3 hi 16..19) from two 8-byte halves.
 __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais_w3) {
-    constexpr int WHOLE = 5; // a unit's core rows copied whole: 3 hi, 2 lo
-    for (int c = threadIdx.x; c < HIDDEN_DIM * WHOLE; c += blockDim.x) {
-        const int unit = c / WHOLE, k8 = c % WHOLE;
+    for (int c = threadIdx.x; c < HIDDEN_DIM * 6; c += blockDim.x) {
+        const int unit = c / 6, k8 = c % 6;
         const fp16* hi = ais_w3 + (size_t)unit * AIS_W3_K;
         const fp16* lo = hi + (size_t)HIDDEN_DIM * AIS_W3_K;
-        if (k8 < 3) cp_async16(&w3.hi[unit / 8][k8][unit % 8][0], hi + 8 * k8, true);
-        else cp_async16(&w3.lo[unit / 8][k8 - 3][unit % 8][0], lo + 8 * (k8 - 3), true);
-    }
-    for (int unit = threadIdx.x; unit < HIDDEN_DIM; unit += blockDim.x) {
-        const fp16* hi = ais_w3 + (size_t)unit * AIS_W3_K;
-        const fp16* lo = hi + (size_t)HIDDEN_DIM * AIS_W3_K;
-        *reinterpret_cast<uint2*>(&w3.hi[unit / 8][3][unit % 8][0]) = *reinterpret_cast<const uint2*>(lo + 16);
-        *reinterpret_cast<uint2*>(&w3.hi[unit / 8][3][unit % 8][4]) = *reinterpret_cast<const uint2*>(hi + 16);
+        if (k8 < 3) {
+            cp_async16(&w3.hi[unit / 8][k8][unit % 8][0], hi + 8 * k8, true);
+        } else if (k8 < 5) {
+            cp_async16(&w3.lo[unit / 8][k8 - 3][unit % 8][0], lo + 8 * (k8 - 3), true);
+        } else {
+            *reinterpret_cast<uint2*>(&w3.hi[unit / 8][3][unit % 8][0]) = *reinterpret_cast<const uint2*>(lo + 16);
+            *reinterpret_cast<uint2*>(&w3.hi[unit / 8][3][unit % 8][4]) = *reinterpret_cast<const uint2*>(hi + 16);
+        }
     }
     cp_async_commit();
 }

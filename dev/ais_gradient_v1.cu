@@ -29,7 +29,7 @@
 #include "common.h"
 
 template <Precision P>
-__global__ void __launch_bounds__(AIS_WARPS * 32, 1)
+__global__ void __launch_bounds__(AIS_THREADS, 1)
     gradient_v1_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3,
                        const vae::AisGradientArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

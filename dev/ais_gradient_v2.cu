@@ -51,7 +51,7 @@
 //   make -C dev ais_gradient_v2 && ./dev/ais_gradient_v2
 #include "common.h"
 
-__global__ void __launch_bounds__(AIS_WARPS * 32, 1)
+__global__ void __launch_bounds__(AIS_THREADS, 1)
     gradient_v2_kernel(const __grid_constant__ CUtensorMap w4_map, const fp16* __restrict__ ais_w3,
                        const vae::AisGradientArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(AIS_WARPS * 32, 1)
 
 // The whole AIS on the mma.sync gradient vae.cu's bf16 ais_kernel used before (ais_gradient<PRECISION_BF16>,
 // still vae.cu's fp32 gradient): the baseline of the transition time.
-__global__ void __launch_bounds__(AIS_WARPS * 32, 1)
+__global__ void __launch_bounds__(AIS_THREADS, 1)
     ais_mma_kernel(const bf16* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3, float* __restrict__ state,
                    const AisIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
