@@ -349,7 +349,7 @@ template <> struct Path<PRECISION_FP32> {
     static constexpr int ENC_STEPS = 3, ENC_W_COLS = 96;  // 40 units padded to 48, hi then lo
     static constexpr int DEC_BN = 88, DEC_COL_BLOCKS = 9; // two 88-row copies of fc4 fit beside fc3 (209 KB)
     static constexpr int Z_K = 64;
-    static constexpr int AIS_CLUSTER = 8, AIS_BN = 104;   // 8 of 104 in two copies, beside fc3's two (222 KB)
+    static constexpr int AIS_CLUSTER = 8, AIS_BN = 104;   // 8 of 104 in two copies of cores (AisFc4Cores)
 };
 
 // The 16-bit types' conversions, the same names for both (device code).
@@ -2338,8 +2338,23 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
 // registers (a 32-bit word per 64 units).
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
 static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
-struct AisWgmmaSmem {
-    bf16 w4[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64]; // fc4's column block, K in 64-wide slices (TMA)
+// fc4's column block as each path's wgmmas read it. bf16: K in 64-wide slices of 200 rows, the
+// 128-byte swizzle TMA writes (the decoder's tensor map). fp32: the hi and lo copies of 104 rows as 8 x 8
+// core matrices without swizzle, [copy][column / 8][k / 8][column % 8][k % 8], K = 408 (the bias parts
+// at 400..402): 169,728 bytes, where two copies in 64-wide swizzle slices (186,368) do not fit beside
+// fc3 and the shares. Forward (K-major): a k16 step is two cores 128 bytes apart, 8 columns 6,528
+// apart; backward (MN-major, K = columns, N = units): a k16 step is two column groups 6,528 bytes
+// apart, 8 units 128. The bias step's K 408..415 (zero in A) read the next group's first core.
+struct AisFc4Swizzled {
+    bf16 w[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64];
+};
+struct AisFc4Cores {
+    fp16 w[2][Path<PRECISION_FP32>::AIS_BN / 8][FC4_K / 8][8][8];
+};
+constexpr uint32_t AIS_FC4_GROUP_BYTES = FC4_K / 8 * 128;
+constexpr uint32_t AIS_FC4_COPY_BYTES = Path<PRECISION_FP32>::AIS_BN / 8 * AIS_FC4_GROUP_BYTES;
+template <Precision P> struct AisWgmmaSmem {
+    std::conditional_t<P == PRECISION_BF16, AisFc4Swizzled, AisFc4Cores> w4;
     AisW3Cores w3; // right after w4: the backward's last k16 step reads 8 rows past it
     float share[AIS_ROWS][AIS_SHARE];
     AisMeet meet;
@@ -2347,9 +2362,13 @@ struct AisWgmmaSmem {
     int accepted[AIS_ROWS];
     uint64_t loaded;
 };
-static_assert(offsetof(AisWgmmaSmem, w3) == sizeof(bf16) * AIS_WG_GROUPS * Path<PRECISION_BF16>::AIS_BN * 64,
-              "the 8 rows the backward's last k16 step reads past fc4 (times zero A) are fc3's: finite");
-static_assert(sizeof(AisWgmmaSmem) + 1024 <= 232448, "fits a block's shared memory, with room to align");
+static_assert(offsetof(AisWgmmaSmem<PRECISION_BF16>, w3) == sizeof(AisFc4Swizzled) &&
+                  offsetof(AisWgmmaSmem<PRECISION_FP32>, w3) == sizeof(AisFc4Cores),
+              "the rows the backward's last k16 step reads past fc4 (times zero A) are fc3's: finite");
+static_assert(sizeof(AisWgmmaSmem<PRECISION_BF16>) + 1024 <= 232448 &&
+                  sizeof(AisWgmmaSmem<PRECISION_FP32>) + 1024 <= 232448,
+              "fits a block's shared memory, with room to align");
+static_assert(Path<PRECISION_FP32>::AIS_BN % 8 == 0 && FC4_K % 8 == 0, "fp32's fc4 in whole core matrices");
 static_assert(Path<PRECISION_BF16>::DEC_BN == Path<PRECISION_BF16>::AIS_BN,
               "ais_kernel loads its column block with the decoder's tensor map, whose box is DEC_BN rows");
 
@@ -2374,11 +2393,12 @@ __device__ inline uint64_t smem_desc_128b_mn(uint32_t addr) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
                  : "memory")
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers; B K-major (fc3's fp16 parts) or MN-major
-// (imm-trans-b = 1: the backward's bf16 fc4).
+// (imm-trans-b = 1: the backward's fc4, bf16 or fp32's fp16 parts).
 template <typename T, bool MN_MAJOR>
 __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-    static_assert(std::is_same<T, bf16>::value == MN_MAJOR, "the two the kernels use: fp16 K-major, bf16 MN-major");
-    if constexpr (MN_MAJOR) WGMMA_M64N64K16_RS("bf16", "1");
+    static_assert(std::is_same<T, fp16>::value || MN_MAJOR, "bf16 is read MN-major only");
+    if constexpr (std::is_same<T, bf16>::value) WGMMA_M64N64K16_RS("bf16", "1");
+    else if constexpr (MN_MAJOR) WGMMA_M64N64K16_RS("f16", "1");
     else WGMMA_M64N64K16_RS("f16", "0");
 }
 // The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward
@@ -2400,25 +2420,68 @@ __device__ inline void ais_turns_last() {
 __device__ inline uint64_t smem_desc_cores(uint32_t addr, uint32_t leading, uint32_t stride) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(leading >> 4) << 16 | (uint64_t)(stride >> 4) << 32;
 }
-// The last group's fc3 (N = 16 hidden units), as wgmma_m64n64k16_rs<fp16, false>.
-__device__ inline void wgmma_m64n16k16_f16_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-                 "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
-                 : "memory");
+#define WGMMA_M64N8K16_F16_RS(TRANS_B)                                                                                 \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"                                                           \
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, "                                \
+                 "{%4, %5, %6, %7}, %8, p, 1, 1, " TRANS_B ";\n}\n"                                                    \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                      \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
+                 : "memory")
+#define WGMMA_M64N16K16_F16_RS(TRANS_B)                                                                                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                          \
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "               \
+                 "{%8, %9, %10, %11}, %12, p, 1, 1, " TRANS_B ";\n}\n"                                                 \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])      \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
+                 : "memory")
+#define WGMMA_M64N24K16_F16_RS(TRANS_B)                                                                                \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"                                                          \
+                 "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 "                                                 \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, "                                                \
+                 "{%12, %13, %14, %15}, %16, p, 1, 1, " TRANS_B ";\n}\n"                                               \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])                                                    \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
+                 : "memory")
+// D[64 x N] (+)= A[64 x 16] B[16 x N] in fp16 for the narrow N of fc3's products: N = 16 its last
+// group's forward (K-major), N = 24 the backward through its hi part and, in fp32, 16 and 8 through
+// its lo part (MN-major, imm-trans-b = 1: fc3's core matrices read as [unit][latent]).
+template <int N, bool MN_MAJOR>
+__device__ inline void wgmma_f16_narrow_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,
+                                    bool accumulate) {
+    static_assert(N == 8 || N == 16 || N == 24, "the narrow N of fc3's products");
+    if constexpr (N == 8) {
+        if constexpr (MN_MAJOR) WGMMA_M64N8K16_F16_RS("1");
+        else WGMMA_M64N8K16_F16_RS("0");
+    } else if constexpr (N == 16) {
+        if constexpr (MN_MAJOR) WGMMA_M64N16K16_F16_RS("1");
+        else WGMMA_M64N16K16_F16_RS("0");
+    } else {
+        if constexpr (MN_MAJOR) WGMMA_M64N24K16_F16_RS("1");
+        else WGMMA_M64N24K16_F16_RS("0");
+    }
 }
-// D[64 x 24] (+)= A[64 x 16] B[16 x 24] in fp16, A from registers, B MN-major (imm-trans-b = 1): the
-// backward through fc3, B = fc3's hi part in its core matrices read as [unit][latent].
-__device__ inline void wgmma_m64n24k16_f16_rs_mn(float (&d)[12], const uint32_t (&a)[4], uint64_t desc_b) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, 1, 1, 1, 1;\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b)
-                 : "memory");
+// fp32's fc4 in ais_kernel: two fp16 copies of its 104 columns as core matrices (AisFc4Cores).
+__device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&a)[4], uint64_t desc_b,
+                                               bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %57, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n104k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51"
+        "}, {%52, %53, %54, %55}, %56, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
+        : "memory");
 }
+
 // fc3's ReLU mask in the wgmma path, 32 bits per 64 hidden units, read off fc4's A fragments: a
 // register holds a pair of ReLU'd bf16 values, and min.relu.s16x2 with 1 takes each half as a 16-bit
 // integer to 1 (a positive value) or 0 (+0, or -0 as the negative -32768). Positive in bf16 is h > 0
@@ -2450,7 +2513,7 @@ __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, cons
     const uint32_t hi = w3 + q * 8 * HI, lo = w3 + HIDDEN_DIM / 8 * HI + q * 8 * LO;
     auto product = [&](const uint32_t (&a)[4], uint32_t b, uint32_t group, bool accumulate) {
         if constexpr (N == 64) wgmma_m64n64k16_rs<fp16, false>(h, a, smem_desc_cores(b, CORE, group), accumulate);
-        else wgmma_m64n16k16_f16_rs(h, a, smem_desc_cores(b, CORE, group), accumulate);
+        else wgmma_f16_narrow_rs<16, false>(h, a, smem_desc_cores(b, CORE, group), accumulate);
     };
     wgmma_fence();
     product(za.k16_lo, hi, HI, false), product(za.k16, lo, LO, true), product(za.k16, hi, HI, true);
@@ -2458,17 +2521,29 @@ __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, cons
     wgmma_commit();
 }
 // BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as in ais_gradient); w4: the
-// shared-memory address of sm.w4; merges as in ais_merge.
-__device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_t& merges,
+// shared-memory address of sm.w4; merges as in ais_merge. fp32 runs each product of fc4 and of the
+// backward through fc3 as three (mma_parts' order: lo hi, hi lo, hi hi), A's lo parts beside its hi
+// parts in registers.
+template <Precision P>
+__device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint32_t& merges,
                                           const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                                           int skip, float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
-    constexpr int BN = Path<PRECISION_BF16>::AIS_BN, K_STEPS = (BN + 15) / 16, SLICE_BYTES = BN * 128;
+    typedef Path<P> Q;
+    typedef typename Q::T T;
+    constexpr bool SPLIT = Q::SPLIT;
+    constexpr int BN = Q::AIS_BN, K_STEPS = (BN + 15) / 16, SLICE_BYTES = BN * 128;
+    constexpr uint32_t CORE = AIS_W3_CORE_BYTES, GROUP = AIS_FC4_GROUP_BYTES, COPY = AIS_FC4_COPY_BYTES;
     const int t = threadIdx.x % 4;
     const AisZFragments za = ais_z_fragments(z);
+    // Buffers of fc4's A fragments and of the backward's dh: bf16 two, each group's wgmmas reading one
+    // while the warps write the other; fp32 one, the warps waiting for the wgmmas: with fp32's lo
+    // parts two had ptxas spill 2,272 / 2,752 bytes a thread, against 1,600 / 1,920 (--ais 100 on an
+    // H200: 1.786 s with two, 1.710 s with one)
+    constexpr int BUFFERS = SPLIT ? 1 : 2;
     uint32_t mask[AIS_WG_GROUPS]; // fc3's ReLU: group q's pair j at bits j and 16 + j (relu_pair_flags)
     float logit[BN / 2];
-    uint32_t a[2][4][4]; // two groups' A fragments: one being read by wgmma, one being written
-    const uint32_t a_bias[4] = {bias_ones<bf16>(t), bias_ones<bf16>(t), 0u, 0u};
+    uint32_t a[BUFFERS][4][4], a_lo[BUFFERS][4][4]; // group q's A fragments in a[q % BUFFERS]
+    const uint32_t a_bias[4] = {bias_ones<T>(t), bias_ones<T>(t), 0u, 0u};
     // fc3 of group q + 1 runs on the tensor cores before fc4 of group q, and its ReLU is taken while
     // fc4 runs (the wait leaves fc4's group pending)
     const uint32_t w3 = (uint32_t)__cvta_generic_to_shared(&sm.w3);
@@ -2488,18 +2563,34 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
             if (i < chunks) {
                 const float(&chunk)[8] = *reinterpret_cast<const float(*)[8]>(&h[8 * i]);
                 uint32_t hi[1][4], lo[1][4];
-                relu_to_a<bf16>(hi, lo, chunk);
+                relu_to_a<T>(hi, lo, chunk);
                 #pragma unroll
                 for (int r = 0; r < 4; r++) {
                     mask_part[i] |= relu_pair_flags(hi[0][r], 4 * i + r);
-                    a[q % 2][i][r] = hi[0][r];
+                    a[q % BUFFERS][i][r] = hi[0][r];
+                    if constexpr (SPLIT) a_lo[q % BUFFERS][i][r] = lo[0][r];
                 }
             } else if (i == chunks) { // the last group's next k16 step: K = 400..415, the bias parts
                 #pragma unroll
-                for (int r = 0; r < 4; r++) a[q % 2][i][r] = a_bias[r];
+                for (int r = 0; r < 4; r++) a[q % BUFFERS][i][r] = a_bias[r];
             }
         }
         mask[q] = (mask_part[0] | mask_part[1]) | (mask_part[2] | mask_part[3]);
+    };
+    // fc4's k16 step i of group q: bf16 one m64n200k16 from the swizzled slice; fp32 three m64n104k16
+    // from the copies' cores (the bias step: hi hi only, as ais_gradient's)
+    auto fc4_step = [&](int q, int i, bool bias) {
+        if constexpr (SPLIT) {
+            const uint32_t step = w4 + (4 * q + i) * 2 * CORE;
+            auto desc = [&](uint32_t at) { return smem_desc_cores(at, CORE, GROUP); };
+            if (!bias) {
+                wgmma_m64n104k16_f16_rs(logit, a_lo[q % BUFFERS][i], desc(step), q + i > 0);
+                wgmma_m64n104k16_f16_rs(logit, a[q % BUFFERS][i], desc(step + COPY), true);
+            }
+            wgmma_m64n104k16_f16_rs(logit, a[q % BUFFERS][i], desc(step), true);
+        } else {
+            wgmma_m64n200k16_rs(logit, a[q % BUFFERS][i], smem_desc_128b(w4 + q * SLICE_BYTES) + 2 * i, q + i > 0);
+        }
     };
     fc3_group(0); // before the turn: a turn starts with fc4
     ais_turn_wait();
@@ -2512,16 +2603,15 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
         wgmma_fence();
         #pragma unroll
         for (int i = 0; i < 4; i++)
-            if (i < chunks + (q == AIS_WG_GROUPS - 1 ? 1 : 0))
-                wgmma_m64n200k16_rs(logit, a[q % 2][i], smem_desc_128b(w4 + q * SLICE_BYTES) + 2 * i, q + i > 0);
+            if (i < chunks + (q == AIS_WG_GROUPS - 1 ? 1 : 0)) fc4_step(q, i, i == chunks);
         wgmma_commit();
         if (q + 1 == AIS_WG_GROUPS) ais_turn_pass();
         if (q + 1 < AIS_WG_GROUPS) {
-            wgmma_wait<1>(); // fc3 of q + 1 is done (and fc4 of q - 1, whose A buffer it overwrites)
+            wgmma_wait<BUFFERS - 1>(); // fc3 of q + 1 is done (and fc4 of q - 1 or q, whose A buffer it overwrites)
             to_a(q + 1);
         }
     }
-    ais_release_shares<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.meet, merges);
+    ais_release_shares<Q::AIS_CLUSTER>(sm.meet, merges);
     wgmma_wait<0>();
     fence_accumulators(logit);
     float bce_share[2];
@@ -2529,40 +2619,64 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
         ais_epilogue<true>(logit, x_row, skip, bce_share);
     else
         ais_epilogue<false>(logit, x_row, skip, bce_share);
-    uint32_t ga[K_STEPS][4];
+    uint32_t ga[K_STEPS][4], ga_lo[K_STEPS][4];
     #pragma unroll
     for (int s = 0; s < K_STEPS; s++) {
-        ga[s][0] = pack2<bf16>(logit[8 * s], logit[8 * s + 1]);
-        ga[s][1] = pack2<bf16>(logit[8 * s + 2], logit[8 * s + 3]);
-        const bool full = 2 * s + 1 < BN / 8; // the last step's K 8..15 are past the block's 200 columns
-        ga[s][2] = full ? pack2<bf16>(logit[8 * s + 4], logit[8 * s + 5]) : 0u;
-        ga[s][3] = full ? pack2<bf16>(logit[8 * s + 6], logit[8 * s + 7]) : 0u;
+        const bool full = 2 * s + 1 < BN / 8; // the last step's K 8..15 are past the block's columns
+        pack_parts<T>(ga[s][0], ga_lo[s][0], logit[8 * s], logit[8 * s + 1]);
+        pack_parts<T>(ga[s][1], ga_lo[s][1], logit[8 * s + 2], logit[8 * s + 3]);
+        pack_parts<T>(ga[s][2], ga_lo[s][2], full ? logit[8 * s + 4] : 0.0f, full ? logit[8 * s + 5] : 0.0f);
+        pack_parts<T>(ga[s][3], ga_lo[s][3], full ? logit[8 * s + 6] : 0.0f, full ? logit[8 * s + 7] : 0.0f);
     }
-    float dz[3][4] = {}, dh[2][32]; // group q's dh in dh[q % 2]: W3 reads one while the next wgmmas write the other
+    float dz[3][4], dh[BUFFERS][32]; // group q's dh in dh[q % BUFFERS]
+    if constexpr (!SPLIT) // bf16's products all accumulate; fp32's first (lo hi) writes them
+        for (int i = 0; i < 12; i++) dz[i / 4][i % 4] = 0.0f;
     float(&dz_acc)[12] = *reinterpret_cast<float(*)[12]>(&dz[0][0]); // W3's m64n24 accumulators: n8 block j at 4j
-    uint32_t masked[4][4]; // group q's dh through fc3's ReLU, as W3's A fragments (fp16), a k16 step per 16 units
+    // fp32's hi lo products, latents 0..15 and 16..23, in accumulators of their own, added at the end:
+    // m64n16 and m64n8 wgmmas on dz_acc's registers had ptxas serialize all the kernel's wgmmas
+    float dz_lo[8], dz_lo16[4];
+    uint32_t masked[4][4], masked_lo[4][4]; // group q's dh through fc3's ReLU as W3's A fragments (fp16), a k16
+                                            // step per 16 units
     auto backward_group = [&](int q) {
-        const uint32_t slice = w4 + q * SLICE_BYTES;
         wgmma_fence();
-        #pragma unroll
-        for (int s = 0; s < K_STEPS; s++)
-            wgmma_m64n64k16_rs<bf16, true>(dh[q % 2], ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
+        if constexpr (SPLIT) { // units 64q.. are cores 8q.. of each column group; the last group's 16 on N = 16
+            #pragma unroll
+            for (int s = 0; s < K_STEPS; s++) {
+                const uint32_t at = w4 + q * 8 * CORE + 2 * s * GROUP;
+                const uint64_t hi = smem_desc_cores(at, GROUP, CORE), lo = smem_desc_cores(at + COPY, GROUP, CORE);
+                if (q < AIS_WG_GROUPS - 1) {
+                    wgmma_m64n64k16_rs<fp16, true>(dh[q % BUFFERS], ga_lo[s], hi, s > 0);
+                    wgmma_m64n64k16_rs<fp16, true>(dh[q % BUFFERS], ga[s], lo, true);
+                    wgmma_m64n64k16_rs<fp16, true>(dh[q % BUFFERS], ga[s], hi, true);
+                } else {
+                    float(&d)[8] = *reinterpret_cast<float(*)[8]>(&dh[q % BUFFERS][0]);
+                    wgmma_f16_narrow_rs<16, true>(d, ga_lo[s], hi, s > 0);
+                    wgmma_f16_narrow_rs<16, true>(d, ga[s], lo, true);
+                    wgmma_f16_narrow_rs<16, true>(d, ga[s], hi, true);
+                }
+            }
+        } else {
+            const uint32_t slice = w4 + q * SLICE_BYTES;
+            #pragma unroll
+            for (int s = 0; s < K_STEPS; s++)
+                wgmma_m64n64k16_rs<bf16, true>(dh[q % BUFFERS], ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
+        }
         wgmma_commit();
     };
     ais_turn_wait();
     backward_group(0);
     #pragma unroll
     for (int q = 0; q < AIS_WG_GROUPS; q++) {
-        if (q + 1 < AIS_WG_GROUPS) {
+        if (BUFFERS == 2 && q + 1 < AIS_WG_GROUPS) {
             backward_group(q + 1);
             if (q + 2 == AIS_WG_GROUPS) ais_turn_pass(); // after issuing the last group
             wgmma_wait<1>();
         } else {
             wgmma_wait<0>();
         }
-        // dz += masked W3 as one wgmma group per 64 units (4 m64n24k16, in ais_w3_backward's order: the
-        // same sums); its A registers are free again after the next wait
-        fence_accumulators(dh[q % 2]);
+        // dz += masked W3 as one wgmma group per 64 units (bf16: in the order of the mma.sync gradient,
+        // dev/ais_gradient_v1.cu, the same sums); its A registers are free again after the next wait
+        fence_accumulators(dh[q % BUFFERS]);
         const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1;
         #pragma unroll
         for (int i = 0; i < 4; i++)
@@ -2570,50 +2684,84 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem& sm, uint32_t w4, uint32_
                 #pragma unroll
                 for (int r = 0; r < 4; r++) {
                     const int v = 8 * i + 2 * r;
-                    masked[i][r] = pack2<fp16>(dh[q % 2][v], dh[q % 2][v + 1]) & relu_pair_keep(mask[q], 4 * i + r);
+                    const uint32_t keep = relu_pair_keep(mask[q], 4 * i + r);
+                    uint32_t hi, lo;
+                    pack_parts<fp16>(hi, lo, dh[q % BUFFERS][v], dh[q % BUFFERS][v + 1]);
+                    masked[i][r] = hi & keep, masked_lo[i][r] = lo & keep;
                 }
         wgmma_fence();
         #pragma unroll
         for (int i = 0; i < 4; i++)
             if (i < chunks) { // units 16 (4q + i) .. + 15: two core groups of fc3's hi part, K-adjacent
                 const uint32_t units = w3 + (4 * q + i) * 2 * AIS_W3_HI_GROUP_BYTES;
-                wgmma_m64n24k16_f16_rs_mn(dz_acc, masked[i],
-                                          smem_desc_cores(units, AIS_W3_HI_GROUP_BYTES, AIS_W3_CORE_BYTES));
+                const uint64_t hi = smem_desc_cores(units, AIS_W3_HI_GROUP_BYTES, CORE);
+                if constexpr (SPLIT) { // lo hi; hi lo as latents 0..15 from the lo part, 16..19 from the hi
+                                       // part's last core (its N 4..7, W3 hi 16..19, land on latents 20..23)
+                    const uint32_t lo_units = w3 + HIDDEN_DIM / 8 * AIS_W3_HI_GROUP_BYTES +
+                                              (4 * q + i) * 2 * AIS_W3_LO_GROUP_BYTES;
+                    wgmma_f16_narrow_rs<24, true>(dz_acc, masked_lo[i], hi, q + i > 0);
+                    wgmma_f16_narrow_rs<16, true>(dz_lo, masked[i],
+                                                  smem_desc_cores(lo_units, AIS_W3_LO_GROUP_BYTES, CORE), q + i > 0);
+                    wgmma_f16_narrow_rs<8, true>(dz_lo16, masked[i],
+                                                 smem_desc_cores(units + 3 * CORE, AIS_W3_HI_GROUP_BYTES, CORE),
+                                                 q + i > 0);
+                }
+                wgmma_f16_narrow_rs<24, true>(dz_acc, masked[i], hi, true);
             }
         wgmma_commit();
+        if (BUFFERS == 1 && q + 1 < AIS_WG_GROUPS) { // dh read: the next group may write it
+            backward_group(q + 1);
+            if (q + 2 == AIS_WG_GROUPS) ais_turn_pass();
+        }
     }
     wgmma_wait<0>();
     fence_accumulators(dz_acc);
-    ais_merge<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.share, sm.meet, merges, dz, bce_share, grad, bce);
+    if constexpr (SPLIT) {
+        fence_accumulators(dz_lo), fence_accumulators(dz_lo16);
+        #pragma unroll
+        for (int i = 0; i < 4; i++) dz[0][i] += dz_lo[i], dz[1][i] += dz_lo[4 + i], dz[2][i] += dz_lo16[i];
+    }
+    ais_merge<Q::AIS_CLUSTER>(sm.share, sm.meet, merges, dz, bce_share, grad, bce);
 }
-// The block's weights for ais_gradient_wgmma: fc4's column block col0 by TMA, fc3's parts by cp.async.
-__device__ inline void ais_load_weights_wgmma(AisWgmmaSmem& sm, const CUtensorMap& w4_map,
+// The block's weights for ais_gradient_wgmma: fc4's column block col0 (bf16 by TMA; fp32's two
+// copies by cp.async into their cores), fc3's parts by cp.async.
+template <Precision P>
+__device__ inline void ais_load_weights_wgmma(AisWgmmaSmem<P>& sm, const CUtensorMap& w4_map,
+                                              const typename Path<P>::T* __restrict__ fc4_wb,
                                               const fp16* __restrict__ ais_w3, int col0) {
     auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
-    if (threadIdx.x == 0) {
-        const uint32_t bar = addr(&sm.loaded);
-        mbar_expect_load(bar, sizeof(sm.w4));
-        for (int s = 0; s < AIS_WG_GROUPS; s++) tma_load_2d(addr(&sm.w4[s][0][0]), &w4_map, bar, 64 * s, col0);
+    if constexpr (P == PRECISION_BF16) {
+        if (threadIdx.x == 0) {
+            const uint32_t bar = addr(&sm.loaded);
+            mbar_expect_load(bar, sizeof(sm.w4));
+            for (int s = 0; s < AIS_WG_GROUPS; s++) tma_load_2d(addr(&sm.w4.w[s][0][0]), &w4_map, bar, 64 * s, col0);
+        }
+    } else {
+        constexpr int BN = Path<P>::AIS_BN, K8 = FC4_K / 8;
+        for (int c = threadIdx.x; c < 2 * BN * K8; c += blockDim.x) {
+            const int copy = c / (BN * K8), col = c / K8 % BN, k8 = c % K8;
+            cp_async16(&sm.w4.w[copy][col / 8][k8][col % 8][0],
+                       fc4_wb + ((size_t)copy * INPUT_DIM + col0 + col) * FC4_K + 8 * k8, true);
+        }
     }
     ais_copy_fc3(sm.w3, ais_w3);
     cp_async_wait<0>();
-    // fc3's cores, written by cp.async and stores (the generic proxy), are read by wgmma (the async
-    // proxy: fc3's products, and the backward's 8 rows past fc4): this fence makes the writes visible to it
+    // fc3's cores (and fp32's fc4), written by cp.async and stores (the generic proxy), are read by
+    // wgmma (the async proxy): this fence makes the writes visible to it
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
-    mbar_wait(addr(&sm.loaded), 0);
+    if constexpr (P == PRECISION_BF16) mbar_wait(addr(&sm.loaded), 0);
 }
 
 // ais_kernel (sm_90a: thread block clusters): a cluster of AIS_CLUSTER blocks (bf16: 4, fp32: 8)
 // runs ais_chains. Block r keeps column block r of fc4 resident (bf16: 200 logits, 175 KB in
-// wgmma's layout; fp32: 104 in hi and lo copies, 170 KB) and all of fc3; its 8 warps each evaluate
-// 16 chains' gradient over those columns (bf16: ais_gradient_wgmma, a warpgroup's 64 rows at once;
-// fp32: ais_gradient on mma.sync, which has no room for wgmma's layout of two copies beside fc3),
-// and the blocks add their 84-byte shares per row through distributed shared memory: no weights
-// move. Streaming fc4 instead would move 627 KB (bf16) per block per evaluation. A block's two
-// warpgroups hold separate tiles when ais_tile_rows says so (C = 16) and meet only their
-// counterparts in the other blocks, so neither waits for the other's epilogue; in bf16 they take
-// turns at the tensor cores. state: the threads' AIS_STATE_SLOTS (ais_state_bytes).
+// wgmma's swizzle layout; fp32: 104 in hi and lo copies, 166 KB of core matrices) and all of fc3;
+// each warpgroup evaluates its 64 chains' gradient over those columns (ais_gradient_wgmma), and the
+// blocks add their 84-byte shares per row through distributed shared memory: no weights move.
+// Streaming fc4 instead would move 627 KB (bf16) per block per evaluation. A block's two warpgroups
+// hold separate tiles when ais_tile_rows says so (C = 16) and meet only their counterparts in the
+// other blocks, so neither waits for the other's epilogue; they take turns at the tensor cores.
+// state: the threads' AIS_STATE_SLOTS (ais_state_bytes).
 template <Precision P>
 __global__ void __launch_bounds__(AIS_THREADS, 1)
     ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const __grid_constant__ CUtensorMap w4_map,
@@ -2624,28 +2772,17 @@ __global__ void __launch_bounds__(AIS_THREADS, 1)
     int skip;
     const int col0 = ais_columns<P>(rank, &skip);
     uint32_t merges = 0; // the thread's merges (ais_merge)
-    if constexpr (P == PRECISION_BF16) {
-        AisWgmmaSmem& sm = smem_aligned_1024<AisWgmmaSmem>(smem_raw);
-        ais_load_weights_wgmma(sm, w4_map, ais_w3, col0);
-        ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
-        ais_turns_first();
-        const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4[0][0][0]);
-        ais_chains(io, state, rank, col0, sm.step, sm.accepted,
-                   [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
-                       float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
-                       ais_gradient_wgmma(sm, w4, merges, z, x_row, skip, grad, bce, energy);
-                   });
-        ais_turns_last();
-    } else {
-        AisSmem<P>& sm = *reinterpret_cast<AisSmem<P>*>(smem_raw);
-        ais_load_weights(sm, fc4_wb, ais_w3, col0);
-        ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
-        ais_chains(io, state, rank, col0, sm.step, sm.accepted,
-                   [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
-                       float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
-                       ais_gradient<P>(sm, merges, z, x_row, skip, grad, bce, energy);
-                   });
-    }
+    AisWgmmaSmem<P>& sm = smem_aligned_1024<AisWgmmaSmem<P>>(smem_raw);
+    ais_load_weights_wgmma(sm, w4_map, fc4_wb, ais_w3, col0);
+    ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
+    ais_turns_first();
+    const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4);
+    ais_chains(io, state, rank, col0, sm.step, sm.accepted,
+               [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2], float (&grad)[2][AIS_LATENTS],
+                   float (&bce)[2], bool energy) {
+                   ais_gradient_wgmma<P>(sm, w4, merges, z, x_row, skip, grad, bce, energy);
+               });
+    ais_turns_last();
     cluster_sync(); // no block leaves while another may still read its shares or arrive at its barriers
 #endif
 }
@@ -2765,7 +2902,7 @@ static void decoder_launch(const DecoderIO& io, const void* fc4_wb, const void* 
 // of them (the most the GPU runs at once, ais_max_clusters) or one per tile when there are fewer.
 // state: ais_state_bytes(clusters) of scratch, AIS_STATE_SLOTS floats a thread.
 template <Precision P> static int ais_smem() {
-    return P == PRECISION_BF16 ? (int)sizeof(AisWgmmaSmem) + 1024 : (int)sizeof(AisSmem<P>); // bf16: to align
+    return (int)sizeof(AisWgmmaSmem<P>) + 1024; // + room to align
 }
 template <Precision P>
 static cudaLaunchConfig_t ais_config(cudaLaunchAttribute* attr, int clusters, cudaStream_t stream) {

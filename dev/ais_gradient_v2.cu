@@ -56,17 +56,17 @@ __global__ void __launch_bounds__(AIS_THREADS, 1)
                        const vae::AisGradientArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t smem_raw[];
-    AisWgmmaSmem& sm = smem_aligned_1024<AisWgmmaSmem>(smem_raw);
+    AisWgmmaSmem<PRECISION_BF16>& sm = smem_aligned_1024<AisWgmmaSmem<PRECISION_BF16>>(smem_raw);
     int skip;
     const int col0 = ais_columns<PRECISION_BF16>(cluster_rank(), &skip);
-    ais_load_weights_wgmma(sm, w4_map, ais_w3, col0);
+    ais_load_weights_wgmma<PRECISION_BF16>(sm, w4_map, NULL, ais_w3, col0);
     ais_meet_init<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.meet);
     ais_turns_first();
     uint32_t merges = 0;
-    const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4[0][0][0]);
+    const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4);
     vae::ais_driver_tiles(a, col0, [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                                        float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
-        ais_gradient_wgmma(sm, w4, merges, z, x_row, skip, grad, bce, energy);
+        ais_gradient_wgmma<PRECISION_BF16>(sm, w4, merges, z, x_row, skip, grad, bce, energy);
     });
     ais_turns_last();
     cluster_sync();
