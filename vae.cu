@@ -489,7 +489,7 @@ enum {
     TASK_ROWS = 16,        // rows of one warp's task (encoder and decoder): the unit of a cross-block merge
     BIAS_PARTS = 3,
     FC4_K = HIDDEN_DIM + 8, // fc4's K with the bias parts: 816-byte rows, a 16-byte multiple for TMA
-    AIS_W3_K = 24,          // ais_kernel's fc3 rows [W3 | bias parts | 0]: 48 bytes, conflict-free loads
+    AIS_W3_K = 24,          // ais_kernel's fc3 rows [W3 | bias parts | 0] in memory (AisW3Cores on chip)
 };
 template <Precision P> __host__ __device__ constexpr int dec_overlap() {
     return Path<P>::DEC_COL_BLOCKS * Path<P>::DEC_BN - INPUT_DIM;
@@ -1591,26 +1591,6 @@ struct AisIO {
 struct AisMeet {
     uint64_t stored[2], added[2];
 };
-template <Precision P> struct AisSmem {
-    typename Path<P>::T w4[Path<P>::SPLIT ? 2 : 1][Path<P>::AIS_BN][FC4_K]; // the block's columns of fc4
-    fp16 w3[2][HIDDEN_DIM][AIS_W3_K];                                       // all of fc3, hi and lo parts
-    float share[AIS_ROWS][AIS_SHARE];             // the block's share of each row's grad and BCE (ais_merge)
-    AisMeet meet;
-    uint8_t mask[AIS_WARPS][HIDDEN_DIM / 16][32]; // fc3's ReLU, a byte per lane and 16 hidden units
-    float step[AIS_ROWS];                         // the tiles' images' step sizes (ais_chains)
-    int accepted[AIS_ROWS];                       // their chains' acceptances in this transition
-};
-
-__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
-    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ inline void ldmatrix_x2_trans(uint32_t& r0, uint32_t& r1, const void* row) {
-    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
-}
-
 // Thread block clusters (sm_90): the blocks of a cluster run together, reach each other's shared
 // memory (mapa + ld.shared::cluster) and meet at the cluster barrier (its arrive, then its wait).
 __device__ inline void cluster_sync() {
@@ -1728,8 +1708,8 @@ __device__ inline float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// The pieces of one gradient evaluation (ais_gradient, below) for a warp's 16 rows: the thread holds
-// rows g and g + 8 (half 0, 1) as described above.
+// The pieces of one gradient evaluation (ais_gradient_wgmma, below) for a warp's 16 rows: the thread
+// holds rows g and g + 8 (half 0, 1) as described above.
 // fc3 in fp16 hi and lo parts in both paths (three products, ~fp32): near the posterior's mode grad
 // changes by its curvature (~100) times any error in z or W3 z, and bf16's 2^-9 moved it by 7% (fp16's
 // 2^-11 alone: 2.3%). The backward product through W3 is linear in dh: one product in bf16.
@@ -1761,40 +1741,18 @@ __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]
     }
     return f;
 }
-// fc3's parts as bf16's wgmmas read them: 8 x 8 core matrices of 128 contiguous bytes, [unit / 8][k /
-// 8][unit % 8][k % 8], no swizzle, the 38,400 bytes of mma.sync's rows [2][400][24] as the k16 steps
-// take them: the hi part K = 32, [W3 hi | bias parts | 0 | W3 lo 16..19, W3 hi 16..19] (k24's B), the
-// lo part K = 16. Forward (K-major, K = latents): a k16 step is two cores 128 bytes apart, groups of 8
-// units 512 (hi) or 256 (lo) bytes apart. Backward (MN-major, K = units, N = 24 latents, hi only): a
-// k16 step is two groups 512 bytes apart, the three cores of a row of 8 units 128 bytes apart.
+// fc3's parts as the wgmmas read them: 8 x 8 core matrices of 128 contiguous bytes, [unit / 8][k /
+// 8][unit % 8][k % 8], no swizzle, the 38,400 bytes of the rows [2][400][24] (AIS_W3_K) as the k16
+// steps take them: the hi part K = 32, [W3 hi | bias parts | 0 | W3 lo 16..19, W3 hi 16..19] (k24's
+// B), the lo part K = 16. Forward (K-major, K = latents): a k16 step is two cores 128 bytes apart,
+// groups of 8 units 512 (hi) or 256 (lo) bytes apart. Backward (MN-major, K = units, N = 24 latents):
+// a k16 step is two groups 512 bytes apart, the three cores of a row of 8 units 128 bytes apart (the
+// hi part; fp32's lo part as N = 16 from the lo cores and N = 8 from the hi part's last core).
 struct AisW3Cores {
     AisW3 hi[HIDDEN_DIM / 8][4][8][8];
     AisW3 lo[HIDDEN_DIM / 8][2][8][8];
 };
 constexpr uint32_t AIS_W3_CORE_BYTES = 128, AIS_W3_HI_GROUP_BYTES = 4 * 128, AIS_W3_LO_GROUP_BYTES = 2 * 128;
-// fc3's pre-activations of hidden units 16c .. 16c + 15 (an m16n8 accumulator pair) and their ReLU's
-// mask, a bit per value: per n8 block the two corrections (lo hi, hi lo), then hi hi, as mma_parts,
-// then k24 (its B from the rows: K 8..11 of lane t < 2 are W3 lo 16 + 2t, 17 + 2t, K 12..15 of lane
-// t >= 2 W3 hi 12 + 2t, 13 + 2t).
-__device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const AisZFragments& za, int c,
-                                         float (&h)[8]) {
-    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    #pragma unroll
-    for (int i = 0; i < 8; i++) h[i] = 0.0f;
-    #pragma unroll
-    for (int j = 0; j < 2; j++) {
-        const AisW3* hi = &w3[0][16 * c + 8 * j + g][2 * t];
-        const AisW3* lo = &w3[1][16 * c + 8 * j + g][2 * t];
-        const uint32_t b[2] = {pair_at(hi), pair_at(hi + 8)}, b_lo[2] = {pair_at(lo), pair_at(lo + 8)};
-        mma_parts<AisW3>(&h[4 * j], za.k16, za.k16_lo, b, b_lo);
-        const uint32_t b24[2] = {pair_at(hi + 16), t < 2 ? pair_at(lo + 16) : pair_at(hi + 12)};
-        mma_m16n8k16<AisW3>(&h[4 * j], za.k24, b24);
-    }
-    uint32_t bits = 0;
-    #pragma unroll
-    for (int i = 0; i < 8; i++) bits |= (h[i] > 0.0f ? 1u : 0u) << i;
-    return bits;
-}
 // The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from
 // the block's first column): sigmoid(l) - x in place of each logit (zero in the skipped blocks), and
 // when ENERGY the row's BCE share (decoder_epilogue's sum; else zero). Only the trajectory's end needs
@@ -1803,7 +1761,7 @@ __device__ inline uint32_t ais_fc3_chunk(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3
 // operations and three others a logit (exp(-l) overflows to infinity for l < -88 and the reciprocal
 // to 0, the limit); (l >= 0 ? 1 : e) / (1 + e) with e = exp(-|l|), x rounded apart, took about seven
 // others (--ais 100 bf16 -2%). The sum keeps exp(-|l|) and x as a product rounded as written
-// (__fmul_rn); sigmoid - x is the same fmaf in both instances, so they agree.
+// (__fmul_rn); sigmoid - x is the same fmaf in every gradient (dev/ais_gradient_v1.cu's too), so they agree.
 template <bool ENERGY, int N>
 __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
                                     float (&bce_share)[2]) {
@@ -1840,35 +1798,25 @@ __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_
         bce_share[half] = ENERGY ? quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1)) : 0.0f;
     }
 }
-// dz += (dh masked by fc3's ReLU) W3 over hidden units 16c .. 16c + 15 (dh: an m16n8 accumulator
-// pair; B: W3's rows by ldmatrix.trans); three products in fp32's path, one in bf16's.
-template <bool SPLIT>
-__device__ inline void ais_w3_backward(const AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], int c, const float (&dh)[8],
-                                       uint32_t bits, float (&dz)[3][4]) {
-    const int lane = threadIdx.x % 32;
-    const int t_row = lane % 8 + ((lane / 8) % 2) * 8, t_col = (lane / 16) * 8; // ldmatrix_x4_trans: k16 x two n8
-    float m[8];
+// The epilogue (its energy only when asked) and its values as the backward's A fragments, fp32's with
+// their lo parts: k16 step s holds the block's columns 16s .. 16s + 15, the last step's K 8..15 (past
+// its columns when they are 8 short of a k16 multiple) zero.
+template <typename T, int N, int K_STEPS>
+__device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip, bool energy,
+                                         float (&bce_share)[2], uint32_t (&ga)[K_STEPS][4],
+                                         uint32_t (&ga_lo)[K_STEPS][4]) {
+    static_assert(K_STEPS == (N / 4 + 1) / 2, "a k16 step per two n8 blocks of logits");
+    if (energy)
+        ais_epilogue<true>(logit, x_row, skip, bce_share);
+    else
+        ais_epilogue<false>(logit, x_row, skip, bce_share);
     #pragma unroll
-    for (int i = 0; i < 8; i++) m[i] = (bits >> i) & 1u ? dh[i] : 0.0f;
-    uint32_t a[4], a_lo[4];
-    pack_parts<AisW3>(a[0], a_lo[0], m[0], m[1]);
-    pack_parts<AisW3>(a[1], a_lo[1], m[2], m[3]);
-    pack_parts<AisW3>(a[2], a_lo[2], m[4], m[5]);
-    pack_parts<AisW3>(a[3], a_lo[3], m[6], m[7]);
-    uint32_t r[4], q[4] = {}, r2[2], q2[2] = {};
-    const AisW3* row = &w3[0][16 * c + t_row][0];
-    ldmatrix_x4_trans(r, row + t_col);
-    ldmatrix_x2_trans(r2[0], r2[1], row + 16);
-    if constexpr (SPLIT) {
-        ldmatrix_x4_trans(q, row + HIDDEN_DIM * AIS_W3_K + t_col);
-        ldmatrix_x2_trans(q2[0], q2[1], row + HIDDEN_DIM * AIS_W3_K + 16);
-    }
-    const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]}, c1[2] = {q[2], q[3]};
-    if constexpr (SPLIT) {
-        mma_parts<AisW3>(dz[0], a, a_lo, b0, c0), mma_parts<AisW3>(dz[1], a, a_lo, b1, c1);
-        mma_parts<AisW3>(dz[2], a, a_lo, r2, q2);
-    } else {
-        mma_m16n8k16<AisW3>(dz[0], a, b0), mma_m16n8k16<AisW3>(dz[1], a, b1), mma_m16n8k16<AisW3>(dz[2], a, r2);
+    for (int s = 0; s < K_STEPS; s++) {
+        const bool full = 2 * s + 1 < N / 4;
+        pack_parts<T>(ga[s][0], ga_lo[s][0], logit[8 * s], logit[8 * s + 1]);
+        pack_parts<T>(ga[s][1], ga_lo[s][1], logit[8 * s + 2], logit[8 * s + 3]);
+        pack_parts<T>(ga[s][2], ga_lo[s][2], full ? logit[8 * s + 4] : 0.0f, full ? logit[8 * s + 5] : 0.0f);
+        pack_parts<T>(ga[s][3], ga_lo[s][3], full ? logit[8 * s + 6] : 0.0f, full ? logit[8 * s + 7] : 0.0f);
     }
 }
 // The cluster's merge: wait until the other blocks have read this one's last shares, store this one's
@@ -1950,104 +1898,6 @@ template <int CLUSTER> __device__ inline void ais_meet_init(AisMeet& meet) {
     cluster_sync();
 }
 
-// BCE(x, logits(z)) and grad_z BCE for a warp's 16 rows z[half][i]: this block's columns col0 ..
-// col0 + AIS_BN - 1 of the product (its first `skip` n8 blocks are the block before's), then the
-// cluster's shares added in rank order. x_row[half]: the row's image's pixels from col0. fp32's
-// gradient; bf16 runs ais_gradient_wgmma (below), equal bit for bit to this one's bf16 instance, which
-// only dev/ais_gradient_v1.cu and v2 build (the baseline).
-template <Precision P>
-__device__ inline void ais_gradient(AisSmem<P>& sm, uint32_t& merges, const float (&z)[2][AIS_LATENTS],
-                                    const uint8_t* const (&x_row)[2], int skip, float (&grad)[2][AIS_LATENTS],
-                                    float (&bce)[2], bool energy) {
-    typedef Path<P> Q;
-    typedef typename Q::T T;
-    constexpr int BN = Q::AIS_BN, K_STEPS = (BN + 15) / 16; // fc4's backward K: the block's columns
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const AisZFragments za = ais_z_fragments(z);
-    ais_release_shares<Path<P>::AIS_CLUSTER>(sm.meet, merges);
-    // forward: fc3 16 hidden units at a time, their ReLU straight into fc4 (decoder_mma_kernel's loop)
-    const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
-    float logit[BN / 2] = {};
-    #pragma unroll 1
-    for (int c = 0; c < HIDDEN_DIM / 16; c++) {
-        float h[8];
-        sm.mask[warp][c][lane] = (uint8_t)ais_fc3_chunk(sm.w3, za, c, h);
-        uint32_t a[1][4], a_lo[1][4];
-        relu_to_a<T>(a, a_lo, h);
-        #pragma unroll
-        for (int nt = 0; nt < BN / 8; nt += 2) {
-            const T* row = &sm.w4[0][nt * 8 + b_row][16 * c + b_k];
-            const T* row_lo = row + BN * FC4_K;
-            if (nt + 1 < BN / 8) {
-                uint32_t r[4], q[4] = {};
-                ldmatrix_x4(r, row);
-                if constexpr (Q::SPLIT) ldmatrix_x4(q, row_lo);
-                const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]}, c1[2] = {q[2], q[3]};
-                mma_parts<T>(&logit[4 * nt], a[0], a_lo[0], b0, c0);
-                mma_parts<T>(&logit[4 * nt + 4], a[0], a_lo[0], b1, c1);
-            } else { // the odd last n8 block
-                uint32_t b[2], b_lo[2] = {};
-                ldmatrix_x2(b[0], b[1], row - (lane / 16) * 8 * FC4_K);
-                if constexpr (Q::SPLIT) ldmatrix_x2(b_lo[0], b_lo[1], row_lo - (lane / 16) * 8 * FC4_K);
-                mma_parts<T>(&logit[4 * nt], a[0], a_lo[0], b, b_lo);
-            }
-        }
-    }
-    const uint32_t a_bias[4] = {bias_ones<T>(t), bias_ones<T>(t), 0u, 0u};
-    #pragma unroll
-    for (int nt = 0; nt < BN / 8; nt++) {
-        const uint32_t b[2] = {pair_at(&sm.w4[0][nt * 8 + g][HIDDEN_DIM + 2 * t]), 0u};
-        mma_m16n8k16<T>(&logit[4 * nt], a_bias, b);
-    }
-    float bce_share[2];
-    if (energy)
-        ais_epilogue<true>(logit, x_row, skip, bce_share);
-    else
-        ais_epilogue<false>(logit, x_row, skip, bce_share);
-    // backward: dh3 = (sigmoid - x) W4 over the block's columns (B: ldmatrix.trans of the same rows),
-    // masked by the ReLU, then grad += dh3 W3, 16 hidden units at a time
-    uint32_t ga[K_STEPS][4], ga_lo[K_STEPS][4];
-    #pragma unroll
-    for (int s = 0; s < K_STEPS; s++) {
-        pack_parts<T>(ga[s][0], ga_lo[s][0], logit[8 * s], logit[8 * s + 1]);
-        pack_parts<T>(ga[s][1], ga_lo[s][1], logit[8 * s + 2], logit[8 * s + 3]);
-        if (2 * s + 1 < BN / 8) {
-            pack_parts<T>(ga[s][2], ga_lo[s][2], logit[8 * s + 4], logit[8 * s + 5]);
-            pack_parts<T>(ga[s][3], ga_lo[s][3], logit[8 * s + 6], logit[8 * s + 7]);
-        } else {
-            ga[s][2] = ga[s][3] = ga_lo[s][2] = ga_lo[s][3] = 0u;
-        }
-    }
-    const int t_row = lane % 8 + ((lane / 8) % 2) * 8, t_col = (lane / 16) * 8; // ldmatrix_x4_trans: k16 x two n8
-    float dz[3][4] = {};
-    #pragma unroll 1
-    for (int c = 0; c < HIDDEN_DIM / 16; c++) {
-        float dh[8] = {};
-        #pragma unroll
-        for (int s = 0; s < K_STEPS; s++) {
-            if (16 * s + 16 <= BN) {
-                const T* row = &sm.w4[0][16 * s + t_row][16 * c + t_col];
-                uint32_t r[4], q[4] = {};
-                ldmatrix_x4_trans(r, row);
-                if constexpr (Q::SPLIT) ldmatrix_x4_trans(q, row + BN * FC4_K);
-                const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]}, c1[2] = {q[2], q[3]};
-                mma_parts<T>(&dh[0], ga[s], ga_lo[s], b0, c0);
-                mma_parts<T>(&dh[4], ga[s], ga_lo[s], b1, c1);
-            } else { // a last half step: 8 columns, K 8..15 of B zero
-                const T* row = &sm.w4[0][16 * s + lane % 8][16 * c + ((lane / 8) % 2) * 8];
-                uint32_t r0, r1, q0 = 0u, q1 = 0u;
-                ldmatrix_x2_trans(r0, r1, row);
-                if constexpr (Q::SPLIT) ldmatrix_x2_trans(q0, q1, row + BN * FC4_K);
-                const uint32_t b0[2] = {r0, 0u}, b1[2] = {r1, 0u}, c0[2] = {q0, 0u}, c1[2] = {q1, 0u};
-                mma_parts<T>(&dh[0], ga[s], ga_lo[s], b0, c0);
-                mma_parts<T>(&dh[4], ga[s], ga_lo[s], b1, c1);
-            }
-        }
-        ais_w3_backward<Q::SPLIT>(sm.w3, c, dh, sm.mask[warp][c][lane], dz);
-    }
-    ais_merge<Q::AIS_CLUSTER>(sm.share, sm.meet, merges, dz, bce_share, grad, bce);
-}
-
 // Block `rank`'s column block of the logits: its first column (the last block starts at 784 - AIS_BN)
 // and, in skip, how many of its n8 blocks belong to the block before.
 template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* skip) {
@@ -2056,13 +1906,6 @@ template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* ski
     return rank < CLUSTER - 1 ? (int)rank * BN : INPUT_DIM - BN;
 }
 
-// All of fc3's hi and lo parts into the block's shared memory, by cp.async over the whole block: as
-// rows, or as wgmma's core matrices with their zero pad.
-__device__ inline void ais_copy_fc3(AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const fp16* __restrict__ ais_w3) {
-    for (int copy = 0; copy < 2; copy++)
-        copy_block_async(&w3[copy][0][0], AIS_W3_K, ais_w3 + (size_t)copy * HIDDEN_DIM * AIS_W3_K, AIS_W3_K,
-                         HIDDEN_DIM, AIS_W3_K);
-}
 // The rows [2][400][24] as AisW3Cores, a unit's six 16-byte core rows: hi K 0..23 and lo K 0..15 by
 // cp.async, the hi part's last (W3 lo 16..19, W3 hi 16..19) from two 8-byte halves.
 __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais_w3) {
@@ -2081,20 +1924,6 @@ __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais
     }
     cp_async_commit();
 }
-// The block's resident weights: fc4's rows col0 .. col0 + AIS_BN - 1 (both copies in fp32) and all of
-// fc3's hi and lo parts, by cp.async over the whole block.
-template <Precision P>
-__device__ inline void ais_load_weights(AisSmem<P>& sm, const typename Path<P>::T* __restrict__ fc4_wb,
-                                        const fp16* __restrict__ ais_w3, int col0) {
-    constexpr int BN = Path<P>::AIS_BN;
-    for (int copy = 0; copy < (Path<P>::SPLIT ? 2 : 1); copy++)
-        copy_block_async(&sm.w4[copy][0][0], FC4_K, fc4_wb + ((size_t)copy * INPUT_DIM + col0) * FC4_K, FC4_K, BN,
-                         FC4_K);
-    ais_copy_fc3(sm.w3, ais_w3);
-    cp_async_wait<0>();
-    __syncthreads();
-}
-
 // Two N(0, 1) draws (pair `pair` of a 20-vector) and one uniform in (0, 1] keyed by (seed, stream,
 // image, chain, counter): the counter carries the transition, so no draw depends on the batch.
 __host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
@@ -2113,7 +1942,7 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
 
 // The chains of a cluster's tiles (ais_tile_rows: a warpgroup's 64 or the block's 128 chains, all C
 // chains of each of its images), run through all their T - 1 transitions on chip; `gradient(z, x_row,
-// grad, bce, energy)` evaluates the warp's 16 rows as ais_gradient does (x_row: each row's pixels from
+// grad, bce, energy)` evaluates the warp's 16 rows as ais_gradient_wgmma does (x_row: each row's pixels from
 // the block's first column col0; bce only when energy: a trajectory's start and end), and step and
 // accepted are the block's shared arrays of AIS_ROWS (a tile's step sizes, its images' acceptances in
 // a transition). Every block of the cluster runs the same arithmetic on the same bits, so each holds
@@ -2310,10 +2139,11 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
     }
 }
 
-// bf16's gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it: 114.6 us a
-// transition of 3,840 chains on an H200, 207.7 with fc3 and its backward on mma.sync). The same
-// cluster of 4 blocks, column block of 200 logits, epilogue and merge; all four products move to the
-// warpgroup (fc3 with hi and lo parts, three products, its backward with one):
+// The gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it: bf16 114.6 us
+// a transition of 3,840 chains on an H200, 207.7 with fc3 and its backward on mma.sync; the mma.sync
+// gradient is dev/ais_gradient_v1.cu's). In bf16, the cluster of 4 blocks, column block of 200 logits,
+// epilogue and merge of that gradient; all four products move to the warpgroup (fc3 with hi and lo
+// parts, three products, its backward with one):
 //   forward   per 64 hidden units, fc3 as 4 m64n64k16 wgmmas (z's parts as A from registers, fc3's
 //             parts as B in core matrices, AisW3Cores; the sums are ais_fc3_chunk's to the bit),
 //             then 4 m64n200k16 wgmmas with its ReLU as A from registers and the block's fc4 as B
@@ -2329,13 +2159,17 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
 //             than the 64-wide swizzle atom is not a layout the PTX ISA describes). Group q + 1's
 //             wgmmas run while the warps mask group q's dh by the ReLU into fp16 A fragments, and
 //             dz += those W3 follows as 4 m64n24k16 (fc3's hi part read MN-major from its cores, in
-//             the order of mma.sync's ais_w3_backward: the same sums). On mma.sync (12 products and
+//             the order of the mma.sync gradient: the same sums). On mma.sync (12 products and
 //             4 ldmatrix a warp per 64 units) the backward had taken ~9,500 cycles of an evaluation
 //             (5,200 now; --ais 100 -15%)
 // Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) and their pad
 // (128) + the shares (128 x 24 floats) and their 4 mbarriers + the tiles' step sizes and acceptances
 // = 231,080 of the 232,448 a block may have (less 1,024 to align): fc3's ReLU mask lives in
 // registers (a 32-bit word per 64 units).
+// fp32 runs the same steps with every product of fc4, and the backward through fc3, as three (lo hi,
+// hi lo, hi hi) on fp16 parts: a cluster of 8 blocks of 104 logits (AisFc4Cores), m64n104k16 forward
+// and m64n64k16 backward. On mma.sync (14 ldmatrix and 39 products a warp per 16 units of fc4's
+// forward, the same backward) it had been bound by their issue: --ais 100 3.09 s, now 1.71 (H200).
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
 static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
 // fc4's column block as each path's wgmmas read it. bf16: K in 64-wide slices of 200 rows, the
@@ -2505,8 +2339,8 @@ __device__ inline uint32_t relu_pair_keep(uint32_t mask, int j) {
 }
 // fc3's pre-activations of group q's hidden units (64, the last group's 16: N) for the warpgroup's 64
 // rows as one wgmma group, committed: the two corrections (lo hi, hi lo), hi hi, then k24, in
-// ais_fc3_chunk's order, so the sums are its own to the bit. h: each warp's rows in the accumulator
-// layout, 8 values per 16 units as ais_fc3_chunk's h. w3: the shared-memory address of sm.w3.
+// the order of the mma.sync gradient's (dev/ais_gradient_v1.cu), so the sums are its own to the bit. h:
+// each warp's rows in the accumulator layout, 8 values per 16 units. w3: the shared-memory address of sm.w3.
 template <int N>
 __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, const AisZFragments& za) {
     constexpr uint32_t CORE = AIS_W3_CORE_BYTES, HI = AIS_W3_HI_GROUP_BYTES, LO = AIS_W3_LO_GROUP_BYTES;
@@ -2520,7 +2354,7 @@ __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, cons
     product(za.k24, hi + 2 * CORE, HI, true);
     wgmma_commit();
 }
-// BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as in ais_gradient); w4: the
+// BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as above); w4: the
 // shared-memory address of sm.w4; merges as in ais_merge. fp32 runs each product of fc4 and of the
 // backward through fc3 as three (mma_parts' order: lo hi, hi lo, hi hi), A's lo parts beside its hi
 // parts in registers.
@@ -2578,7 +2412,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
         mask[q] = (mask_part[0] | mask_part[1]) | (mask_part[2] | mask_part[3]);
     };
     // fc4's k16 step i of group q: bf16 one m64n200k16 from the swizzled slice; fp32 three m64n104k16
-    // from the copies' cores (the bias step: hi hi only, as ais_gradient's)
+    // from the copies' cores (the bias step: hi hi only, the bias parts' own lo parts are in K)
     auto fc4_step = [&](int q, int i, bool bias) {
         if constexpr (SPLIT) {
             const uint32_t step = w4 + (4 * q + i) * 2 * CORE;
@@ -2615,19 +2449,8 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     wgmma_wait<0>();
     fence_accumulators(logit);
     float bce_share[2];
-    if (energy)
-        ais_epilogue<true>(logit, x_row, skip, bce_share);
-    else
-        ais_epilogue<false>(logit, x_row, skip, bce_share);
     uint32_t ga[K_STEPS][4], ga_lo[K_STEPS][4];
-    #pragma unroll
-    for (int s = 0; s < K_STEPS; s++) {
-        const bool full = 2 * s + 1 < BN / 8; // the last step's K 8..15 are past the block's columns
-        pack_parts<T>(ga[s][0], ga_lo[s][0], logit[8 * s], logit[8 * s + 1]);
-        pack_parts<T>(ga[s][1], ga_lo[s][1], logit[8 * s + 2], logit[8 * s + 3]);
-        pack_parts<T>(ga[s][2], ga_lo[s][2], full ? logit[8 * s + 4] : 0.0f, full ? logit[8 * s + 5] : 0.0f);
-        pack_parts<T>(ga[s][3], ga_lo[s][3], full ? logit[8 * s + 6] : 0.0f, full ? logit[8 * s + 7] : 0.0f);
-    }
+    ais_epilogue_to_a<T>(logit, x_row, skip, energy, bce_share, ga, ga_lo);
     float dz[3][4], dh[BUFFERS][32]; // group q's dh in dh[q % BUFFERS]
     if constexpr (!SPLIT) // bf16's products all accumulate; fp32's first (lo hi) writes them
         for (int i = 0; i < 12; i++) dz[i / 4][i % 4] = 0.0f;
@@ -3023,7 +2846,7 @@ template <Precision P> static void vae_init_path(VAE* m) {
     const size_t fc1 = (size_t)Path<P>::ENC_SLICES * ENC_BN * FC1_K,
                  enc = (size_t)MULV_DIM * Path<P>::ENC_SLICES * Path<P>::ENC_W_COLS,
                  fc3 = (size_t)HIDDEN_DIM * Path<P>::Z_K, fc4 = (size_t)COPIES * INPUT_DIM * FC4_K,
-                 ais_fc3 = (size_t)2 * HIDDEN_DIM * AIS_W3_K; // fp16 hi and lo in both paths (ais_gradient)
+                 ais_fc3 = (size_t)2 * HIDDEN_DIM * AIS_W3_K; // fp16 hi and lo in both paths (AisW3Cores)
     T* p = (T*)device_alloc((fc1 + enc + fc3 + fc4 + ais_fc3) * sizeof(T), "the 16-bit weights", m->max_batch);
     m->params16 = p;
     auto convert = [&](Layer layer, const float* w, const float* b, size_t count) {

@@ -34,66 +34,93 @@
 // about what binds: fc4's issue was not the limit, and fc3, the epilogue and the two cluster barriers
 // an evaluation now take most of the time with only two warpgroups a block to hide them (the ncu
 // capture caught the 1-row launch, so that is inferred from ais_kernel's profile, not measured here).
-// Now vae.cu's bf16 gradient (ais_gradient_wgmma, ais_load_weights_wgmma: ais_kernel<PRECISION_BF16>),
-// which this driver checks and times: the gradient alone as below, and the whole AIS beside the mma.sync
-// gradient it replaced (ais_mma_kernel: ais_chains around ais_gradient<PRECISION_BF16>, written out
-// here as the baseline). Since the warpgroups run apart (their own tiles, their own meetings in the
-// merge) and take turns at the tensor cores (ais_turn_wait): 17.61 us an evaluation (281 TFLOP/s),
-// the whole AIS 207.7 us a transition against 224.6 before (H200). Since then fc3 and its backward
-// moved onto wgmma too (ais_fc3_wgmma, fc3's parts in core matrices: the design above is v2's, the
-// header's numbers are history): the whole AIS 141.9 us a transition, 118.0 once fc3's ReLU mask came
-// off fc4's A fragments, 114.6 with fc3 in four k16 steps and the chain state in memory; the gradient
-// alone here, which evaluates with the energy every time, 12.45 us, then 18.83 once the epilogue
-// loaded its pixels first (it spills in this kernel; worklog, AIS), 17.70 while ptxas serialized this
-// kernel's wgmmas for want of registers, 10.69 since 7602c85 and 2ab90a6 (no longer serialized).
+// Then vae.cu's bf16 gradient (ais_gradient_wgmma, ais_load_weights_wgmma: ais_kernel<PRECISION_BF16>).
+// Since the warpgroups run apart (their own tiles, their own meetings in the merge) and take turns at
+// the tensor cores (ais_turn_wait): 17.61 us an evaluation (281 TFLOP/s), the whole AIS 207.7 us a
+// transition against 224.6 on the mma.sync gradient (H200). Since then fc3 and its backward moved onto
+// wgmma too (ais_fc3_wgmma, fc3's parts in core matrices: the design above is v2's, the header's
+// numbers are history): the whole AIS 141.9 us a transition, 118.0 once fc3's ReLU mask came off fc4's
+// A fragments, 114.6 with fc3 in four k16 steps and the chain state in memory; the gradient alone
+// here, which evaluates with the energy every time, 12.45 us, then 18.83 once the epilogue loaded its
+// pixels first (it spills in this kernel; worklog, AIS), 17.70 while ptxas serialized this kernel's
+// wgmmas for want of registers, 10.69 since 7602c85 and 2ab90a6 (no longer serialized).
+// fp32 on the same design (ais_gradient_wgmma<PRECISION_FP32>, its mma.sync gradient and the whole
+// AIS's baseline kernel now in v1): fc4's hi and lo copies as 8 x 8 core matrices without swizzle
+// (AisFc4Cores: K = 408, 169,728 bytes; two copies in 64-wide swizzle slices, 186,368, do not fit beside
+// fc3 and the shares), every product three wgmmas (lo hi, hi lo, hi hi): m64n104k16 forward, m64n64k16
+// MN-major backward, and the backward through fc3 with its lo part too.
+// Hypothesis: fp32 on mma.sync was bound by the issue of its mma.sync and ldmatrix as bf16 had been,
+// three times over; on wgmma it becomes tensor work, 3 x 2.06 PFLOP of fp16 products for --ais 1000.
+// Arithmetic: 6.2 PFLOP at bf16's 55% of 770 TFLOP/s is 14.6 s; the epilogue and merge no longer hide
+// behind the other warpgroup's products as well, and fp32's lo parts double the A fragments' registers
+// (spills). Prediction: --ais 1000 fp32 15 to 20 s, against 31.1 s.
+// Result (H200): RESULT_FP32
+// This driver now checks and times both precisions: the gradient alone as below, then the whole
+// transition on ais_kernel itself.
 //
 // Build and run from the repository root (needs data/: make data; sm_90a):
 //   make -C dev ais_gradient_v2 && ./dev/ais_gradient_v2
 #include "common.h"
 
+template <Precision P>
 __global__ void __launch_bounds__(AIS_THREADS, 1)
-    gradient_v2_kernel(const __grid_constant__ CUtensorMap w4_map, const fp16* __restrict__ ais_w3,
-                       const vae::AisGradientArgs a) {
+    gradient_v2_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const __grid_constant__ CUtensorMap w4_map,
+                       const fp16* __restrict__ ais_w3, const vae::AisGradientArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t smem_raw[];
-    AisWgmmaSmem<PRECISION_BF16>& sm = smem_aligned_1024<AisWgmmaSmem<PRECISION_BF16>>(smem_raw);
+    AisWgmmaSmem<P>& sm = smem_aligned_1024<AisWgmmaSmem<P>>(smem_raw);
     int skip;
-    const int col0 = ais_columns<PRECISION_BF16>(cluster_rank(), &skip);
-    ais_load_weights_wgmma<PRECISION_BF16>(sm, w4_map, NULL, ais_w3, col0);
-    ais_meet_init<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.meet);
+    const int col0 = ais_columns<P>(cluster_rank(), &skip);
+    ais_load_weights_wgmma(sm, w4_map, fc4_wb, ais_w3, col0);
+    ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
     ais_turns_first();
     uint32_t merges = 0;
     const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4);
     vae::ais_driver_tiles(a, col0, [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                                        float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
-        ais_gradient_wgmma<PRECISION_BF16>(sm, w4, merges, z, x_row, skip, grad, bce, energy);
+        ais_gradient_wgmma<P>(sm, w4, merges, z, x_row, skip, grad, bce, energy);
     });
     ais_turns_last();
     cluster_sync();
 #endif
 }
 
-// The whole AIS on the mma.sync gradient vae.cu's bf16 ais_kernel used before (ais_gradient<PRECISION_BF16>,
-// still vae.cu's fp32 gradient): the baseline of the transition time.
-__global__ void __launch_bounds__(AIS_THREADS, 1)
-    ais_mma_kernel(const bf16* __restrict__ fc4_wb, const fp16* __restrict__ ais_w3, float* __restrict__ state,
-                   const AisIO io) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    AisSmem<PRECISION_BF16>& sm = *reinterpret_cast<AisSmem<PRECISION_BF16>*>(smem_raw);
-    const uint32_t rank = cluster_rank();
-    int skip;
-    const int col0 = ais_columns<PRECISION_BF16>(rank, &skip);
-    ais_load_weights(sm, fc4_wb, ais_w3, col0);
-    ais_meet_init<Path<PRECISION_BF16>::AIS_CLUSTER>(sm.meet);
-    uint32_t merges = 0;
-    ais_chains(io, state, rank, col0, sm.step, sm.accepted,
-               [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2], float (&grad)[2][AIS_LATENTS],
-                   float (&bce)[2], bool energy) {
-                   ais_gradient<PRECISION_BF16>(sm, merges, z, x_row, skip, grad, bce, energy);
-               });
-    cluster_sync();
-#endif
+template <Precision P> static bool study(const HostWeights* w, const Images* images) {
+    typedef typename Path<P>::T T;
+    VAE m;
+    vae_init(&m, w, images->count, P);
+    if (m.ais_clusters == 0)
+        fail("no sm_90a code for this GPU: build with make -C dev ais_gradient_v2 on a Hopper GPU");
+    const int smem = ais_smem<P>();
+    cudaCheck(cudaFuncSetAttribute(gradient_v2_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t probe = ais_config<P>(&attr, 1, 0);
+    int clusters = 0;
+    cudaCheck(cudaOccupancyMaxActiveClusters(&clusters, gradient_v2_kernel<P>, &probe));
+    printf("%s: clusters of %d blocks, %d bytes of shared memory a block, %d clusters at once (%d for ais_kernel)\n",
+           PRECISION_NAMES[P], Path<P>::AIS_CLUSTER, smem, clusters, m.ais_clusters);
+    auto launch_v2 = [&](const vae::AisGradientArgs& a) {
+        const int tiles = ceil_div(a.rows, AIS_ROWS);
+        cudaLaunchAttribute attr2;
+        const cudaLaunchConfig_t cfg = ais_config<P>(&attr2, clusters < tiles ? clusters : tiles, 0);
+        cudaCheck(cudaLaunchKernelEx(&cfg, gradient_v2_kernel<P>, static_cast<const T*>(m.fc4_wb), m.w4_map,
+                                     static_cast<const fp16*>(m.ais_w3), a));
+    };
+    // bf16: the same bf16 operands as v1 (fc4's, a few 1e-3 from float64); fp32: ~1e-6
+    const double tol = P == PRECISION_BF16 ? 2e-2 : 1e-5;
+    bool ok = vae::run_ais_gradient_driver({{P == PRECISION_BF16 ? "v2 wgmma bf16" : "v2 wgmma fp32", launch_v2}}, &m,
+                                           w, images, clusters * AIS_ROWS, tol);
+    // the whole transition (dev/ais_hmc_v1.cu's transition check and time) on ais_kernel itself
+    auto production = [&](const AisIO& io) {
+        ais_launch<P>(io, m.fc4_wb, m.w4_map, m.ais_w3, m.ais_state, m.ais_clusters, 0);
+    };
+    std::vector<double> beta(5);
+    ais_schedule(beta.data(), 4);
+    const vae::AisChainDriver transition = {"transition", 4, 16, 10, beta, {1, 7, 37}, true};
+    ok = vae::run_ais_chain_driver({{"v2 ais_kernel", production}}, &m, w, images, transition,
+                                   m.ais_clusters * ais_cluster_images(16)) && ok;
+    vae_free(&m);
+    return ok;
 }
 
 int main() {
@@ -101,54 +128,7 @@ int main() {
     Images images;
     vae::load_model_inputs("ais_gradient_v2", &weights, &images);
     print_device_info();
-    VAE m;
-    vae_init(&m, &weights, images.count, PRECISION_BF16);
-    if (m.ais_clusters == 0)
-        fail("no sm_90a code for this GPU: build with make -C dev ais_gradient_v2 on a Hopper GPU");
-    const int smem = ais_smem<PRECISION_BF16>(), mma_smem = (int)sizeof(AisSmem<PRECISION_BF16>);
-    cudaCheck(cudaFuncSetAttribute(gradient_v2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    cudaCheck(cudaFuncSetAttribute(ais_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, mma_smem));
-    auto config = [&](cudaLaunchAttribute* attr, int clusters, int bytes) {
-        cudaLaunchConfig_t cfg = ais_config<PRECISION_BF16>(attr, clusters, 0);
-        cfg.dynamicSmemBytes = bytes;
-        return cfg;
-    };
-    cudaLaunchAttribute attr;
-    cudaLaunchConfig_t probe = config(&attr, 1, smem), probe_mma = config(&attr, 1, mma_smem);
-    int clusters = 0, mma_clusters = 0;
-    cudaCheck(cudaOccupancyMaxActiveClusters(&clusters, gradient_v2_kernel, &probe));
-    cudaCheck(cudaOccupancyMaxActiveClusters(&mma_clusters, ais_mma_kernel, &probe_mma));
-    printf("bf16: clusters of %d blocks, %d bytes of shared memory a block, %d clusters at once (%d for ais_kernel, "
-           "%d for the mma.sync AIS)\n", Path<PRECISION_BF16>::AIS_CLUSTER, smem, clusters, m.ais_clusters,
-           mma_clusters);
-    auto launch_v2 = [&](const vae::AisGradientArgs& a) {
-        const int tiles = ceil_div(a.rows, AIS_ROWS);
-        cudaLaunchAttribute attr2;
-        const cudaLaunchConfig_t cfg = config(&attr2, clusters < tiles ? clusters : tiles, smem);
-        cudaCheck(cudaLaunchKernelEx(&cfg, gradient_v2_kernel, m.w4_map, static_cast<const fp16*>(m.ais_w3), a));
-    };
-    // the same bf16 operands as v1 (fc4's, a few 1e-3 from float64); only the order of fp32 sums differs
-    bool ok = vae::run_ais_gradient_driver({{"v2 wgmma bf16", launch_v2}}, &m, &weights, &images,
-                                           clusters * AIS_ROWS, 2e-2);
-    // the whole transition (dev/ais_hmc_v1.cu's transition check and time): the mma.sync baseline, vae.cu's
-    float* mma_state = (float*)device_alloc(ais_state_bytes<PRECISION_BF16>(mma_clusters), "the chains' state", 0);
-    auto ais_mma = [&](const AisIO& io) {
-        const int rounds = ceil_div(io.n, ais_cluster_images(io.chains));
-        cudaLaunchAttribute attr2;
-        const cudaLaunchConfig_t cfg = config(&attr2, mma_clusters < rounds ? mma_clusters : rounds, mma_smem);
-        cudaCheck(cudaLaunchKernelEx(&cfg, ais_mma_kernel, static_cast<const bf16*>(m.fc4_wb),
-                                     static_cast<const fp16*>(m.ais_w3), mma_state, io));
-    };
-    auto production = [&](const AisIO& io) {
-        ais_launch<PRECISION_BF16>(io, m.fc4_wb, m.w4_map, m.ais_w3, m.ais_state, m.ais_clusters, 0);
-    };
-    std::vector<double> beta(5);
-    ais_schedule(beta.data(), 4);
-    const vae::AisChainDriver transition = {"transition", 4, 16, 10, beta, {1, 7, 37}, true};
-    ok = vae::run_ais_chain_driver({{"v1 mma.sync", ais_mma}, {"v2 ais_kernel", production}}, &m, &weights, &images,
-                                   transition, std::min(m.ais_clusters, mma_clusters) * ais_cluster_images(16)) && ok;
-    cudaCheck(cudaFree(mma_state));
-    vae_free(&m);
+    const bool ok = study<PRECISION_BF16>(&weights, &images) & study<PRECISION_FP32>(&weights, &images);
     free(weights.data), free(images.pixels);
     return ok ? 0 : 1;
 }
