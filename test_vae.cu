@@ -2037,7 +2037,7 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
     gpu_iwae(m, d_pixels, first, n, C, 5, NULL, iwae);
     // the same z (the same eps, keyed alike); the log p0 terms and the logsumexp run in another order and
     // precision (float32 in IWAE). fp32: the same decoder arithmetic, so 1e-5. bf16: AIS runs fc3 in ~fp32
-    // (ais_gradient) where IWAE's decoder rounds z and W3 to bf16, so the two differ at bf16's tolerance
+    // (ais_gradient_wgmma) where IWAE's decoder rounds z and W3 to bf16, so the two differ at bf16's tolerance
     check_diff("T=1=IWAE", diff(iwae, a.log_px, n), p == PRECISION_FP32 ? 1e-5 : tol,
                "  (--ais 1 --chains 16 against --iwae 16, per image)");
     free(grad64);

@@ -1529,20 +1529,20 @@ enum {
     AIS_WARPS = 8,
     AIS_ROWS = AIS_WARPS * TASK_ROWS, // chains a cluster holds at a time
     AIS_BAR_GROUP = 1,                // named barriers 1, 2: a tile's warps (ais_chains)
-    AIS_BAR_TURN = 3,                 // 3, 4: bf16's warpgroups' turns at the tensor cores (ais_turn_wait)
+    AIS_BAR_TURN = 3,                 // 3, 4: the warpgroups' turns at the tensor cores (ais_turn_wait)
     AIS_LATENTS = 6,                  // latents a thread holds per row
     AIS_SHARE = 24,                   // floats of a block's share of a row: grad, BCE, padding (ais_merge)
     STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4,
 };
 // A thread's chain state kept in memory, not registers (ais_chains): per row p0's mean and inverse
 // variance, read by each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when
-// the proposal is rejected. Slot s of thread i of block b:
-// state[(b * AIS_STATE_SLOTS + s) * AIS_THREADS + i], a warp's 32 values adjacent. In registers beside
-// the gradient's accumulators they were spilled (bf16: ptxas's 996 bytes of spill stores and 2,740 of
-// loads a thread, 696 and 1,916 now; fp32: 52 and 136, none now), the spill slots reloaded from L2 on
-// the leapfrog's path after the merge's fence, and with k24 (AisZFragments) and ais_release_shares the
-// bf16 wgmmas serialized for want of registers. The pointer is not __restrict__: with it nvcc keeps the
-// values in registers again.
+// the proposal is rejected. Slot s of thread i of block b: state[(b * AIS_STATE_SLOTS + s) *
+// AIS_THREADS + i], a warp's 32 values adjacent. In registers beside the gradient's accumulators they
+// were spilled (bf16: ptxas's 996 bytes of spill stores and 2,740 of loads a thread, 696 and 1,916 now;
+// fp32 on mma.sync then: 52 and 136, none after), the spill slots reloaded from L2 on the leapfrog's
+// path after the merge's fence, and with k24 (AisZFragments) and ais_release_shares the bf16 wgmmas
+// serialized for want of registers. The pointer is not __restrict__: with it nvcc keeps the values in
+// registers again.
 enum {
     AIS_THREADS = AIS_WARPS * 32,
     AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 2 * AIS_LATENTS, AIS_SLOT_Z0 = 4 * AIS_LATENTS,
@@ -1752,7 +1752,8 @@ struct AisW3Cores {
     AisW3 hi[HIDDEN_DIM / 8][4][8][8];
     AisW3 lo[HIDDEN_DIM / 8][2][8][8];
 };
-constexpr uint32_t AIS_W3_CORE_BYTES = 128, AIS_W3_HI_GROUP_BYTES = 4 * 128, AIS_W3_LO_GROUP_BYTES = 2 * 128;
+[[maybe_unused]] constexpr uint32_t AIS_W3_CORE_BYTES = 128, AIS_W3_HI_GROUP_BYTES = 4 * 128,
+                                    AIS_W3_LO_GROUP_BYTES = 2 * 128; // used by sm_90a code only
 // The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from
 // the block's first column): sigmoid(l) - x in place of each logit (zero in the skipped blocks), and
 // when ENERGY the row's BCE share (decoder_epilogue's sum; else zero). Only the trajectory's end needs
@@ -1879,10 +1880,11 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
 }
 // After a merge: tell the other blocks this one has read their shares (the `added` arrivals, which
 // they wait for at their next merge), its reads ordered before them by the full fence. Not at the
-// merge's end but in the next evaluation, bf16 once its forward products are issued, where the
-// thread would wait for them, fp32 before its forward: the fence (MEMBAR.GPU, then CCTL.IVALL) had
-// held up the transition's arithmetic after the merge. With the chain state in memory (AIS_STATE_SLOTS),
-// --ais 100 on an H200: bf16 0.491 -> 0.481 s, fp32 3.10 -> 3.09 s; each alone, before k24, ~-1%.
+// merge's end but in the next evaluation, once its forward products are issued, where the thread
+// would wait for them: the fence (MEMBAR.GPU, then CCTL.IVALL) had held up the transition's
+// arithmetic after the merge. With the chain state in memory (AIS_STATE_SLOTS), --ais 100 on an
+// H200: bf16 0.491 -> 0.481 s, fp32 (then on mma.sync, before its forward) 3.10 -> 3.09 s; each
+// alone, before k24, ~-1%.
 template <int CLUSTER> __device__ inline void ais_release_shares(AisMeet& meet, uint32_t merges) {
     if (merges == 0) return;
     fence_cluster(); // after reads of other blocks' shared memory
@@ -2145,7 +2147,7 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
 // epilogue and merge of that gradient; all four products move to the warpgroup (fc3 with hi and lo
 // parts, three products, its backward with one):
 //   forward   per 64 hidden units, fc3 as 4 m64n64k16 wgmmas (z's parts as A from registers, fc3's
-//             parts as B in core matrices, AisW3Cores; the sums are ais_fc3_chunk's to the bit),
+//             parts as B in core matrices, AisW3Cores; the sums are the mma.sync gradient's to the bit),
 //             then 4 m64n200k16 wgmmas with its ReLU as A from registers and the block's fc4 as B
 //             from shared memory (K-major, the 128-byte swizzle TMA writes: the decoder's layout);
 //             fc3 of the next group runs before them and its ReLU is taken while they run. fc3 on
@@ -2162,14 +2164,15 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
 //             the order of the mma.sync gradient: the same sums). On mma.sync (12 products and
 //             4 ldmatrix a warp per 64 units) the backward had taken ~9,500 cycles of an evaluation
 //             (5,200 now; --ais 100 -15%)
-// Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) and their pad
-// (128) + the shares (128 x 24 floats) and their 4 mbarriers + the tiles' step sizes and acceptances
-// = 231,080 of the 232,448 a block may have (less 1,024 to align): fc3's ReLU mask lives in
-// registers (a 32-bit word per 64 units).
+// Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares
+// (128 x 24 floats) and their 4 mbarriers + the tiles' step sizes and acceptances = 230,952 of the
+// 232,448 a block may have (less 1,024 to align): fc3's ReLU mask lives in registers (a 32-bit word
+// per 64 units).
 // fp32 runs the same steps with every product of fc4, and the backward through fc3, as three (lo hi,
-// hi lo, hi hi) on fp16 parts: a cluster of 8 blocks of 104 logits (AisFc4Cores), m64n104k16 forward
-// and m64n64k16 backward. On mma.sync (14 ldmatrix and 39 products a warp per 16 units of fc4's
-// forward, the same backward) it had been bound by their issue: --ais 100 3.09 s, now 1.71 (H200).
+// hi lo, hi hi) on fp16 parts: a cluster of 8 blocks of 104 logits (AisFc4Cores; 221,480 bytes a
+// block), m64n104k16 forward and m64n64k16 backward. On mma.sync (a warp per 16 units of fc4: 14
+// ldmatrix and 39 products forward, 14 and 42 backward) it had been bound by their issue: --ais 100
+// 3.09 s, now 1.71 (H200).
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
 static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
 // fc4's column block as each path's wgmmas read it. bf16: K in 64-wide slices of 200 rows, the
@@ -2185,8 +2188,8 @@ struct AisFc4Swizzled {
 struct AisFc4Cores {
     fp16 w[2][Path<PRECISION_FP32>::AIS_BN / 8][FC4_K / 8][8][8];
 };
-constexpr uint32_t AIS_FC4_GROUP_BYTES = FC4_K / 8 * 128;
-constexpr uint32_t AIS_FC4_COPY_BYTES = Path<PRECISION_FP32>::AIS_BN / 8 * AIS_FC4_GROUP_BYTES;
+[[maybe_unused]] constexpr uint32_t AIS_FC4_GROUP_BYTES = FC4_K / 8 * 128; // used by sm_90a code only
+[[maybe_unused]] constexpr uint32_t AIS_FC4_COPY_BYTES = Path<PRECISION_FP32>::AIS_BN / 8 * AIS_FC4_GROUP_BYTES;
 template <Precision P> struct AisWgmmaSmem {
     std::conditional_t<P == PRECISION_BF16, AisFc4Swizzled, AisFc4Cores> w4;
     AisW3Cores w3; // right after w4: the backward's last k16 step reads 8 rows past it
@@ -2277,13 +2280,14 @@ __device__ inline uint64_t smem_desc_cores(uint32_t addr, uint32_t leading, uint
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])                                                    \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
                  : "memory")
-// D[64 x N] (+)= A[64 x 16] B[16 x N] in fp16 for the narrow N of fc3's products: N = 16 its last
-// group's forward (K-major), N = 24 the backward through its hi part and, in fp32, 16 and 8 through
-// its lo part (MN-major, imm-trans-b = 1: fc3's core matrices read as [unit][latent]).
+// D[64 x N] (+)= A[64 x 16] B[16 x N] in fp16 for the narrow N: fc3's last group forward (N = 16,
+// K-major); MN-major (imm-trans-b = 1) the backward through fc3's hi part (N = 24: its core matrices
+// read as [unit][latent]) and in fp32 through its lo part (16 and 8), and fp32's fc4 backward for the
+// last group's 16 units.
 template <int N, bool MN_MAJOR>
 __device__ inline void wgmma_f16_narrow_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,
-                                    bool accumulate) {
-    static_assert(N == 8 || N == 16 || N == 24, "the narrow N of fc3's products");
+                                           bool accumulate) {
+    static_assert(N == 8 || N == 16 || N == 24, "the narrow N: 8, 16, 24");
     if constexpr (N == 8) {
         if constexpr (MN_MAJOR) WGMMA_M64N8K16_F16_RS("1");
         else WGMMA_M64N8K16_F16_RS("0");
@@ -2317,14 +2321,15 @@ __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&
 }
 
 // fc3's ReLU mask in the wgmma path, 32 bits per 64 hidden units, read off fc4's A fragments: a
-// register holds a pair of ReLU'd bf16 values, and min.relu.s16x2 with 1 takes each half as a 16-bit
-// integer to 1 (a positive value) or 0 (+0, or -0 as the negative -32768). Positive in bf16 is h > 0
-// to the bit: fc3's products of fp16 parts are multiples of 2^-48, so h is 0 or at least 2^-48, far
-// above bf16's smallest 2^-133. Pair j (register r of k16 step i: j = 4i + r) keeps its two flags at
-// bits j and 16 + j, so one shift places both. As comparisons (h > 0) the bits had become predicates
-// that ptxas kept by moving bits between registers, three instructions a bit plus a repacking after
-// the forward: 1,900 of the 17,500 SASS instructions in the kernel's code (--ais 100 bf16 0.590 ->
-// 0.510 s).
+// register holds a pair of ReLU'd bf16 values (fp32: their fp16 hi parts), and min.relu.s16x2 with 1
+// takes each half as a 16-bit integer to 1 (a positive value) or 0 (+0, or -0 as the negative -32768).
+// Positive in bf16 is h > 0 to the bit: fc3's products of fp16 parts are multiples of 2^-48, so h is 0
+// or at least 2^-48, far above bf16's smallest 2^-133. In fp16 an h of at most 2^-25 rounds to +0, hi and lo
+// part alike: the unit then adds nothing to the forward, and the mask drops it. Pair j (register r of
+// k16 step i: j = 4i + r) keeps its two flags at bits j and 16 + j, so one shift places both. As
+// comparisons (h > 0) the bits had become predicates that ptxas kept by moving bits between registers,
+// three instructions a bit plus a repacking after the forward: 1,900 of the 17,500 SASS instructions in
+// the kernel's code (--ais 100 bf16 0.590 -> 0.510 s).
 __device__ inline uint32_t relu_pair_flags(uint32_t pair, int j) {
     uint32_t flags;
     asm("min.relu.s16x2 %0, %1, %2;\n" : "=r"(flags) : "r"(pair), "r"(0x00010001u));
@@ -2378,8 +2383,8 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     float logit[BN / 2];
     uint32_t a[BUFFERS][4][4], a_lo[BUFFERS][4][4]; // group q's A fragments in a[q % BUFFERS]
     const uint32_t a_bias[4] = {bias_ones<T>(t), bias_ones<T>(t), 0u, 0u};
-    // fc3 of group q + 1 runs on the tensor cores before fc4 of group q, and its ReLU is taken while
-    // fc4 runs (the wait leaves fc4's group pending)
+    // fc3 of group q + 1 runs on the tensor cores before fc4 of group q, and in bf16 its ReLU is taken
+    // while fc4 runs (the wait leaves fc4's group pending; fp32 waits for it: BUFFERS)
     const uint32_t w3 = (uint32_t)__cvta_generic_to_shared(&sm.w3);
     float h[32];
     auto fc3_group = [&](int q) {

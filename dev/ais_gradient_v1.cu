@@ -51,7 +51,6 @@ __device__ inline void ldmatrix_x2_trans(uint32_t& r0, uint32_t& r1, const void*
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
 }
 
-
 // fc3's pre-activations of hidden units 16c .. 16c + 15 (an m16n8 accumulator pair) and their ReLU's
 // mask, a bit per value: per n8 block the two corrections (lo hi, hi lo), then hi hi, as mma_parts,
 // then k24 (its B from the rows: K 8..11 of lane t < 2 are W3 lo 16 + 2t, 17 + 2t, K 12..15 of lane
@@ -158,10 +157,10 @@ __device__ inline void ais_gradient(AisSmem<P>& sm, uint32_t& merges, const floa
         mma_m16n8k16<T>(&logit[4 * nt], a_bias, b);
     }
     float bce_share[2];
-    // backward: dh3 = (sigmoid - x) W4 over the block's columns (B: ldmatrix.trans of the same rows),
-    // masked by the ReLU, then grad += dh3 W3, 16 hidden units at a time
     uint32_t ga[K_STEPS][4], ga_lo[K_STEPS][4];
     ais_epilogue_to_a<T>(logit, x_row, skip, energy, bce_share, ga, ga_lo);
+    // backward: dh3 = (sigmoid - x) W4 over the block's columns (B: ldmatrix.trans of the same rows),
+    // masked by the ReLU, then grad += dh3 W3, 16 hidden units at a time
     const int t_row = lane % 8 + ((lane / 8) % 2) * 8, t_col = (lane / 16) * 8; // ldmatrix_x4_trans: k16 x two n8
     float dz[3][4] = {};
     #pragma unroll 1
@@ -191,7 +190,6 @@ __device__ inline void ais_gradient(AisSmem<P>& sm, uint32_t& merges, const floa
     }
     ais_merge<Q::AIS_CLUSTER>(sm.share, sm.meet, merges, dz, bce_share, grad, bce);
 }
-
 
 // All of fc3's hi and lo parts into the block's shared memory as rows, by cp.async over the whole block.
 __device__ inline void ais_copy_fc3_rows(AisW3 (&w3)[2][HIDDEN_DIM][AIS_W3_K], const fp16* __restrict__ ais_w3) {
@@ -239,7 +237,7 @@ template <Precision P> static int v1_clusters() {
                                    (int)sizeof(AisSmem<P>)));
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = ais_config<P>(&attr, 1, 0);
-    cfg.dynamicSmemBytes = sizeof(AisSmem<P>); // bf16's ais_kernel asks for wgmma's layout
+    cfg.dynamicSmemBytes = sizeof(AisSmem<P>); // ais_kernel asks for wgmma's layout
     int clusters = 0;
     cudaCheck(cudaOccupancyMaxActiveClusters(&clusters, gradient_v1_kernel<P>, &cfg));
     return clusters;

@@ -1,7 +1,8 @@
 // AIS gradient v2: v1's design (dev/ais_gradient_v1.cu) with fc4's two products on Hopper's wgmma
-// (bf16). Same cluster of 4 blocks per 128 chains, same resident column block of 200 logits, same
-// fc3 (mma.sync, fp16 hi and lo parts), epilogue, W3 backward and merge: vae.cu's own ais_fc3_chunk,
-// ais_epilogue, ais_w3_backward and ais_merge. What changes is who multiplies by W4:
+// (bf16). Same cluster of 4 blocks per 128 chains, same resident column block of 200 logits, same fc3
+// (mma.sync, fp16 hi and lo parts), epilogue, W3 backward and merge: vae.cu's own ais_fc3_chunk,
+// ais_epilogue, ais_w3_backward and ais_merge then (the first and third now v1's). What changes is who
+// multiplies by W4:
 //   forward   per 64 hidden units, each warp runs fc3 for its 16 rows (4 chunks of 16), and the
 //             warpgroup issues 4 m64n200k16 wgmmas with those ReLUs as A from registers and W4's
 //             slice as B from shared memory (K-major, the 128-byte swizzle TMA writes: the decoder's
@@ -44,16 +45,17 @@
 // here, which evaluates with the energy every time, 12.45 us, then 18.83 once the epilogue loaded its
 // pixels first (it spills in this kernel; worklog, AIS), 17.70 while ptxas serialized this kernel's
 // wgmmas for want of registers, 10.69 since 7602c85 and 2ab90a6 (no longer serialized).
-// fp32 on the same design (ais_gradient_wgmma<PRECISION_FP32>, its mma.sync gradient and the whole
-// AIS's baseline kernel now in v1): fc4's hi and lo copies as 8 x 8 core matrices without swizzle
-// (AisFc4Cores: K = 408, 169,728 bytes; two copies in 64-wide swizzle slices, 186,368, do not fit beside
-// fc3 and the shares), every product three wgmmas (lo hi, hi lo, hi hi): m64n104k16 forward, m64n64k16
-// MN-major backward, and the backward through fc3 with its lo part too.
+// fp32 on the same design (ais_gradient_wgmma<PRECISION_FP32>; the mma.sync gradient is v1's now,
+// and the whole AIS on it, this driver's baseline kernel before, is retired): fc4's hi and lo copies
+// as 8 x 8 core matrices without swizzle (AisFc4Cores: K = 408, 169,728 bytes; two copies in 64-wide
+// swizzle slices, 186,368, do not fit beside fc3 and the shares), every product three wgmmas (lo hi,
+// hi lo, hi hi): m64n104k16 forward, m64n64k16 MN-major backward, and the backward through fc3 with
+// its lo part too.
 // Hypothesis: fp32 on mma.sync was bound by the issue of its mma.sync and ldmatrix as bf16 had been,
 // three times over; on wgmma it becomes tensor work, 3 x 2.06 PFLOP of fp16 products for --ais 1000.
 // Arithmetic: 6.2 PFLOP at bf16's 55% of 770 TFLOP/s is 14.6 s; the epilogue and merge no longer hide
-// behind the other warpgroup's products as well, and fp32's lo parts double the A fragments' registers
-// (spills). Prediction: --ais 1000 fp32 15 to 20 s, against 31.1 s.
+// behind the other warpgroup's products as well, and fp32's lo parts double the A fragments'
+// registers (spills). Prediction: --ais 1000 fp32 15 to 20 s, against 31.1 s.
 // Result (H200, one call): the gradient alone 18.08 us an evaluation of 1,920 rows against v1's 28.58
 // (1.58x), ais_kernel 205.42 us a transition; --ais 100 3.09 -> 1.71 s, --ais 1000 31.1 -> 17.19 s:
 // inside the prediction, at 47% of the 8.0 s floor. Its first build had ptxas serialize the wgmmas

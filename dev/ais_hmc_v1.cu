@@ -21,14 +21,14 @@
 // Both at a fixed step of 0.05 (no adaptation: chains stay independent, so a decision that goes the
 // other way costs one chain's comparison, not its image's) and a full round of the GPU's clusters.
 //
-// Result (H200, bf16's ais_kernel still on mma.sync; dev/ais_gradient_v2.cu times it against the
-// wgmma one that replaced it): a leapfrog step 30.29 us (bf16, 3,840 chains) and 41.09 us (fp32,
-// 1,920): 19% and 14% over the gradient alone (25.41 and 36.00 us on the H100): missed, the HMC state
-// in registers costs 7-10x the 2% predicted. A transition 303.27 and 412.10 us, 10.01 and 10.03
-// steps: held; its projection of --ais 1000, 12.64 s and 34.34 s, against ./vae's 12.70 s and
-// 34.51 s. fp32 matches float64 within 4.5e-6 at every trajectory's end; bf16 as dev/common.h's
-// run_ais_chain_driver says. Since then part of that state left the registers (vae.cu's
-// AIS_STATE_SLOTS: mu, 1 / var and the start's z, grad and BCE in memory; z and p stay).
+// Result (H200, bf16's ais_kernel still on mma.sync, since replaced by the wgmma gradient,
+// dev/ais_gradient_v2.cu): a leapfrog step 30.29 us (bf16, 3,840 chains) and 41.09 us (fp32, 1,920):
+// 19% and 14% over the gradient alone (25.41 and 36.00 us on the H100): missed, the HMC state in
+// registers costs 7-10x the 2% predicted. A transition 303.27 and 412.10 us, 10.01 and 10.03 steps:
+// held; its projection of --ais 1000, 12.64 s and 34.34 s, against ./vae's 12.70 s and 34.51 s. fp32
+// matches float64 within 4.5e-6 at every trajectory's end; bf16 as dev/common.h's run_ais_chain_driver
+// says. Since then part of that state left the registers (vae.cu's AIS_STATE_SLOTS: mu, 1 / var and the
+// start's z, grad and BCE in memory; z and p stay).
 //
 // The float64 reference (dev/common.h's cpu_ais_image) is itself checked without a GPU against
 // dev/ais_pytorch.py's AIS, written from the maths: --reference CSV runs it with step-size adaptation

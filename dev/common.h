@@ -749,7 +749,7 @@ __device__ inline void ais_driver_tiles(const AisGradientArgs& a, int col0, Grad
     }
 }
 
-// The roundings of ais_gradient<PRECISION_BF16>, for a float64 reference that takes them too: fc4 as
+// The roundings of ais_gradient_wgmma<PRECISION_BF16>, for a float64 reference that takes them too: fc4 as
 // the kernel holds it (bf16), fc3 in fp16 for the backward product (its hi part alone). fc4's bias
 // (three bf16 parts) and fc3's forward (fp16 hi and lo parts in both paths) are ~fp32 and stay exact.
 struct AisBf16Weights {
