@@ -1759,10 +1759,11 @@ struct AisW3Cores {
 // when ENERGY the row's BCE share (decoder_epilogue's sum; else zero). Only the trajectory's end needs
 // the energy, so 9 of L = 10 evaluations skip its sum (its own exp(-|l|) and x, 3 instructions more a
 // logit; --ais 100 bf16 -5%). sigmoid(l) - x = fmaf(byte, -1/255, 1 / (1 + exp(-l))): two MUFU
-// operations and three others a logit (exp(-l) overflows to infinity for l < -88 and the reciprocal
-// to 0, the limit); (l >= 0 ? 1 : e) / (1 + e) with e = exp(-|l|), x rounded apart, took about seven
+// operations and three others a logit (exp(-l) overflows to infinity for l < -88 and the reciprocal to
+// 0, the limit); (l >= 0 ? 1 : e) / (1 + e) with e = exp(-|l|), x rounded apart, took about seven
 // others (--ais 100 bf16 -2%). The sum keeps exp(-|l|) and x as a product rounded as written
-// (__fmul_rn); sigmoid - x is the same fmaf in every gradient (dev/ais_gradient_v1.cu's too), so they agree.
+// (__fmul_rn); sigmoid - x is the same fmaf in every gradient (dev/ais_gradient_v1.cu's too), so they
+// agree.
 template <bool ENERGY, int N>
 __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
                                     float (&bce_share)[2]) {
@@ -1908,8 +1909,9 @@ template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* ski
     return rank < CLUSTER - 1 ? (int)rank * BN : INPUT_DIM - BN;
 }
 
-// The rows [2][400][24] as AisW3Cores, a unit's six 16-byte core rows: hi K 0..23 and lo K 0..15 by
-// cp.async, the hi part's last (W3 lo 16..19, W3 hi 16..19) from two 8-byte halves.
+// All of fc3's hi and lo parts, the rows [2][400][24], into the block's AisW3Cores, a unit's six 16-byte
+// core rows: hi K 0..23 and lo K 0..15 by cp.async, the hi part's last (W3 lo 16..19, W3 hi 16..19)
+// from two 8-byte halves.
 __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais_w3) {
     for (int c = threadIdx.x; c < HIDDEN_DIM * 6; c += blockDim.x) {
         const int unit = c / 6, k8 = c % 6;
@@ -1944,13 +1946,13 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
 
 // The chains of a cluster's tiles (ais_tile_rows: a warpgroup's 64 or the block's 128 chains, all C
 // chains of each of its images), run through all their T - 1 transitions on chip; `gradient(z, x_row,
-// grad, bce, energy)` evaluates the warp's 16 rows as ais_gradient_wgmma does (x_row: each row's pixels from
-// the block's first column col0; bce only when energy: a trajectory's start and end), and step and
-// accepted are the block's shared arrays of AIS_ROWS (a tile's step sizes, its images' acceptances in
-// a transition). Every block of the cluster runs the same arithmetic on the same bits, so each holds
-// z; the block of rank 0 writes the results. The energies in float32 (H ~ 100: the Metropolis test
-// sees differences of ~1e-5 nats), the weights in float64. A chain's p, u and start are keyed by
-// (seed, image, chain, transition).
+// grad, bce, energy)` evaluates the warp's 16 rows as ais_gradient_wgmma does (x_row: each row's pixels
+// from the block's first column col0; bce only when energy: a trajectory's start and end), and step and
+// accepted are the block's shared arrays of AIS_ROWS (a tile's step sizes, its images' acceptances in a
+// transition). Every block of the cluster runs the same arithmetic on the same bits, so each holds z;
+// the block of rank 0 writes the results. The energies in float32 (H ~ 100: the Metropolis test sees
+// differences of ~1e-5 nats), the weights in float64. A chain's p, u and start are keyed by (seed,
+// image, chain, transition).
 template <typename Gradient>
 __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, int col0, float* step_of,
                                   int* accepted_of, Gradient gradient) {
@@ -2324,9 +2326,9 @@ __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&
 // register holds a pair of ReLU'd bf16 values (fp32: their fp16 hi parts), and min.relu.s16x2 with 1
 // takes each half as a 16-bit integer to 1 (a positive value) or 0 (+0, or -0 as the negative -32768).
 // Positive in bf16 is h > 0 to the bit: fc3's products of fp16 parts are multiples of 2^-48, so h is 0
-// or at least 2^-48, far above bf16's smallest 2^-133. In fp16 an h of at most 2^-25 rounds to +0, hi and lo
-// part alike: the unit then adds nothing to the forward, and the mask drops it. Pair j (register r of
-// k16 step i: j = 4i + r) keeps its two flags at bits j and 16 + j, so one shift places both. As
+// or at least 2^-48, far above bf16's smallest 2^-133. In fp16 an h of at most 2^-25 rounds to +0, hi
+// and lo part alike: the unit then adds nothing to the forward, and the mask drops it. Pair j (register
+// r of k16 step i: j = 4i + r) keeps its two flags at bits j and 16 + j, so one shift places both. As
 // comparisons (h > 0) the bits had become predicates that ptxas kept by moving bits between registers,
 // three instructions a bit plus a repacking after the forward: 1,900 of the 17,500 SASS instructions in
 // the kernel's code (--ais 100 bf16 0.590 -> 0.510 s).
@@ -2343,9 +2345,9 @@ __device__ inline uint32_t relu_pair_keep(uint32_t mask, int j) {
     return keep;
 }
 // fc3's pre-activations of group q's hidden units (64, the last group's 16: N) for the warpgroup's 64
-// rows as one wgmma group, committed: the two corrections (lo hi, hi lo), hi hi, then k24, in
-// the order of the mma.sync gradient's (dev/ais_gradient_v1.cu), so the sums are its own to the bit. h:
-// each warp's rows in the accumulator layout, 8 values per 16 units. w3: the shared-memory address of sm.w3.
+// rows as one wgmma group, committed: the two corrections (lo hi, hi lo), hi hi, then k24, in the order
+// of the mma.sync gradient's (dev/ais_gradient_v1.cu), so the sums are its own to the bit. h: each
+// warp's rows in the accumulator layout, 8 values per 16 units. w3: the shared-memory address of sm.w3.
 template <int N>
 __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, const AisZFragments& za) {
     constexpr uint32_t CORE = AIS_W3_CORE_BYTES, HI = AIS_W3_HI_GROUP_BYTES, LO = AIS_W3_LO_GROUP_BYTES;
@@ -2463,8 +2465,8 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     // fp32's hi lo products, latents 0..15 and 16..23, in accumulators of their own, added at the end:
     // m64n16 and m64n8 wgmmas on dz_acc's registers had ptxas serialize all the kernel's wgmmas
     float dz_lo[8], dz_lo16[4];
-    uint32_t masked[4][4], masked_lo[4][4]; // group q's dh through fc3's ReLU as W3's A fragments (fp16), a k16
-                                            // step per 16 units
+    // group q's dh through fc3's ReLU as W3's A fragments (fp16; fp32 with lo parts), a k16 step per 16 units
+    uint32_t masked[4][4], masked_lo[4][4];
     auto backward_group = [&](int q) {
         wgmma_fence();
         if constexpr (SPLIT) { // units 64q.. are cores 8q.. of each column group; the last group's 16 on N = 16
