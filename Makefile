@@ -39,6 +39,8 @@ endif
 GIT_COMMIT := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
 VERSION_FLAGS := $(if $(GIT_COMMIT),-DVAE_GIT_COMMIT='"$(GIT_COMMIT)$(shell git diff --quiet HEAD -- vae.cu 2>/dev/null || echo +changes)"')
 NVCCFLAGS ?= -O3 -std=c++17 -lineinfo $(ARCH_FLAGS) -Xcompiler -Wall,-Wextra -Werror all-warnings
+# the plain path's matrix products
+LDLIBS ?= -lcublasLt
 
 # prepare_weights.py needs numpy for what ./vae reads, and PyTorch for the reference dumps make test
 # checks against (Debian: python3-numpy, python3-torch; python3-torch lives in /usr/bin).
@@ -56,10 +58,10 @@ all: vae test_vae dev
 
 # ./vae needs the weights and the test set: a fresh clone gets them with the first build
 vae: vae.cu | $(INPUTS)
-	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $< -o $@
+	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $< -o $@ $(LDLIBS)
 
 test_vae: test_vae.cu vae.cu
-	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $< -o $@
+	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $< -o $@ $(LDLIBS)
 
 # the CUDA tests, the converter's tests (against torch.load when PyTorch is there), the Makefile's
 test: vae test_vae $(DATA)

@@ -1011,18 +1011,43 @@ static void test_cli(int num_images, const Images* images) {
           "--bdmc 7 --ais 9: BDMC with the defaults C = 16, L = 10, from q");
     check(!parse_line({"--bdmc", "7"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "--ais T"),
           "--bdmc without --ais asks for T: %s", err.msg);
-    // the shared memory a block may opt into: 64 KB (T4), 163 KB (A100), 99 KB (RTX 4090), 227 KB (H200, B200)
-    check(!gpu_supported("Tesla T4", 7, 5, 65536, &err) && strstr(err.msg, "Tesla T4") && strstr(err.msg, "7.5") &&
-              strstr(err.msg, "8.0"), "a GPU below sm_80 is refused with its name and capability: %s", err.msg);
-    check(!gpu_supported("A100", 8, 0, 166912, &err) && strstr(err.msg, "A100") && strstr(err.msg, "163 KB") &&
-              !gpu_supported("RTX 4090", 8, 9, 101376, &err) && strstr(err.msg, "99 KB"),
-          "a GPU whose blocks may not hold the kernels' shared memory is refused with both sizes: %s", err.msg);
-    check(gpu_supported("H200", 9, 0, 232448, &err) && gpu_supported("B200", 10, 0, 232448, &err),
-          "sm_90 and sm_100 GPUs with 227 KB a block are accepted");
-    check(MAX_KERNEL_SMEM >= sizeof(DecoderMmaSmem<PRECISION_FP32>) && MAX_KERNEL_SMEM <= 232448,
-          "the shared memory the check asks for covers the mma.sync decoder (%zu bytes) and fits Hopper's 227 KB",
-          MAX_KERNEL_SMEM);
-
+    // each GPU family as the driver reports it: compute capability and the shared memory a block may opt into
+    // (64 KB T4, 163 KB A100, 99 KB RTX 30xx/40xx/50xx and L4, 227 KB H100/H200/B200), and the engine auto picks
+    check(!gpu_supported("Tesla V100", 7, 0, PRECISION_FP32, &err) && strstr(err.msg, "Tesla V100") &&
+              strstr(err.msg, "7.0") && strstr(err.msg, "7.5"), "a GPU below sm_75 is refused with its name: %s",
+          err.msg);
+    check(gpu_supported("Tesla T4", 7, 5, PRECISION_FP32, &err) && !gpu_supported("Tesla T4", 7, 5, PRECISION_BF16, &err) &&
+              strstr(err.msg, "bf16") && strstr(err.msg, "--precision fp32"),
+          "sm_75 runs fp32; bf16 there is refused in one line that names fp32: %s", err.msg);
+    const struct {
+        const char* name;
+        int major, minor;
+        size_t smem;
+        bool fused_code, fused;
+    } families[] = {
+        {"Tesla T4", 7, 5, 65536, false, false},         {"A100", 8, 0, 166912, false, false},
+        {"RTX 3090", 8, 6, 101376, false, false},        {"RTX 4090", 8, 9, 101376, false, false},
+        {"RTX 5090", 12, 0, 101376, false, false},       {"H100, portable binary", 9, 0, 232448, true, true},
+        {"H100 under CUDA_FORCE_PTX_JIT", 9, 0, 232448, false, false}, {"B200", 10, 0, 232448, false, false},
+    };
+    bool picks_ok = true;
+    char picks[512] = "";
+    for (const auto& f : families) {
+        bool fused = !f.fused;
+        const bool ok = pick_engine(KERNELS_AUTO, f.major, f.minor, f.smem, f.fused_code, &fused, &err) &&
+                        gpu_supported(f.name, f.major, f.minor, PRECISION_FP32, &err);
+        picks_ok = picks_ok && ok && fused == f.fused;
+        snprintf(picks + strlen(picks), sizeof(picks) - strlen(picks), "%s%s: %s", picks[0] ? ", " : "", f.name,
+                 !ok ? "refused" : fused ? "fused" : "plain");
+    }
+    check(picks_ok, "auto picks the fused kernels only where sm_90a code runs: %s", picks);
+    bool fused = true;
+    check(!pick_engine(KERNELS_FUSED, 8, 6, 101376, false, &fused, &err) && strstr(err.msg, "--kernels plain") &&
+              pick_engine(KERNELS_PLAIN, 9, 0, 232448, true, &fused, &err) && !fused,
+          "--kernels fused on an sm_86 GPU is one line naming --kernels plain; --kernels plain runs plain on Hopper");
+    check(!pick_engine(KERNELS_AUTO, 9, 0, 200000, true, &fused, &err) || !fused,
+          "a Hopper GPU that gave a block less than the fused kernels' %zu bytes would run the plain path",
+          fused_smem_bytes());
     // Through ./vae: each of these must end it before the GPU is touched, with one line naming
     // the problem and exit status 1 (the cases that need a GPU are in dev/sanitize.sh).
     if (vae_bin == NULL) return; // reported as skipped by scratch_open
@@ -1256,12 +1281,48 @@ static void test_pgm(const Images* images) {
 
 static void poison(void* p, size_t bytes) { cudaCheck(cudaMemset(p, 0xff, bytes)); } // 0xffffffff is a NaN
 
+// Every kernel of the plain path fits the 48 KB of shared memory any GPU gives a block without asking
+// (they launch with none dynamic).
+static void test_gpu_plain_shared_memory() {
+    cudaFuncAttributes attr;
+    const void* plain_kernels[] = {
+        (const void*)pixels_to_input_kernel<float>,  (const void*)pixels_to_input_kernel<bf16>,
+        (const void*)sample_kernel<float>,           (const void*)sample_kernel<bf16>,
+        (const void*)z_input_kernel<float>,          (const void*)z_input_kernel<bf16>,
+        (const void*)decoder_output_kernel<float>,   (const void*)decoder_output_kernel<fp16>,
+        (const void*)relu_backward_kernel<float, float>, (const void*)relu_backward_kernel<fp16, bf16>,
+        (const void*)plain_weights_kernel<float>,    (const void*)plain_weights_kernel<bf16>,
+        (const void*)iwae_logsumexp_kernel,          (const void*)ais_start_kernel<float>,
+        (const void*)ais_start_kernel<bf16>,         (const void*)ais_begin_kernel<float>,
+        (const void*)ais_begin_kernel<bf16>,         (const void*)ais_leapfrog_kernel<float>,
+        (const void*)ais_leapfrog_kernel<bf16>,      (const void*)ais_end_kernel,
+        (const void*)ais_adapt_kernel,               (const void*)ais_estimate_kernel,
+        (const void*)interp_latents_kernel,
+    };
+    size_t most = 0;
+    for (const void* k : plain_kernels) {
+        cudaCheck(cudaFuncGetAttributes(&attr, k));
+        most = std::max(most, attr.sharedSizeBytes);
+    }
+    check(most <= 48 * 1024, "the plain path's %zu kernels need at most %zu bytes of shared memory a block (48 KB "
+          "fit every GPU from sm_75)", sizeof(plain_kernels) / sizeof(plain_kernels[0]), most);
+}
+
+// The engine a model runs, to build another model like it.
+static Kernels kernels_of(const VAE* m) { return m->fused ? KERNELS_FUSED : KERNELS_PLAIN; }
+
 static void poison_activations(VAE* m) {
     const size_t B = (size_t)m->max_batch, R = (size_t)m->decoder_rows;
     if (m->h1) poison(m->h1, B * HIDDEN_DIM * 4), poison(m->h3, B * HIDDEN_DIM * 4); // fp32 only
     poison(m->mulv, B * MULV_DIM * 4), poison(m->z, B * LATENT_DIM * 4);
     poison(m->logits, B * INPUT_DIM * 4), poison(m->recon, B * INPUT_DIM * 4);
     poison(m->row_log_ratio, R * 4), poison(m->bce_parts, R * m->bce_parts_per_row * 4);
+    if (!m->fused) { // the plain path's 16-bit or fp32 activations (0xffff is a bf16 NaN too)
+        const Plain* pl = &m->plain;
+        poison(pl->x, B * INPUT_DIM * pl->type_size), poison(pl->h1, B * HIDDEN_DIM * pl->type_size);
+        poison(pl->z_input, R * z_width(m->precision) * pl->type_size), poison(pl->h3, R * HIDDEN_DIM * pl->type_size);
+        return;
+    }
     const int z_k = m->precision == PRECISION_FP32 ? Path<PRECISION_FP32>::Z_K : Path<PRECISION_BF16>::Z_K;
     poison(m->z_rows, R * z_k * 2); // 0xffff is a bf16 and an fp16 NaN too
     poison(m->enc_partials, B * MAX_ENC_SLICES * MULV_DIM * 4);
@@ -1453,45 +1514,73 @@ static void test_gpu_generator_keying(VAE* m, const uint8_t* d_pixels) {
 static void gpu_iwae(VAE* m, const uint8_t* d_pixels, int first, int n, int K, uint64_t seed, const float* d_eps,
                      float* log_px);
 
-// On Hopper the bf16 encoder and decoder are the wgmma kernels; the mma.sync kernels that other GPUs
-// run get the same checks here (forced through m->wgmma), and the two must agree: they may differ
-// in fp32 summation order inside the tensor cores and, where that moves an h1 or h3 value across a
-// bf16 rounding boundary, in that value's last bit: far below bf16's error.
-static void test_gpu_decoder_engines(VAE* m, const uint8_t* d_pixels, const DebugState* ds, int count, int small) {
-    printf("GPU %s with the encoder and decoder on mma.sync (the kernels of GPUs without wgmma)\n",
-           PRECISION_NAMES[m->precision]);
-    float *bce[2], *kl[2];
-    for (int wgmma = 0; wgmma < 2; wgmma++) {
-        m->wgmma = wgmma;
-        bce[wgmma] = (float*)malloc((size_t)count * 4), kl[wgmma] = (float*)malloc((size_t)count * 4);
-        gpu_losses(m, d_pixels, count, count, 7, false, bce[wgmma], kl[wgmma]);
-    }
-    double worst = 0.0, worst_kl = 0.0;
-    for (int i = 0; i < count; i++) {
-        worst = fmax(worst, fabs((double)bce[0][i] - bce[1][i]) / fabs((double)bce[1][i]));
-        worst_kl = fmax(worst_kl, fabs((double)kl[0][i] - kl[1][i]) / fabs((double)kl[1][i]));
-    }
-    check(worst < 1e-4 && worst_kl < 1e-4,
-          "mma.sync and wgmma: per-image BCE and KL of %d images within %.1e relative (max %.2e, %.2e)", count, 1e-4,
-          worst, worst_kl);
-    for (int k = 0; k < 2; k++) free(bce[k]), free(kl[k]);
+// What the plain-against-fused comparison looks at, from one model: per-image BCE and KL (sampled eps),
+// IWAE's log p(x), the interpolation decodes and the reconstructions of the pictures.
+enum { COMPARE_IWAE = 37, COMPARE_RECON = 16, COMPARE_INTERP_ROWS = 3 * INTERP_STEPS };
+typedef struct {
+    float *bce, *kl, log_px[COMPARE_IWAE], interp[COMPARE_INTERP_ROWS * INPUT_DIM], recon[COMPARE_RECON * INPUT_DIM];
+} EngineResults;
 
-    const int B = 37, K = 37, first = 1000; // --iwae: K rows per image through both decoders
-    float log_px[2][B];
-    for (int wgmma = 0; wgmma < 2; wgmma++) {
-        m->wgmma = wgmma;
-        poison_activations(m);
-        gpu_iwae(m, d_pixels, first, B, K, 5, NULL, log_px[wgmma]);
+static EngineResults engine_results(VAE* m, const uint8_t* d_pixels, int count) {
+    EngineResults r;
+    r.bce = (float*)malloc((size_t)count * 4), r.kl = (float*)malloc((size_t)count * 4);
+    gpu_losses(m, d_pixels, count, count, 7, false, r.bce, r.kl);
+    poison_activations(m);
+    gpu_iwae(m, d_pixels, 1000, COMPARE_IWAE, 37, 5, NULL, r.log_px);
+    const int2 pairs[3] = {{0, 1}, {2, 3}, {3, 0}};
+    int2* d_pairs;
+    cudaCheck(cudaMalloc(&d_pairs, sizeof(pairs)));
+    cudaCheck(cudaMemcpy(d_pairs, pairs, sizeof(pairs), cudaMemcpyHostToDevice));
+    poison_activations(m);
+    vae_encode(m, d_pixels, 4);
+    vae_decode_interpolations(m, d_pairs, 0, COMPARE_INTERP_ROWS, INTERP_STEPS);
+    cudaCheck(cudaMemcpy(r.interp, m->recon, sizeof(r.interp), cudaMemcpyDeviceToHost));
+    float* d_loss;
+    cudaCheck(cudaMalloc(&d_loss, 2 * COMPARE_RECON * sizeof(float)));
+    poison_activations(m);
+    const ForwardOptions opt = {0, true, NULL, true, false}; // recon.ppm's: z = mu
+    vae_forward(m, d_pixels, COMPARE_RECON, 0, &opt, d_loss, d_loss + COMPARE_RECON);
+    cudaCheck(cudaMemcpy(r.recon, m->recon, sizeof(r.recon), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaFree(d_loss));
+    cudaCheck(cudaFree(d_pairs));
+    return r;
+}
+
+// The largest |a - b| / max(|b|, floor) over n values; NaN anywhere counts as infinitely far.
+static double worst_relative(const float* a, const float* b, int n, double floor) {
+    double worst = 0.0;
+    for (int i = 0; i < n; i++) {
+        const double d = fabs((double)a[i] - b[i]) / fmax(fabs((double)b[i]), floor);
+        worst = d == d ? fmax(worst, d) : INFINITY;
     }
-    worst = 0.0;
-    for (int i = 0; i < B; i++)
-        worst = fmax(worst, fabs((double)log_px[0][i] - log_px[1][i]) / fabs((double)log_px[1][i]));
-    check(worst < 1e-4, "IWAE K=%d: wgmma and mma.sync decoders, log p(x) of %d images within %.1e relative (max %.2e)",
-          K, B, 1e-4, worst);
-    m->wgmma = false;
-    test_gpu_activations(m, d_pixels, ds);
-    test_gpu_invariance(m, d_pixels, count, small);
-    m->wgmma = true;
+    return worst;
+}
+
+// The plain path against the fused kernels, both run here, in one precision. fp32: each is within ~1e-6
+// of float64 per image (check_per_image_fp32), so 1e-5 relative. bf16: the two round at different places
+// (the fused kernels' h1 and h3 in registers, bias in three parts; the plain path's in memory, bias in
+// bf16), each per-image BCE within ~3e-3 of fp32's (test_gpu_test_set): 1e-2 relative; pixels in [0, 1]
+// within TOL_BF16.
+static void test_gpu_plain_vs_fused(const HostWeights* w, Precision p, const uint8_t* d_pixels, int count) {
+    printf("GPU %s: the plain path against the fused kernels\n", PRECISION_NAMES[p]);
+    EngineResults r[2];
+    for (int fused = 0; fused < 2; fused++) {
+        VAE m;
+        vae_init(&m, w, count, p, fused ? KERNELS_FUSED : KERNELS_PLAIN);
+        r[fused] = engine_results(&m, d_pixels, count);
+        vae_free(&m);
+    }
+    const double rel = p == PRECISION_FP32 ? 1e-5 : 1e-2, pixel = p == PRECISION_FP32 ? 1e-5 : TOL_BF16;
+    const double bce = worst_relative(r[0].bce, r[1].bce, count, 0.0), kl = worst_relative(r[0].kl, r[1].kl, count, 0.0);
+    check(bce < rel && kl < rel, "per-image BCE and KL of %d images (sampled eps) within %.0e relative: worst %.2e, "
+          "%.2e", count, rel, bce, kl);
+    const double iwae = worst_relative(r[0].log_px, r[1].log_px, COMPARE_IWAE, 0.0);
+    check(iwae < rel, "IWAE K = 37, log p(x) of %d images within %.0e relative: worst %.2e", COMPARE_IWAE, rel, iwae);
+    const double interp = worst_relative(r[0].interp, r[1].interp, COMPARE_INTERP_ROWS * INPUT_DIM, 1.0);
+    const double recon = worst_relative(r[0].recon, r[1].recon, COMPARE_RECON * INPUT_DIM, 1.0);
+    check(interp < pixel && recon < pixel, "the interpolation decodes (3 pairs x 11) and the reconstructions (%d "
+          "images, z = mu) within %.0e: worst %.2e, %.2e", COMPARE_RECON, pixel, interp, recon);
+    for (int k = 0; k < 2; k++) free(r[k].bce), free(r[k].kl);
 }
 
 static double fp32_mean_bce_zmu = NAN; // set by the fp32 run, compared against by bf16
@@ -1550,13 +1639,12 @@ static void test_gpu_test_set(VAE* m, const HostWeights* w, const Images* images
                 }
                 check(worst <= 0.243, "z = mu: per-image |BCE - fp32 BCE| at most 0.243: max %.4f (image %d)", worst,
                       at);
-                free(fp32_bce_zmu), fp32_bce_zmu = NULL;
             }
             else
                 check(fabs(sb - 77.41) <= 0.2, "sampled: mean BCE %.4f (PyTorch float64 77.41 +- 0.2)", sb);
         } else if (!sampled) {
             fp32_mean_bce_zmu = sb;
-            fp32_bce_zmu = (float*)malloc((size_t)count * sizeof(float));
+            if (fp32_bce_zmu == NULL) fp32_bce_zmu = (float*)malloc((size_t)count * sizeof(float));
             memcpy(fp32_bce_zmu, bce, (size_t)count * sizeof(float));
             // fp32 sums of ~70 per image, averaged in double: far inside 1e-3
             check(fabs(sb - 69.1652) <= 1e-3, "z = mu: mean BCE %.4f (PyTorch float64 69.1652 +- 0.001)", sb);
@@ -1594,7 +1682,7 @@ static void test_gpu_out_of_memory(const HostWeights* w) {
         int devices = 0;
         if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) _exit(77);
         VAE m;
-        vae_init(&m, w, OOM_BATCH, PRECISION_FP32); // must fail() with exit status 1
+        vae_init(&m, w, OOM_BATCH, PRECISION_FP32, KERNELS_AUTO); // must fail() with exit status 1
         _exit(0);
     }
     int status;
@@ -1735,7 +1823,7 @@ static void test_gpu_iwae(VAE* m, const HostWeights* w, const uint8_t* d_pixels,
     }
     printf("GPU %s IWAE, K = 5000, the whole test set\n", PRECISION_NAMES[p]);
     VAE big; // K = 5000 rows per image need a model sized for --iwae
-    vae_init(&big, w, IWAE_ROWS, p, IWAE_PASS_ROWS);
+    vae_init(&big, w, IWAE_ROWS, p, kernels_of(m), IWAE_PASS_ROWS);
     float* all = (float*)malloc((size_t)test_set_count * 4);
     gpu_iwae(&big, d_pixels, 0, test_set_count, 5000, 0, NULL, all);
     vae_free(&big);
@@ -1911,6 +1999,24 @@ static void test_gpu_leapfrog_reversible(VAE* m, const uint8_t* d_pixels) {
     ais_out_free(&s), ais_out_free(&f), ais_out_free(&b);
 }
 
+// The BCE of `rows` latents given in fp32 (device [rows][20]) against one image's pixels, into bce[rows],
+// in passes of the model's decoder rows (the tests' quadrature over a grid of z).
+static void vae_score(VAE* m, const float* z, int rows, const uint8_t* pixels, float* bce) {
+    for (int first = 0; first < rows; first += m->decoder_rows) {
+        const int n = rows - first < m->decoder_rows ? rows - first : m->decoder_rows;
+        const float* z_pass = z + (size_t)first * LATENT_DIM;
+        if (!m->fused) {
+            plain_set_z(&m->plain, z_pass, n, m->stream);
+            plain_decode(&m->plain, pixels, n, n, bce + first, NULL, m->stream);
+            continue;
+        }
+        if (m->precision == PRECISION_FP32)
+            launch(z_rows_kernel<PRECISION_FP32>, n, 128, 128, m->stream, m->z_rows, z_pass, n);
+        else launch(z_rows_kernel<PRECISION_BF16>, n, 128, 128, m->stream, m->z_rows, z_pass, n);
+        vae_decoder(m, pixels, n, n, bce + first, NULL, NULL);
+    }
+}
+
 // A toy model whose log p(x) is exact by quadrature: fc3's columns for all but the two latents that
 // weigh most zeroed, so p(x|z) depends on (z_a, z_b) only and the other 18 integrate to 1. Its log
 // p(x) = log of the 2-D integral of p(x|z) N(z; 0, I), by the midpoint rule on a 1024^2 grid over
@@ -1919,7 +2025,7 @@ static void test_gpu_leapfrog_reversible(VAE* m, const uint8_t* d_pixels) {
 // within 0.05 on average (its bias), and no image may exceed the exact value by 0.5 (a stochastic
 // lower bound can only pass it by its noise). fp32 only: in bf16 the decoder that scores the grid
 // rounds z and W3 where ais_kernel does not, a difference of the models rather than of AIS.
-static void test_gpu_ais_toy(const HostWeights* w, const uint8_t* d_pixels) {
+static void test_gpu_ais_toy(const HostWeights* w, const uint8_t* d_pixels, Kernels kernels) {
     HostWeights toy = *w;
     toy.data = (float*)malloc(w->count * sizeof(float));
     memcpy(toy.data, w->data, w->count * sizeof(float));
@@ -1939,7 +2045,7 @@ static void test_gpu_ais_toy(const HostWeights* w, const uint8_t* d_pixels) {
     const int G = 1024, rows = G * G, n = 32;
     const double R = 6.0, h = 2.0 * R / G;
     VAE toy_m;
-    vae_init(&toy_m, &toy, n, PRECISION_FP32, rows);
+    vae_init(&toy_m, &toy, n, PRECISION_FP32, kernels, rows);
     float* z = (float*)calloc((size_t)rows * LATENT_DIM, sizeof(float));
     for (int r = 0; r < rows; r++) {
         z[(size_t)r * LATENT_DIM + a] = (float)(-R + (r / G + 0.5) * h);
@@ -1949,11 +2055,10 @@ static void test_gpu_ais_toy(const HostWeights* w, const uint8_t* d_pixels) {
     cudaCheck(cudaMalloc(&d_z, (size_t)rows * LATENT_DIM * sizeof(float)));
     cudaCheck(cudaMalloc(&d_bce, (size_t)rows * sizeof(float)));
     cudaCheck(cudaMemcpy(d_z, z, (size_t)rows * LATENT_DIM * sizeof(float), cudaMemcpyHostToDevice));
-    launch(z_rows_kernel<PRECISION_FP32>, rows, 128, 128, toy_m.stream, toy_m.z_rows, d_z, rows);
     double exact[n], worst_edge = -INFINITY; // the largest density on the grid's edge, relative to its peak
     for (int i = 0; i < n; i++) {
         poison(d_bce, (size_t)rows * sizeof(float));
-        vae_decoder(&toy_m, d_pixels + (size_t)i * INPUT_DIM, rows, rows, d_bce, NULL, NULL);
+        vae_score(&toy_m, d_z, rows, d_pixels + (size_t)i * INPUT_DIM, d_bce);
         float* bce = to_host(d_bce, rows);
         double top = -INFINITY, sum = 0.0;
         auto log_joint = [&](int r) {
@@ -1993,7 +2098,7 @@ static void test_gpu_ais_toy(const HostWeights* w, const uint8_t* d_pixels) {
 // the same acceptance: every one of the 128 Metropolis decisions alike. In float64 the closest of
 // them comes 3.2e-3 nat from its threshold, ~300x float32's rounding of H ~ 100, so an exact match
 // is what fp32 owes. make test names the Python with PyTorch (VAE_TEST_PYTHON).
-static void test_gpu_ais_pytorch(Precision p) {
+static void test_gpu_ais_pytorch(Precision p, Kernels kernels) {
     const char* python = getenv("VAE_TEST_PYTHON");
     if (vae_bin == NULL || python == NULL || python[0] == '\0') {
         skip("AIS against PyTorch float64 (dev/ais_pytorch.py)", "needs ./vae and VAE_TEST_PYTHON (make test)");
@@ -2002,7 +2107,7 @@ static void test_gpu_ais_pytorch(Precision p) {
     char csv[128], cmd[512], line[256], last[256] = "(no output)";
     snprintf(csv, sizeof(csv), "%s/ais.csv", scratch);
     VaeRun r = run_vae({"--ais", "5", "--chains", "4", "--leapfrog", "3", "-n", "8", "--precision",
-                        PRECISION_NAMES[p], "--csv", csv, "-q"});
+                        PRECISION_NAMES[p], "--kernels", KERNELS_NAMES[kernels], "--csv", csv, "-q"});
     const bool ran = r.status == 0;
     vae_run_free(&r);
     snprintf(cmd, sizeof(cmd), "%s dev/ais_pytorch.py --check %s --precision %s --transitions 5 --chains 4 "
@@ -2015,7 +2120,9 @@ static void test_gpu_ais_pytorch(Precision p) {
           "the trajectory against PyTorch float64 with the same noise: %s", ran ? last : "./vae --ais 5 failed");
 }
 
-static double fp32_ais_mean = NAN; // the fp32 run's whole-test-set mean at T = 100, compared against by bf16
+// each engine's (fused, plain) whole-test-set mean at T = 100 by precision: bf16 is compared against fp32,
+// the plain path against the fused kernels
+static double ais_means[2][2] = {{NAN, NAN}, {NAN, NAN}};
 
 static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, const uint8_t* d_pixels, bool quick) {
     const Precision p = m->precision;
@@ -2036,8 +2143,9 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
     float iwae[n];
     gpu_iwae(m, d_pixels, first, n, C, 5, NULL, iwae);
     // the same z (the same eps, keyed alike); the log p0 terms and the logsumexp run in another order and
-    // precision (float32 in IWAE). fp32: the same decoder arithmetic, so 1e-5. bf16: AIS runs fc3 in ~fp32
-    // (ais_gradient_wgmma) where IWAE's decoder rounds z and W3 to bf16, so the two differ at bf16's tolerance
+    // precision (float32 in IWAE). fp32: the same decoder arithmetic, so 1e-5. bf16: the fused AIS runs fc3 in
+    // ~fp32 (ais_gradient_wgmma) where its IWAE decoder rounds z and W3 to bf16, so the two differ at bf16's
+    // tolerance (the plain path's two are one decoder)
     check_diff("T=1=IWAE", diff(iwae, a.log_px, n), p == PRECISION_FP32 ? 1e-5 : tol,
                "  (--ais 1 --chains 16 against --iwae 16, per image)");
     free(grad64);
@@ -2087,9 +2195,9 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
               "%.2e; expected ~4, second order)", ratio, mean_error[0], mean_error[1]);
         test_gpu_leapfrog_reversible(m, d_pixels);
         if (quick) skip("AIS on the toy model against quadrature (32 passes of 1M decoder rows)", "--quick");
-        else test_gpu_ais_toy(w, d_pixels);
+        else test_gpu_ais_toy(w, d_pixels, kernels_of(m));
     }
-    test_gpu_ais_pytorch(p);
+    test_gpu_ais_pytorch(p, kernels_of(m));
 
     printf("GPU %s AIS: determinism and batch invariance (bitwise)\n", PRECISION_NAMES[p]);
     {
@@ -2130,7 +2238,7 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
             ais_out_free(&o);
         }
         VAE big; // K = 5000 rows per image need a model sized for --iwae
-        vae_init(&big, w, IWAE_ROWS, p, IWAE_PASS_ROWS);
+        vae_init(&big, w, IWAE_ROWS, p, kernels_of(m), IWAE_PASS_ROWS);
         static float iwae[count];
         gpu_iwae(&big, d_pixels, 0, count, 5000, 0, NULL, iwae);
         vae_free(&big);
@@ -2146,7 +2254,8 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
     const char* Ts[3] = {"10", "100", "1000"};
     bool bdmc_ok = vae_bin != NULL;
     for (int i = 0; i < 3 && bdmc_ok; i++) {
-        VaeRun r = run_vae({"--bdmc", "1024", "--ais", Ts[i], "--precision", PRECISION_NAMES[p], "-q"});
+        VaeRun r = run_vae({"--bdmc", "1024", "--ais", Ts[i], "--precision", PRECISION_NAMES[p], "--kernels",
+                            KERNELS_NAMES[kernels_of(m)], "-q"});
         double lower = NAN, upper = NAN;
         const char *lo = r.out ? strstr(r.out, "lower bound") : NULL, *up = r.out ? strstr(r.out, "upper bound") : NULL;
         bdmc_ok = r.status == 0 && lo && up && sscanf(lo, "lower bound %lf", &lower) == 1 &&
@@ -2174,22 +2283,30 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
         ais_out_free(&o);
     }
     const double mean = sum / images->count;
-    if (p == PRECISION_FP32) fp32_ais_mean = mean;
-    else if (fp32_ais_mean == fp32_ais_mean)
-        check(fabs(mean - fp32_ais_mean) < 0.02, "T = 100 over the %d test images: bf16's mean log p(x) %.4f within "
-              "0.02 of fp32's %.4f", images->count, mean, fp32_ais_mean);
-    else
+    const int engine = m->fused ? 0 : 1;
+    ais_means[engine][p] = mean;
+    const double fp32_mean = ais_means[engine][PRECISION_FP32], fused_mean = ais_means[0][p];
+    if (p == PRECISION_BF16 && fp32_mean == fp32_mean)
+        check(fabs(mean - fp32_mean) < 0.02, "T = 100 over the %d test images: bf16's mean log p(x) %.4f within "
+              "0.02 of fp32's %.4f", images->count, mean, fp32_mean);
+    else if (p == PRECISION_BF16)
         skip("AIS, fp32 against bf16", "the fp32 run did not run");
+    // the two engines' chains see the same noise but round differently, so they part after a few transitions:
+    // their means agree as two AIS estimates of the same log p(x) do
+    if (!m->fused && fused_mean == fused_mean)
+        check(fabs(mean - fused_mean) < 0.02, "T = 100 over the %d test images: the plain path's mean log p(x) %.4f "
+              "within 0.02 of the fused kernels' %.4f", images->count, mean, fused_mean);
 }
 
 static const char* TEST_USAGE =
-    "usage: test_vae [--quick] [--gpu-only] [--precision fp32|bf16]\n"
+    "usage: test_vae [--quick] [--gpu-only] [--precision fp32|bf16] [--kernels plain|fused]\n"
     "  --quick      a GPU subset sized for compute-sanitizer: batch invariance on %d images in\n"
     "               batches of %d, %d, 7, 37 and 1024 instead of 4097 images in batches of 4097, 1, 7, 37, 1024\n"
     "               (batch 1 still runs in the B = 1 reference case); the full-test-set means\n"
     "               and the out-of-memory check are skipped\n"
     "  --gpu-only   skip the host checks (the inputs are still loaded and checked)\n"
-    "  --precision  run the GPU checks of one precision only; the other's are skipped\n";
+    "  --precision  run the GPU checks of one precision only; the other's are skipped\n"
+    "  --kernels    run the GPU checks of one engine only (plain: as on a GPU without the fused kernels)\n";
 // past the fp32 (64) and bf16 (128) row tiles, so partial tiles run; 10 batches of 13, not 130
 // of 1, which racecheck would take minutes over
 enum { QUICK_IMAGES = 130, QUICK_SMALL_BATCH = 13 };
@@ -2197,11 +2314,15 @@ enum { QUICK_IMAGES = 130, QUICK_SMALL_BATCH = 13 };
 #ifndef TEST_VAE_NO_MAIN // fuzz/ includes this file for parse_debug_state
 int main(int argc, char** argv) {
     bool quick = false, gpu_only = false, run_precision[2] = {true, true};
+    Kernels kernels = KERNELS_AUTO; // both engines where both run
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) {
             quick = true;
         } else if (!strcmp(argv[i], "--gpu-only")) {
             gpu_only = true;
+        } else if (!strcmp(argv[i], "--kernels") && i + 1 < argc &&
+                   (!strcmp(argv[i + 1], "plain") || !strcmp(argv[i + 1], "fused"))) {
+            kernels = !strcmp(argv[++i], "plain") ? KERNELS_PLAIN : KERNELS_FUSED;
         } else if (!strcmp(argv[i], "--precision") && i + 1 < argc &&
                    (!strcmp(argv[i + 1], "fp32") || !strcmp(argv[i + 1], "bf16"))) {
             run_precision[PRECISION_FP32] = !strcmp(argv[++i], "fp32");
@@ -2264,51 +2385,66 @@ int main(int argc, char** argv) {
 
     int devices = 0;
     const cudaError_t status = cudaGetDeviceCount(&devices);
+    const char* no_gpu = !loaded ? "inputs did not load" : status != cudaSuccess || devices == 0 ? "no CUDA device" : NULL;
+    // the engines here: the plain path always, the fused kernels where this GPU and build run them
+    bool engine_runs[2] = {false, false}; // fused, plain
+    if (no_gpu == NULL) {
+        engine_runs[0] = kernels != KERNELS_PLAIN && use_fused(KERNELS_AUTO);
+        engine_runs[1] = kernels != KERNELS_FUSED;
+        if (kernels == KERNELS_FUSED && !engine_runs[0]) use_fused(KERNELS_FUSED); // its one-line refusal
+    }
+    if (no_gpu == NULL) test_gpu_plain_shared_memory();
     for (Precision precision : {PRECISION_FP32, PRECISION_BF16}) {
         const char* name = PRECISION_NAMES[precision];
-        char what[6][96];
-        snprintf(what[0], sizeof(what[0]), "GPU %s activations vs PyTorch", name);
-        snprintf(what[1], sizeof(what[1]), "GPU %s batch invariance and determinism", name);
-        snprintf(what[2], sizeof(what[2]), "GPU %s generator keying", name);
-        snprintf(what[3], sizeof(what[3]), "GPU %s full test set losses", name);
-        snprintf(what[4], sizeof(what[4]), "GPU %s IWAE", name);
-        snprintf(what[5], sizeof(what[5]), "GPU %s encoder and decoder on mma.sync against wgmma", name);
-        const int num_what = 6;
-        const char* why = !loaded                                  ? "inputs did not load"
-                        : status != cudaSuccess || devices == 0    ? "no CUDA device"
-                        : !run_precision[precision]                ? "--precision"
-                                                                   : NULL;
-        if (why != NULL) {
-            for (int i = 0; i < num_what; i++) skip(what[i], why);
-            skip("GPU interpolation decodes (the pictures, --interp)", why);
-            continue;
+        for (int engine = 0; engine < 2; engine++) {
+            const char* engine_name = engine == 0 ? "fused" : "plain";
+            char what[5][96];
+            snprintf(what[0], sizeof(what[0]), "GPU %s %s activations vs PyTorch", engine_name, name);
+            snprintf(what[1], sizeof(what[1]), "GPU %s %s batch invariance and determinism", engine_name, name);
+            snprintf(what[2], sizeof(what[2]), "GPU %s %s generator keying", engine_name, name);
+            snprintf(what[3], sizeof(what[3]), "GPU %s %s full test set losses", engine_name, name);
+            snprintf(what[4], sizeof(what[4]), "GPU %s %s IWAE, AIS, interpolation", engine_name, name);
+            if ((engine == 0 && kernels == KERNELS_PLAIN) || (engine == 1 && kernels == KERNELS_FUSED))
+                continue; // --kernels: the other engine is not asked for
+            const char* why = no_gpu                     ? no_gpu
+                            : !run_precision[precision]  ? "--precision"
+                            : !engine_runs[engine]       ? "this GPU and build have no sm_90a code (the fused kernels)"
+                                                         : NULL;
+            if (why != NULL) {
+                for (int i = 0; i < 5; i++) skip(what[i], why);
+                continue;
+            }
+            cudaDeviceProp prop;
+            cudaCheck(cudaGetDeviceProperties(&prop, 0));
+            if (precision == PRECISION_BF16 && prop.major < 8) {
+                skip(what[0], "bf16 needs sm_80: vae refuses --precision bf16 here");
+                continue;
+            }
+            printf("GPU: %s (sm_%d%d), the %s engine%s\n", prop.name, prop.major, prop.minor, engine_name,
+                   quick ? ", --quick" : "");
+            uint8_t* d_pixels;
+            cudaCheck(cudaMalloc(&d_pixels, (size_t)images.count * INPUT_DIM));
+            cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)images.count * INPUT_DIM, cudaMemcpyHostToDevice));
+            const int invariance_images = quick ? QUICK_IMAGES : 4097;
+            int max_batch = invariance_images;
+            for (int c = 0; c < ds.num_cases; c++) max_batch = ds.cases[c].B > max_batch ? ds.cases[c].B : max_batch;
+            VAE m;
+            vae_init(&m, &weights, max_batch, precision, engine == 0 ? KERNELS_FUSED : KERNELS_PLAIN);
+            test_gpu_activations(&m, d_pixels, &ds);
+            test_gpu_invariance(&m, d_pixels, invariance_images, quick ? QUICK_SMALL_BATCH : 1);
+            test_gpu_generator_keying(&m, d_pixels);
+            test_gpu_interpolation(&m, &weights, &images, d_pixels);
+            if (quick) skip(what[3], "--quick");
+            else test_gpu_test_set(&m, &weights, &images, d_pixels, images.count);
+            test_gpu_iwae(&m, &weights, d_pixels, &iwae, quick ? 0 : images.count);
+            if (!m.fused || m.ais_clusters > 0) test_gpu_ais(&m, &weights, &images, d_pixels, quick);
+            else skip("GPU AIS", "this GPU and build have no sm_90a code (AIS's fused kernel runs on Hopper)");
+            vae_free(&m);
+            if (engine == 1 && engine_runs[0]) test_gpu_plain_vs_fused(&weights, precision, d_pixels, invariance_images);
+            cudaCheck(cudaFree(d_pixels));
         }
-        cudaDeviceProp prop;
-        cudaCheck(cudaGetDeviceProperties(&prop, 0));
-        printf("GPU: %s (sm_%d%d)%s\n", prop.name, prop.major, prop.minor, quick ? ", --quick" : "");
-        uint8_t* d_pixels;
-        cudaCheck(cudaMalloc(&d_pixels, (size_t)images.count * INPUT_DIM));
-        cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)images.count * INPUT_DIM, cudaMemcpyHostToDevice));
-        const int invariance_images = quick ? QUICK_IMAGES : 4097;
-        int max_batch = invariance_images;
-        for (int c = 0; c < ds.num_cases; c++) max_batch = ds.cases[c].B > max_batch ? ds.cases[c].B : max_batch;
-        VAE m;
-        vae_init(&m, &weights, max_batch, precision);
-        test_gpu_activations(&m, d_pixels, &ds);
-        test_gpu_invariance(&m, d_pixels, invariance_images, quick ? QUICK_SMALL_BATCH : 1);
-        test_gpu_generator_keying(&m, d_pixels);
-        test_gpu_interpolation(&m, &weights, &images, d_pixels);
-        if (quick) skip(what[3], "--quick");
-        else test_gpu_test_set(&m, &weights, &images, d_pixels, images.count);
-        test_gpu_iwae(&m, &weights, d_pixels, &iwae, quick ? 0 : images.count);
-        if (m.ais_clusters > 0) test_gpu_ais(&m, &weights, &images, d_pixels, quick);
-        else skip("GPU AIS", "this GPU and build have no sm_90a code (AIS runs on Hopper)");
-        if (m.wgmma) test_gpu_decoder_engines(&m, d_pixels, &ds, invariance_images, quick ? QUICK_SMALL_BATCH : 1);
-        else
-            skip(what[5], "this GPU and build have no wgmma: mma.sync was the kernel tested above");
-        vae_free(&m);
-        cudaCheck(cudaFree(d_pixels));
     }
+    free(fp32_bce_zmu);
     scratch_close();
     free(weights.data);
     free(images.pixels);

@@ -21,6 +21,7 @@ the model, file formats, image output, and (unless TESTING is defined, as test_v
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cublasLt.h>
 #include <ctype.h>
 #include <errno.h>
 #include <getopt.h>
@@ -179,7 +180,7 @@ static bool outputs_commit(Error* err, FILE* report) {
 // ----------------------------------------------------------------------------
 // the model's shapes, and its weights as the file formats section reads them
 
-enum { INPUT_DIM = 784, HIDDEN_DIM = 400, LATENT_DIM = 20, IMAGE_SIDE = 28 };
+enum { INPUT_DIM = 784, HIDDEN_DIM = 400, LATENT_DIM = 20, IMAGE_SIDE = 28, MULV_DIM = 2 * LATENT_DIM };
 typedef enum { PRECISION_FP32, PRECISION_BF16 } Precision; // both run the tensor-core kernels (Path, below)
 enum { HEADER_INTS = 256, WEIGHTS_MAGIC = 0x31454156 /* "VAE1" */, WEIGHTS_VERSION = 1, DTYPE_FLOAT32 = 1 };
 
@@ -259,8 +260,32 @@ __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32
     return i == 0 ? g.x : i == 1 ? g.y : i == 2 ? g.z : g.w;
 }
 
+// Two N(0, 1) draws (pair `pair` of a 20-vector) and one uniform in (0, 1] keyed by (seed, stream,
+// image, chain, counter): the counter carries the transition, so no draw depends on the batch.
+__host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
+                                              uint32_t counter) {
+    return philox4x32(make_uint4(counter, image, chain, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
+}
+__host__ __device__ inline float2 gaussian_pair(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
+                                                uint32_t counter) {
+    const uint4 r = philox_keyed(seed, stream, image, chain, counter);
+    return box_muller(r.x, r.y);
+}
+__host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
+                                               uint32_t counter) {
+    return ((philox_keyed(seed, stream, image, chain, counter).x >> 8) + 1) * (1.0f / 16777216.0f);
+}
+
 // ----------------------------------------------------------------------------
-// kernels
+// the plain path, part 1: the short kernels for what cuBLAS does not do
+//
+// The plain path runs every mode on any GPU from sm_75 on: the four Linear layers are cuBLASLt
+// matmuls (part 2, below), and these kernels do the rest, one thread (or one warp) per row of a batch.
+// Its activations live in memory, row-major [row][feature] as in PyTorch, in the path's type T:
+//   fp32  T = float, and cuBLAS computes in true fp32 (CUBLAS_COMPUTE_32F, no TF32)
+//   bf16  T = bf16 for the matmuls' inputs (8 significant bits), fp32 accumulation, and fp32 wherever
+//         a value is summed or compared: mu and logvar, the logits, the losses, the AIS chains
+// A row of either engine is a pure function of its image and its keyed noise, whatever the batch.
 
 // One latent coordinate: z_j = mu_j + eps_j * exp(logvar_j / 2), and its KL(q(z|x) || N(0,I))
 // term 1 + logvar_j - mu_j^2 - exp(logvar_j) (the image's KL is -1/2 the sum over j).
@@ -291,6 +316,773 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
     const int2 pair = pairs[row / steps];
     const float t = (float)step / (float)(steps - 1);
     z[i] = (1.0f - t) * mulv[pair.x * 2 * LATENT_DIM + j] + t * mulv[pair.y * 2 * LATENT_DIM + j];
+}
+
+typedef __nv_bfloat16 bf16;
+typedef __half fp16;
+
+// Stores and loads in the path's type: the same names for float and bf16.
+__device__ inline void store_as(float* p, float v) { *p = v; }
+__device__ inline void store_as(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ inline void store_as(fp16* p, float v) { *p = __float2half_rn(v); }
+__device__ inline float as_float(float v) { return v; }
+__device__ inline float as_float(bf16 v) { return __bfloat162float(v); }
+
+// fc3's input. z is padded from 20 to Z_PAD = 24 latents with zeros, so that each row starts on a 16-byte
+// boundary (cuBLAS's fast kernels want that). bf16 stores z in two parts, hi = bf16(z) and lo = bf16(z -
+// hi), as [hi | 0 | lo | 0], against fc3's rows stored twice, [W3 | 0 | W3 | 0]: one matmul of K = 48 adds
+// W3 hi + W3 lo = W3 z to 16 significant bits. z moves smoothly along an AIS trajectory and the energy's
+// gradient must follow it: bf16's 8 bits alone would move grad by ~7% near a posterior's mode (curvature
+// ~100 times z's rounding). W3's own rounding is a fixed change of the model, which HMC does not mind.
+enum { Z_PAD = 24 };
+template <typename T> __host__ __device__ constexpr int z_parts() { return std::is_same<T, bf16>::value ? 2 : 1; }
+__host__ __device__ constexpr int z_width(Precision p) { return Z_PAD * (p == PRECISION_BF16 ? 2 : 1); }
+
+// The type of AIS's backward pass (sigmoid - x, dh, and their copies of W4 and W3): T, except that bf16's
+// runs in fp16. sigmoid - x lies in [-1, 1] and dh well inside fp16's range, and fp16's 11 significant bits
+// keep the gradient's cancellations (grad = W3^T dh sums terms of both signs) to ~1e-3 of float64, where
+// bf16's 8 bits gave 2.3e-2 (test_vae, against a tolerance of 2e-2). The fused kernels do the same.
+template <typename T> struct Backward { typedef T type; };
+template <> struct Backward<bf16> { typedef fp16 type; };
+__device__ inline void store_z_input(float* row, const float* z) {
+    for (int j = 0; j < Z_PAD; j++) row[j] = j < LATENT_DIM ? z[j] : 0.0f;
+}
+__device__ inline void store_z_input(bf16* row, const float* z) {
+    for (int j = 0; j < Z_PAD; j++) {
+        const float v = j < LATENT_DIM ? z[j] : 0.0f;
+        const bf16 hi = __float2bfloat16_rn(v);
+        row[j] = hi, row[Z_PAD + j] = __float2bfloat16_rn(v - __bfloat162float(hi));
+    }
+}
+
+// The pixels as fc1's input: bytes 0..255 as T, exact in both types; fc1's alpha = 1/255 scales them.
+template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t* pixels, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) store_as(&x[i], (float)pixels[i]);
+}
+
+// z, the KL and log p(z) - log q(z|x) of one decoder row, sample `sample` of an image: z = mu + sigma
+// eps with eps keyed by (seed, image, sample), so sample 0 is the ELBO's draw. With z = mu + sigma eps the
+// Gaussian terms log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel.
+// The sums run over j in order. Both engines' sampling kernels call it.
+__device__ inline void sample_latents(float (&z)[LATENT_DIM], float* kl, float* log_ratio, const float* mulv_row,
+                                      const float* eps_row, uint32_t image, uint32_t sample, uint64_t seed,
+                                      bool z_is_mu) {
+    float kl_sum = 0.0f, ratio = 0.0f;
+    #pragma unroll
+    for (int q = 0; q < LATENT_DIM / 4; q++) {
+        const float4 e = posterior_eps(eps_row, q, image, sample, seed, z_is_mu);
+        const float eps[4] = {e.x, e.y, e.z, e.w};
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int j = 4 * q + i;
+            float kl_term;
+            z[j] = latent_z(mulv_row[j], mulv_row[LATENT_DIM + j], eps[i], &kl_term);
+            kl_sum += kl_term;
+            ratio += eps[i] * eps[i] + mulv_row[LATENT_DIM + j] - z[j] * z[j];
+        }
+    }
+    *kl = -0.5f * kl_sum, *log_ratio = 0.5f * ratio;
+}
+
+// fc3's inputs for `rows` decoder rows from the images' [mu | logvar]: row r is sample r % K of image
+// r / K (K = 1 for the ELBO, --iwae's K importance samples otherwise). kl, log_ratio and z_out are NULL
+// when not wanted. One thread a row.
+template <typename T>
+__global__ void sample_kernel(T* z_input, float* z_out, float* kl, float* log_ratio, const float* __restrict__ mulv,
+                              const float* __restrict__ eps_in, int rows, int K, uint32_t first_image, uint64_t seed,
+                              bool z_is_mu) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    float z[LATENT_DIM], row_kl, ratio;
+    sample_latents(z, &row_kl, &ratio, mulv + (size_t)(r / K) * MULV_DIM, eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL,
+                   first_image + r / K, r % K, seed, z_is_mu);
+    store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), z);
+    if (z_out) for (int j = 0; j < LATENT_DIM; j++) z_out[(size_t)r * LATENT_DIM + j] = z[j];
+    if (kl) kl[r] = row_kl;
+    if (log_ratio) log_ratio[r] = ratio;
+}
+
+// fc3's inputs from latents given in fp32 (prior samples, interpolations, the tests' z). One thread a row.
+template <typename T> __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < rows) store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), z + (size_t)r * LATENT_DIM);
+}
+
+// What the decoder's logits give, per row r scored against image r / rows_per_image (NULL: not wanted):
+//   bce       BCE(x, sigmoid(l)) summed over the 784 pixels, as softplus(l) - x l = max(l, 0) - x l +
+//             log(1 + exp(-|l|)): no log of a rounded sigmoid, finite for any l
+//   recon     sigmoid(l)
+//   residual  sigmoid(l) - x in R: d BCE / d logits, the start of AIS's backward pass
+// x = byte / 255. One warp a row: lane i takes pixels i, i + 32, ..., then a fixed shuffle tree adds the
+// 32 sums, so a row's BCE has the same bits in any batch.
+template <typename R>
+__global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const float* __restrict__ logits,
+                                      const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
+    const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (r >= rows) return;
+    const float* l_row = logits + (size_t)r * INPUT_DIM;
+    const uint8_t* x_row = pixels ? pixels + (size_t)(r / rows_per_image) * INPUT_DIM : NULL;
+    float sum = 0.0f;
+    for (int i = lane; i < INPUT_DIM; i += 32) {
+        const float l = l_row[i], sigmoid = 1.0f / (1.0f + expf(-l));
+        if (recon) recon[(size_t)r * INPUT_DIM + i] = sigmoid;
+        if (x_row == NULL) continue;
+        const float x = x_row[i] * (1.0f / 255.0f);
+        if (residual) store_as(&residual[(size_t)r * INPUT_DIM + i], sigmoid - x);
+        if (bce) sum += fmaxf(l, 0.0f) - x * l + log1pf(expf(-fabsf(l)));
+    }
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (bce && x_row && lane == 0) bce[r] = sum;
+}
+
+// The ReLU's backward: the gradient w.r.t. a hidden layer's input is zero where its output h is.
+template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && !(as_float(h[i]) > 0.0f)) store_as(&grad[i], 0.0f);
+}
+
+// The plain path's weights, once at load: rows x cols of W (fp32, PyTorch's W[out][in]) as T in rows of
+// `pitch`, the columns repeated every pitch / copies with zeros between (fc3's [W3 | 0] or [W3 | 0 | W3 |
+// 0]; one copy without padding for the others).
+template <typename T>
+__global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int rows, int cols, int pitch, int copies) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * pitch) return;
+    const int r = (int)(i / pitch), c = (int)(i % pitch) % (pitch / copies);
+    store_as(&dst[i], c < cols ? w[(size_t)r * cols + c] : 0.0f);
+}
+
+// The importance-weighted log-likelihood (--iwae K; Burda et al., "Importance Weighted Autoencoders"):
+//   log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
+// The K samples of an image are K decoder rows (sample_kernel); log p(x|z) = -BCE.
+// log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k (BCE_k given as `parts` partial
+// sums, added in order: the fused decoder's column blocks; 1 on the plain path), combined by a running
+// (max, sum of exp) so no exp overflows. One block per image: thread t takes k = t, t + 256, ..., then the
+// warps merge by a shuffle tree and the 8 warp results in order, the same on every run.
+__device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
+    const float top = fmaxf(m, m2);
+    if (top == -INFINITY) return; // both empty
+    s = s * expf(m - top) + s2 * expf(m2 - top);
+    m = top;
+}
+enum { LSE_THREADS = 256 };
+__global__ void __launch_bounds__(LSE_THREADS)
+    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce_parts, int parts,
+                          const float* __restrict__ log_ratio, int K) {
+    __shared__ float warp_m[LSE_THREADS / 32], warp_s[LSE_THREADS / 32];
+    const int image = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float m = -INFINITY, s = 0.0f;
+    for (int k = threadIdx.x; k < K; k += LSE_THREADS) {
+        const size_t r = (size_t)image * K + k;
+        float bce = 0.0f;
+        for (int p = 0; p < parts; p++) bce += bce_parts[r * parts + p];
+        logsumexp_merge(m, s, log_ratio[r] - bce, 1.0f);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+        logsumexp_merge(m, s, m2, s2);
+    }
+    if (lane == 0) warp_m[warp] = m, warp_s[warp] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < LSE_THREADS / 32; w++) logsumexp_merge(m, s, warp_m[w], warp_s[w]);
+        log_px[image] = m + logf(s) - logf((float)K);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// the plain path, part 1 (continued): annealed importance sampling (--ais T, --bdmc N)
+//
+// AIS (Neal 2001; for decoder-based models Wu et al., ICLR 2017) moves C chains per image from
+// p0 = q(z|x) (or the prior N(0, I)) towards the posterior through f_b(z) = p0(z)^(1-b) p(x, z)^b,
+// 0 = b_0 < b_1 < ... < b_T = 1. Each chain carries a float64 log weight
+//   log w = sum_t (b_t - b_{t-1}) [log p(x, z_{t-1}) - log p0(z_{t-1})]
+// and log p(x) ~ logsumexp over the chains - log C. Between two weights z moves by one HMC
+// transition that leaves f_b invariant: momentum p ~ N(0, I), L leapfrog steps on the energy
+// U_b(z) = -log f_b(z), a Metropolis test on U + |p|^2 / 2 (without it AIS is biased). The work is
+// the gradient of log p(x|z) = -BCE(x, logits(z)), the decoder's backward pass w.r.t. z:
+//   grad_z BCE = W3^T (mask . (W4^T (sigmoid(logits) - x)))        mask = fc3's ReLU
+// 1.29 MFLOP per evaluation (four 20x400 or 400x784 products), L evaluations per transition.
+// BDMC (Grosse et al. 2015) runs the same chains backwards from an exact posterior sample: its
+// weights bound log p(x) from above as the forward ones do from below.
+// Both engines draw a chain's start, momenta and Metropolis uniforms keyed by (seed, image, chain,
+// transition), keep the energies in float32 (H ~ 100: the Metropolis test sees differences of ~1e-5
+// nats) and the weights in float64, and adapt each image's step size from its C chains' acceptance.
+enum { STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4 };
+// the step size per image: its start, its bounds, and the acceptance it is adapted toward
+constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
+constexpr float AIS_TARGET_ACCEPT = 0.65f;
+// FLOPs of one gradient evaluation: forward 20x400 + 400x784 multiply-adds, backward the same
+constexpr double AIS_FLOPS_PER_EVAL = 4.0 * (LATENT_DIM * HIDDEN_DIM + HIDDEN_DIM * INPUT_DIM);
+
+// What one AIS run over n images reads and writes. Row r is chain r % C of image r / C.
+struct AisIO {
+    const uint8_t* pixels; // [n][784]
+    const float* mulv;     // [n][40]: p0 = N(mu, exp(logvar)): q(z|x), or zeros for the prior
+    const float* z_start;  // [n][20]: where every chain of an image starts (BDMC's reverse run), or NULL: z ~ p0
+    const double* beta;    // [T + 1]: the schedule, 0 .. 1
+    int n, chains, T, leapfrog;
+    uint32_t first_image;  // the generator's image index of image 0
+    uint64_t seed;
+    bool reverse;          // run the schedule from b_T to b_0: the weights of BDMC's upper bound
+    bool adapt;            // adapt the step size (tests fix it)
+    float step0;
+    double* log_w;         // [n * C]
+    int* accepted;         // [n * C]: transitions accepted
+    float* step_out;       // [n]: the step size at the end
+    float *z_out, *grad0, *bce0, *delta_h; // tests, or NULL: [n * C][20] final z; the first evaluation's
+                                          // grad BCE [n * C][20] and BCE [n * C]; the last H0 - H1 [n * C]
+    const float* p_start; // tests, or NULL: [n * C][20] the first transition's momentum instead of a draw
+    float* proposal;      // tests, or NULL: [n * C][40] the last leapfrog trajectory's end (z, p) before its test
+};
+
+// The plain path's chains, in memory between its kernels: per row z, p, the gradient of BCE (fc3's
+// backward writes it, Z_PAD wide), the BCE, and the transition's start (z, grad, BCE, H) that a rejected
+// proposal returns to. Each kernel below is one step of the transition for every row at once.
+struct AisChains {
+    float *z, *p, *z0, *grad0; // [rows][20]
+    float* grad;               // [rows][Z_PAD]
+    float *bce, *bce0, *h0;    // [rows]
+    int* took;                 // [rows]: this transition's proposal accepted
+};
+
+// A chain's view of its image: p0's mean, inverse variance and sum of log variances.
+struct AisPrior {
+    float mu[LATENT_DIM], inv_var[LATENT_DIM], logvar_sum;
+    __device__ AisPrior(const float* mulv_row) {
+        logvar_sum = 0.0f;
+        for (int j = 0; j < LATENT_DIM; j++) {
+            mu[j] = mulv_row[j], inv_var[j] = expf(-mulv_row[LATENT_DIM + j]), logvar_sum += mulv_row[LATENT_DIM + j];
+        }
+    }
+    // log p(x, z) = -BCE - |z|^2 / 2 and log p0(z) = -(sum (z - mu)^2 / var + logvar) / 2 (the log 2 pi cancel)
+    __device__ void log_densities(const float* z, float bce, float* lpxz, float* lp0) const {
+        float sq = 0.0f, mahal = 0.0f;
+        for (int j = 0; j < LATENT_DIM; j++) {
+            const float d = z[j] - mu[j];
+            sq = fmaf(z[j], z[j], sq), mahal = fmaf(d * d, inv_var[j], mahal);
+        }
+        *lpxz = -bce - 0.5f * sq, *lp0 = -0.5f * (mahal + logvar_sum);
+    }
+    // p -= scale eps grad U_b(z): U_b = -b log p(x, z) - (1 - b) log p0(z)
+    __device__ void kick(float* p, const float* z, const float* grad_bce, float beta, float scaled_step) const {
+        for (int j = 0; j < LATENT_DIM; j++) {
+            const float grad_u = beta * (grad_bce[j] + z[j]) + (1.0f - beta) * (z[j] - mu[j]) * inv_var[j];
+            p[j] = fmaf(-scaled_step, grad_u, p[j]);
+        }
+    }
+};
+
+// z += eps p, and z as fc3's input for the next gradient evaluation.
+template <typename T> __device__ inline void ais_drift(const AisChains& c, T* z_input, size_t r, float step) {
+    float z[LATENT_DIM];
+    for (int j = 0; j < LATENT_DIM; j++)
+        z[j] = c.z[r * LATENT_DIM + j] = fmaf(step, c.p[r * LATENT_DIM + j], c.z[r * LATENT_DIM + j]);
+    store_z_input(z_input + r * Z_PAD * z_parts<T>(), z);
+}
+
+// The chains' start: z ~ p0 (keyed like the ELBO's eps, chain c as sample c) or the given z_start; no
+// weight yet, nothing accepted, each image at the first step size.
+template <typename T> __global__ void ais_start_kernel(AisIO io, AisChains c, T* z_input) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= io.n * io.chains) return;
+    const int image = r / io.chains, chain = r % io.chains;
+    const float* mulv = io.mulv + (size_t)image * MULV_DIM;
+    float z[LATENT_DIM];
+    for (int j = 0; j < LATENT_DIM; j++) {
+        float kl_term;
+        z[j] = c.z[(size_t)r * LATENT_DIM + j] =
+            io.z_start ? io.z_start[(size_t)image * LATENT_DIM + j]
+                       : latent_z(mulv[j], mulv[LATENT_DIM + j],
+                                  gaussian(io.seed, STREAM_POSTERIOR, io.first_image + image, chain, j), &kl_term);
+    }
+    store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), z);
+    io.log_w[r] = 0.0, io.accepted[r] = 0;
+    if (chain == 0) io.step_out[image] = io.step0;
+}
+
+// Step s = 1..T of the schedule, at the chain's z (the last transition's end): its term of the log weight.
+// Then, unless s = T, the next transition's start: momentum p, H0, the start kept for a rejection, half a
+// kick and the first drift. At s = T the chain's results.
+template <typename T> __global__ void ais_begin_kernel(AisIO io, AisChains c, T* z_input, int s) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= io.n * io.chains) return;
+    const int image = r / io.chains, chain = r % io.chains;
+    const AisPrior prior(io.mulv + (size_t)image * MULV_DIM);
+    float* z = c.z + (size_t)r * LATENT_DIM;
+    const float* grad = c.grad + (size_t)r * Z_PAD;
+    if (s == 1 && io.grad0)
+        for (int j = 0; j < LATENT_DIM; j++) io.grad0[(size_t)r * LATENT_DIM + j] = grad[j], io.bce0[r] = c.bce[r];
+    float lpxz, lp0;
+    prior.log_densities(z, c.bce[r], &lpxz, &lp0);
+    const int at = io.reverse ? io.T + 1 - s : s; // the weight's step of the schedule
+    const double d_beta = io.beta[at] - io.beta[at - 1];
+    io.log_w[r] += (io.reverse ? -d_beta : d_beta) * (double)(lpxz - lp0);
+    if (s == io.T) {
+        if (io.z_out) for (int j = 0; j < LATENT_DIM; j++) io.z_out[(size_t)r * LATENT_DIM + j] = z[j];
+        return;
+    }
+    const float beta = (float)io.beta[io.reverse ? io.T - s : s]; // the transition's target f_beta
+    float* p = c.p + (size_t)r * LATENT_DIM;
+    float kinetic = 0.0f;
+    for (int j = 0; j < LATENT_DIM; j += 2) {
+        const float2 e = io.p_start && s == 1
+                             ? make_float2(io.p_start[(size_t)r * LATENT_DIM + j], io.p_start[(size_t)r * LATENT_DIM + j + 1])
+                             : gaussian_pair(io.seed, STREAM_MOMENTUM, io.first_image + image, chain, 16 * s + j / 2);
+        p[j] = e.x, p[j + 1] = e.y;
+        kinetic = fmaf(e.x, e.x, fmaf(e.y, e.y, kinetic));
+    }
+    c.h0[r] = -beta * lpxz - (1.0f - beta) * lp0 + 0.5f * kinetic;
+    c.bce0[r] = c.bce[r];
+    for (int j = 0; j < LATENT_DIM; j++)
+        c.z0[(size_t)r * LATENT_DIM + j] = z[j], c.grad0[(size_t)r * LATENT_DIM + j] = grad[j];
+    const float step = io.step_out[image];
+    prior.kick(p, z, grad, beta, 0.5f * step);
+    ais_drift(c, z_input, r, step);
+}
+
+// A leapfrog step between two gradient evaluations: a whole kick, then the next drift.
+template <typename T> __global__ void ais_leapfrog_kernel(AisIO io, AisChains c, T* z_input, int s) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= io.n * io.chains) return;
+    const int image = r / io.chains;
+    const AisPrior prior(io.mulv + (size_t)image * MULV_DIM);
+    const float beta = (float)io.beta[io.reverse ? io.T - s : s], step = io.step_out[image];
+    prior.kick(c.p + (size_t)r * LATENT_DIM, c.z + (size_t)r * LATENT_DIM, c.grad + (size_t)r * Z_PAD, beta, step);
+    ais_drift(c, z_input, r, step);
+}
+
+// A transition's end: the last half kick, H1, and the Metropolis test; a rejected proposal returns to the
+// start (z, grad, BCE).
+__global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= io.n * io.chains) return;
+    const int image = r / io.chains, chain = r % io.chains;
+    const AisPrior prior(io.mulv + (size_t)image * MULV_DIM);
+    const float beta = (float)io.beta[io.reverse ? io.T - s : s], step = io.step_out[image];
+    float *z = c.z + (size_t)r * LATENT_DIM, *p = c.p + (size_t)r * LATENT_DIM, *grad = c.grad + (size_t)r * Z_PAD;
+    prior.kick(p, z, grad, beta, 0.5f * step);
+    if (io.proposal && s == io.T - 1)
+        for (int j = 0; j < LATENT_DIM; j++)
+            io.proposal[(size_t)r * 2 * LATENT_DIM + j] = z[j], io.proposal[(size_t)r * 2 * LATENT_DIM + LATENT_DIM + j] = p[j];
+    float lpxz, lp0, kinetic = 0.0f;
+    prior.log_densities(z, c.bce[r], &lpxz, &lp0);
+    for (int j = 0; j < LATENT_DIM; j++) kinetic = fmaf(p[j], p[j], kinetic);
+    const float h1 = -beta * lpxz - (1.0f - beta) * lp0 + 0.5f * kinetic;
+    const float u = uniform_open0(io.seed, STREAM_ACCEPT, io.first_image + image, chain, s);
+    const bool accept = logf(u) < c.h0[r] - h1; // false for a non-finite proposal
+    if (io.delta_h) io.delta_h[r] = c.h0[r] - h1;
+    if (!accept) {
+        c.bce[r] = c.bce0[r];
+        for (int j = 0; j < LATENT_DIM; j++) z[j] = c.z0[(size_t)r * LATENT_DIM + j], grad[j] = c.grad0[(size_t)r * LATENT_DIM + j];
+    }
+    io.accepted[r] += accept, c.took[r] = accept;
+}
+
+// Each image's step size from its C chains' acceptance in this transition, counted in chain order.
+__global__ void ais_adapt_kernel(AisIO io, AisChains c) {
+    const int image = blockIdx.x * blockDim.x + threadIdx.x;
+    if (image >= io.n) return;
+    int taken = 0;
+    for (int k = 0; k < io.chains; k++) taken += c.took[(size_t)image * io.chains + k];
+    const float rate = (float)taken / io.chains, old = io.step_out[image];
+    if (io.adapt)
+        io.step_out[image] = fminf(fmaxf(old * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN), AIS_STEP_MAX);
+}
+
+// Per image, from its C chains in order, in float64: log p(x) ~ logsumexp log w - log C (for the
+// reverse run, the upper bound -(logsumexp(-log w) ... ) = -(logsumexp log w - log C)), the effective
+// sample size (sum w)^2 / sum w^2 of the weights, and the acceptance rate over the transitions.
+__global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restrict__ ess,
+                                    float* __restrict__ acceptance, const double* __restrict__ log_w,
+                                    const int* __restrict__ accepted, int n, int C, int transitions, bool reverse) {
+    const int image = blockIdx.x * blockDim.x + threadIdx.x;
+    if (image >= n) return;
+    const double* w = log_w + (size_t)image * C;
+    double top = -INFINITY;
+    long long taken = 0;
+    for (int c = 0; c < C; c++) top = fmax(top, w[c]), taken += accepted[(size_t)image * C + c];
+    double sum = 0.0, sum_sq = 0.0;
+    for (int c = 0; c < C; c++) {
+        const double e = exp(w[c] - top);
+        sum += e, sum_sq += e * e;
+    }
+    const double estimate = top + log(sum) - log((double)C);
+    log_px[image] = reverse ? -estimate : estimate;
+    ess[image] = (float)(sum * sum / sum_sq);
+    acceptance[image] = transitions > 0 ? (float)((double)taken / ((double)C * transitions)) : 0.0f;
+}
+
+// ----------------------------------------------------------------------------
+// the plain path, part 2: the model on cuBLASLt
+//
+// Each Linear layer is one cuBLASLt matmul with the bias, and the ReLU where there is one, in its
+// epilogue. PyTorch keeps a layer as W[out][in] and a batch as X[rows][in], both row-major; cuBLAS is
+// column-major. A row-major [r][c] matrix is, byte for byte, the column-major c x r matrix: its
+// transpose. So the forward Y = X W^T + b, read column-major, is
+//   Y^T (out x rows) = W^T (out x in) X^T (in x rows)     m = out, n = rows, k = in
+// with W's bytes seen as the in x out matrix W^T... transposed back by op T (CUBLAS_OP_T), X's as X^T
+// (CUBLAS_OP_N), and Y^T written column-major, which is Y row-major: no copy or transpose anywhere.
+// The backward through a layer, dX = dY W (AIS's gradient w.r.t. z), is
+//   dX^T (in x rows) = W (in x out, W's bytes as they are, CUBLAS_OP_N) dY^T (out x rows)
+//                                                       m = in, n = rows, k = out
+// Reproducible results: each product uses one algorithm, picked once by cuBLASLt's heuristic and kept
+// for every batch size, with no workspace and no split-K reduction scheme allowed: cuBLASLt's default
+// pick can change with the batch, and at larger K split K over blocks, adding the parts in another order
+// (bits that then depend on the batch size). With one algorithm without split-K, a row's sums are the
+// same whatever the batch.
+
+static void cublas_check(cublasStatus_t status, const char* file, int line) {
+    if (status != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "vae: error: cuBLAS: %s at %s:%d\n", cublasLtGetStatusString(status), file, line);
+        exit(EXIT_FAILURE);
+    }
+}
+#define cublasCheck(call) cublas_check((call), __FILE__, __LINE__)
+
+// One product of the plain path: a layer's weights W (row-major, `pitch` values a row), its epilogue
+// and the algorithm picked for it.
+typedef struct {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t w_layout;
+    cublasLtMatmulAlgo_t algo;
+    cudaDataType_t in_type, out_type;
+    int m, k;    // Y^T is m x rows, the sums run over k
+    const void* w;
+    float alpha; // the product's scale: fc1's 1/255
+} Gemm;
+
+enum { GEMM_PICK_ROWS = 4096 }; // the batch the algorithms are picked for
+
+static cublasLtMatrixLayout_t gemm_layout(cudaDataType_t type, int rows, int cols, int ld) {
+    cublasLtMatrixLayout_t layout;
+    cublasCheck(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld));
+    return layout;
+}
+
+// A product over W[out][in] (pitch values a row, pitch >= in): forward Y[rows][out] = alpha X W^T (+ bias)
+// (ReLU), or with `backward` dX[rows][in] = dY[rows][out] W. The inputs in in_type, Y in out_type; the bias
+// (NULL: none) in out_type, as cuBLASLt reads it.
+static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int pitch, bool backward, bool relu,
+                      const void* bias, cudaDataType_t in_type, cudaDataType_t out_type, float alpha) {
+    Gemm g = {};
+    g.w = w, g.in_type = in_type, g.out_type = out_type, g.alpha = alpha;
+    g.m = backward ? in : out, g.k = backward ? out : in;
+    cublasCheck(cublasLtMatmulDescCreate(&g.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F)); // fp32 sums, never TF32
+    const cublasOperation_t op_w = backward ? CUBLAS_OP_N : CUBLAS_OP_T, op_x = CUBLAS_OP_N;
+    cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_w, sizeof(op_w)));
+    cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_x, sizeof(op_x)));
+    const cublasLtEpilogue_t epilogue = bias ? (relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS)
+                                             : (relu ? CUBLASLT_EPILOGUE_RELU : CUBLASLT_EPILOGUE_DEFAULT);
+    cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    if (bias) cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    // W's bytes, column-major: `in` rows (the first m of them backward), `out` columns, pitch apart
+    g.w_layout = gemm_layout(in_type, backward ? in : in, out, pitch);
+    cublasLtMatrixLayout_t x = gemm_layout(in_type, g.k, GEMM_PICK_ROWS, g.k);
+    cublasLtMatrixLayout_t y = gemm_layout(out_type, g.m, GEMM_PICK_ROWS, g.m);
+    cublasLtMatmulPreference_t pref;
+    cublasCheck(cublasLtMatmulPreferenceCreate(&pref));
+    const size_t workspace = 0;
+    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+    cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                     sizeof(workspace)));
+    cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
+                                                     sizeof(reduction)));
+    cublasLtMatmulHeuristicResult_t result;
+    int found = 0;
+    cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt, g.desc, g.w_layout, x, y, y, pref, 1, &result, &found));
+    if (found == 0) fail("cuBLASLt has no algorithm for a %d x %d x %d product on this GPU. HINT: --precision fp32", g.m,
+                         GEMM_PICK_ROWS, g.k);
+    g.algo = result.algo;
+    int32_t splits = 1;
+    cublasCheck(cublasLtMatmulAlgoConfigGetAttribute(&g.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits),
+                                                     NULL));
+    if (splits > 1) fail("internal: cuBLASLt picked split-K (%d) where none was allowed", splits);
+    cublasCheck(cublasLtMatmulPreferenceDestroy(pref));
+    cublasCheck(cublasLtMatrixLayoutDestroy(x));
+    cublasCheck(cublasLtMatrixLayoutDestroy(y));
+    return g;
+}
+
+static void gemm_free(Gemm* g) {
+    if (g->desc) cublasCheck(cublasLtMatmulDescDestroy(g->desc));
+    if (g->w_layout) cublasCheck(cublasLtMatrixLayoutDestroy(g->w_layout));
+    memset(g, 0, sizeof(*g));
+}
+
+// y[rows][m] = the product of x[rows][k], in the algorithm picked for it, on `stream`.
+static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int rows, cudaStream_t stream) {
+    cublasLtMatrixLayout_t x_layout = gemm_layout(g.in_type, g.k, rows, g.k);
+    cublasLtMatrixLayout_t y_layout = gemm_layout(g.out_type, g.m, rows, g.m);
+    const float beta = 0.0f;
+    cublasCheck(cublasLtMatmul(lt, g.desc, &g.alpha, g.w, g.w_layout, x, x_layout, &beta, y, y_layout, y, y_layout,
+                               &g.algo, NULL, 0, stream));
+    cublasCheck(cublasLtMatrixLayoutDestroy(x_layout));
+    cublasCheck(cublasLtMatrixLayoutDestroy(y_layout));
+}
+
+// The plain path's model: its weights in the path's type, its products, and its activations for up to
+// max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples). The buffers hold T
+// values where the path's type is used and fp32 where the text says so.
+typedef struct {
+    Precision precision;
+    cudaDataType_t type;   // T: CUDA_R_32F or CUDA_R_16BF
+    cudaDataType_t backward_type; // AIS's backward (Backward<T>): CUDA_R_32F or CUDA_R_16F
+    size_t type_size;
+    int max_batch, rows;
+    cublasLtHandle_t lt;
+    void* weights;         // W1, b1, W2, W3, b3, W4 in T; b2, b4 in fp32 (the bias of an fp32 output)
+    Gemm fc1, fc2, fc3, fc4;
+    void *x, *h1;          // [max_batch][784], [max_batch][400]
+    float* mulv;           // [max_batch][40] fp32: [mu | logvar]
+    float* z;              // [max_batch][20] fp32
+    void *z_input, *h3;    // [rows][Z_PAD * parts], [rows][400]
+    float *logits, *bce, *log_ratio; // [rows][784], [rows], [rows] fp32
+    float* recon;          // [max_batch][784] fp32
+    // AIS, allocated by its first run: its rows' own z input, h3 and logits, the backward's residual
+    // (sigmoid - x) and dh, and the chains
+    int ais_rows;
+    Gemm fc4_backward, fc3_backward;
+    void *ais_z_input, *ais_h3, *residual, *dh;
+    float* ais_logits;
+    AisChains chains;
+} Plain;
+
+static void* device_alloc(size_t bytes, const char* what, int batch) {
+    void* p = NULL;
+    cudaError_t status = cudaMalloc(&p, bytes);
+    if (status == cudaErrorMemoryAllocation)
+        fail("out of GPU memory allocating %s (%zu bytes) for batch size %d. HINT: use a smaller -b", what, bytes,
+             batch);
+    cudaCheck(status);
+    return p;
+}
+
+// The small kernels: `items` rows (or elements), `per_block` of them to a block of `threads`
+// threads (one a thread, or one a warp), on `stream`; the launch is checked.
+template <typename... Params, typename... Args>
+static void launch(void (*kernel)(Params...), long long items, int per_block, int threads, cudaStream_t stream,
+                   Args... args) {
+    kernel<<<(unsigned)((items + per_block - 1) / per_block), threads, 0, stream>>>(Params(args)...);
+    cudaCheck(cudaGetLastError());
+}
+
+// W (fp32 on the device, rows x cols) in type U (plain_weights_kernel), on `stream`.
+template <typename U>
+static U* convert_weights(uint8_t* at, const float* w, int rows, int cols, int pitch, int copies, cudaStream_t stream) {
+    launch(plain_weights_kernel<U>, (long long)rows * pitch, 256, 256, stream, (U*)at, w, rows, cols, pitch, copies);
+    return (U*)at;
+}
+
+// The weights (fp32 tensors on the device, PyTorch's layout; fc21 and fc22 stacked as one [40][400]
+// layer) in the path's types, each at a 256-byte boundary, and the products of the four layers and of
+// AIS's backward pass.
+template <typename T>
+static void plain_init_weights(Plain* pl, const float* const* t, const float* enc_w, const float* enc_b,
+                               cudaStream_t stream) {
+    typedef typename Backward<T>::type B;
+    const int zk = Z_PAD * z_parts<T>();
+    size_t bytes = 0;
+    auto slot = [&](size_t size) {
+        const size_t at = bytes;
+        bytes += (size + 255) / 256 * 256;
+        return at;
+    };
+    const size_t w1 = slot(HIDDEN_DIM * INPUT_DIM * sizeof(T)), b1 = slot(HIDDEN_DIM * sizeof(T));
+    const size_t w2 = slot(MULV_DIM * HIDDEN_DIM * sizeof(T)), b2 = slot(MULV_DIM * sizeof(float));
+    const size_t w3 = slot(HIDDEN_DIM * zk * sizeof(T)), b3 = slot(HIDDEN_DIM * sizeof(T));
+    const size_t w4 = slot(INPUT_DIM * HIDDEN_DIM * sizeof(T)), b4 = slot(INPUT_DIM * sizeof(float));
+    const size_t w3_back = slot(HIDDEN_DIM * Z_PAD * sizeof(B)), w4_back = slot(INPUT_DIM * HIDDEN_DIM * sizeof(B));
+    uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights", pl->max_batch);
+    pl->weights = base;
+    const cudaDataType_t f32 = CUDA_R_32F, type = pl->type, back = pl->backward_type;
+    // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
+    pl->fc1 = gemm_init(pl->lt, convert_weights<T>(base + w1, t[FC1_W], HIDDEN_DIM, INPUT_DIM, INPUT_DIM, 1, stream),
+                        HIDDEN_DIM, INPUT_DIM, INPUT_DIM, false, true,
+                        convert_weights<T>(base + b1, t[FC1_B], 1, HIDDEN_DIM, HIDDEN_DIM, 1, stream), type, type,
+                        1.0f / 255.0f);
+    pl->fc2 = gemm_init(pl->lt, convert_weights<T>(base + w2, enc_w, MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
+                        MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
+                        convert_weights<float>(base + b2, enc_b, 1, MULV_DIM, MULV_DIM, 1, stream), type, f32, 1.0f);
+    // fc3: h3 = ReLU(z W3^T + b3) in T (bf16: z's two parts against W3 twice); fc4: logits = h3 W4^T + b4 in fp32
+    pl->fc3 = gemm_init(pl->lt, convert_weights<T>(base + w3, t[FC3_W], HIDDEN_DIM, LATENT_DIM, zk, z_parts<T>(), stream),
+                        HIDDEN_DIM, zk, zk, false, true,
+                        convert_weights<T>(base + b3, t[FC3_B], 1, HIDDEN_DIM, HIDDEN_DIM, 1, stream), type, type, 1.0f);
+    pl->fc4 = gemm_init(pl->lt, convert_weights<T>(base + w4, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
+                        INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
+                        convert_weights<float>(base + b4, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, f32, 1.0f);
+    // AIS's backward in B: dh = residual W4, then grad BCE = dh W3 in fp32 (Z_PAD wide)
+    pl->fc4_backward =
+        gemm_init(pl->lt, convert_weights<B>(base + w4_back, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
+                  INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, true, false, NULL, back, back, 1.0f);
+    pl->fc3_backward =
+        gemm_init(pl->lt, convert_weights<B>(base + w3_back, t[FC3_W], HIDDEN_DIM, LATENT_DIM, Z_PAD, 1, stream),
+                  HIDDEN_DIM, Z_PAD, Z_PAD, true, false, NULL, back, f32, 1.0f);
+}
+
+// The plain model for up to max_batch images a forward pass and `rows` decoder rows a pass.
+static void plain_init(Plain* pl, const float* const* tensors, const float* enc_w, const float* enc_b,
+                       Precision precision, int max_batch, int rows, cudaStream_t stream) {
+    memset(pl, 0, sizeof(*pl));
+    pl->precision = precision, pl->max_batch = max_batch, pl->rows = rows;
+    pl->type = precision == PRECISION_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    pl->type_size = precision == PRECISION_BF16 ? sizeof(bf16) : sizeof(float);
+    pl->backward_type = precision == PRECISION_BF16 ? CUDA_R_16F : CUDA_R_32F;
+    cublasCheck(cublasLtCreate(&pl->lt));
+    if (precision == PRECISION_BF16) plain_init_weights<bf16>(pl, tensors, enc_w, enc_b, stream);
+    else plain_init_weights<float>(pl, tensors, enc_w, enc_b, stream);
+    const size_t B = (size_t)max_batch, R = (size_t)rows, t = pl->type_size;
+    const int zk = z_width(precision);
+    pl->x = device_alloc(B * INPUT_DIM * t, "the pixels as fc1's input", max_batch);
+    pl->h1 = device_alloc(B * HIDDEN_DIM * t, "h1", max_batch);
+    pl->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar", max_batch);
+    pl->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z", max_batch);
+    pl->z_input = device_alloc(R * zk * t, "fc3's input", max_batch);
+    pl->h3 = device_alloc(R * HIDDEN_DIM * t, "h3", max_batch);
+    pl->logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the logits", max_batch);
+    pl->bce = (float*)device_alloc(R * sizeof(float), "the rows' BCE", max_batch);
+    pl->log_ratio = (float*)device_alloc(R * sizeof(float), "the rows' log-density ratios", max_batch);
+    pl->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
+}
+
+static void plain_free(Plain* pl) {
+    void* buffers[] = {pl->weights, pl->x,      pl->h1,         pl->mulv,     pl->z,        pl->z_input,
+                       pl->h3,      pl->logits, pl->bce,        pl->log_ratio, pl->recon,   pl->ais_z_input,
+                       pl->ais_h3,  pl->residual, pl->dh,       pl->ais_logits, pl->chains.z};
+    for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
+    Gemm* gemms[] = {&pl->fc1, &pl->fc2, &pl->fc3, &pl->fc4, &pl->fc4_backward, &pl->fc3_backward};
+    for (Gemm* g : gemms) gemm_free(g);
+    if (pl->lt) cublasCheck(cublasLtDestroy(pl->lt));
+    memset(pl, 0, sizeof(*pl));
+}
+
+// The encoder: [mu | logvar] of B images (device uint8 pixels) into pl->mulv, and h1.
+static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t stream) {
+    const long long n = (long long)B * INPUT_DIM;
+    if (pl->precision == PRECISION_BF16) launch(pixels_to_input_kernel<bf16>, n, 256, 256, stream, (bf16*)pl->x, pixels, n);
+    else launch(pixels_to_input_kernel<float>, n, 256, 256, stream, (float*)pl->x, pixels, n);
+    gemm(pl->lt, pl->fc1, pl->h1, pl->x, B, stream);
+    gemm(pl->lt, pl->fc2, pl->mulv, pl->h1, B, stream);
+}
+
+// fc3's inputs for `rows` rows of K samples of images (sample_kernel; mulv: their [mu | logvar]).
+static void plain_sample(Plain* pl, int rows, int K, const float* mulv, const float* eps, uint32_t first_image,
+                         uint64_t seed, bool z_is_mu, float* z_out, float* kl, float* log_ratio, cudaStream_t stream) {
+    if (pl->precision == PRECISION_BF16)
+        launch(sample_kernel<bf16>, rows, 128, 128, stream, (bf16*)pl->z_input, z_out, kl, log_ratio, mulv, eps, rows,
+               K, first_image, seed, z_is_mu);
+    else
+        launch(sample_kernel<float>, rows, 128, 128, stream, (float*)pl->z_input, z_out, kl, log_ratio, mulv, eps,
+               rows, K, first_image, seed, z_is_mu);
+}
+
+// fc3's inputs from latents given in fp32 ([rows][20] on the device).
+static void plain_set_z(Plain* pl, const float* z, int rows, cudaStream_t stream) {
+    if (pl->precision == PRECISION_BF16) launch(z_input_kernel<bf16>, rows, 128, 128, stream, (bf16*)pl->z_input, z, rows);
+    else launch(z_input_kernel<float>, rows, 128, 128, stream, (float*)pl->z_input, z, rows);
+}
+
+// The decoder over `rows` rows of pl->z_input: logits, then each row's BCE against image r /
+// rows_per_image into bce (with pixels), recon when given.
+static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* recon,
+                         cudaStream_t stream) {
+    gemm(pl->lt, pl->fc3, pl->h3, pl->z_input, rows, stream);
+    gemm(pl->lt, pl->fc4, pl->logits, pl->h3, rows, stream);
+    launch(decoder_output_kernel<float>, (long long)rows * 32, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
+           pixels, rows, rows_per_image);
+}
+
+// --iwae over n images whose [mu | logvar] are `mulv`: K rows each, in passes of as many images as
+// pl->rows holds, log p(x) into log_px[n]. eps: device [n][K][20] noise instead of the generator (tests).
+static void plain_iwae(Plain* pl, const uint8_t* pixels, const float* mulv, int n, uint32_t first_image, int K,
+                       uint64_t seed, const float* eps, float* log_px, cudaStream_t stream) {
+    const int per_pass = pl->rows / K;
+    for (int first = 0; first < n; first += per_pass) {
+        const int images = n - first < per_pass ? n - first : per_pass, rows = images * K;
+        plain_sample(pl, rows, K, mulv + (size_t)first * MULV_DIM, eps ? eps + (size_t)first * K * LATENT_DIM : NULL,
+                     first_image + first, seed, false, NULL, NULL, pl->log_ratio, stream);
+        plain_decode(pl, pixels + (size_t)first * INPUT_DIM, rows, K, pl->bce, NULL, stream);
+        launch(iwae_logsumexp_kernel, images, 1, LSE_THREADS, stream, log_px + first, pl->bce, 1, pl->log_ratio, K);
+    }
+}
+
+// AIS: one gradient evaluation for `rows` chains at pl->ais_z_input, a row's pixels those of image r / C:
+// the decoder forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into
+// chains.grad, and the BCE into chains.bce when `energy` (a trajectory's start and end).
+template <typename T> static void plain_ais_gradient(Plain* pl, const AisIO& io, int rows, bool energy, cudaStream_t stream) {
+    typedef typename Backward<T>::type B;
+    gemm(pl->lt, pl->fc3, pl->ais_h3, pl->ais_z_input, rows, stream);
+    gemm(pl->lt, pl->fc4, pl->ais_logits, pl->ais_h3, rows, stream);
+    launch(decoder_output_kernel<B>, (long long)rows * 32, 4, 128, stream, energy ? pl->chains.bce : NULL, (float*)NULL,
+           (B*)pl->residual, pl->ais_logits, io.pixels, rows, io.chains);
+    gemm(pl->lt, pl->fc4_backward, pl->dh, pl->residual, rows, stream);
+    const long long hidden = (long long)rows * HIDDEN_DIM;
+    launch(relu_backward_kernel<B, T>, hidden, 256, 256, stream, (B*)pl->dh, (const T*)pl->ais_h3, hidden);
+    gemm(pl->lt, pl->fc3_backward, pl->chains.grad, pl->dh, rows, stream);
+}
+
+// AIS over io.n images whose io.mulv is filled in, all T - 1 transitions of io.n * C chains at once:
+// a kernel for each step of a transition over every chain (part 1), the gradient between them.
+template <typename T> static void plain_ais_run(Plain* pl, const AisIO& io, cudaStream_t stream) {
+    const int rows = io.n * io.chains;
+    T* z_input = (T*)pl->ais_z_input;
+    launch(ais_start_kernel<T>, rows, 128, 128, stream, io, pl->chains, z_input);
+    plain_ais_gradient<T>(pl, io, rows, true, stream);
+    for (int s = 1; s <= io.T; s++) {
+        launch(ais_begin_kernel<T>, rows, 128, 128, stream, io, pl->chains, z_input, s);
+        if (s == io.T) break;
+        for (int l = 1; l <= io.leapfrog; l++) {
+            plain_ais_gradient<T>(pl, io, rows, l == io.leapfrog, stream);
+            if (l < io.leapfrog) launch(ais_leapfrog_kernel<T>, rows, 128, 128, stream, io, pl->chains, z_input, s);
+        }
+        launch(ais_end_kernel, rows, 128, 128, stream, io, pl->chains, s);
+        launch(ais_adapt_kernel, io.n, 128, 128, stream, io, pl->chains);
+    }
+}
+
+// The same run on n of io's images, from image `first`.
+static AisIO ais_slice(AisIO io, int first, int n) {
+    const size_t rows = (size_t)first * io.chains;
+    io.n = n, io.first_image += (uint32_t)first;
+    io.pixels += (size_t)first * INPUT_DIM, io.mulv += (size_t)first * MULV_DIM;
+    if (io.z_start) io.z_start += (size_t)first * LATENT_DIM;
+    io.log_w += rows, io.accepted += rows, io.step_out += first;
+    if (io.z_out) io.z_out += rows * LATENT_DIM;
+    if (io.grad0) io.grad0 += rows * LATENT_DIM, io.bce0 += rows;
+    if (io.delta_h) io.delta_h += rows;
+    if (io.p_start) io.p_start += rows * LATENT_DIM;
+    if (io.proposal) io.proposal += rows * 2 * LATENT_DIM;
+    return io;
+}
+
+// AIS on the plain path over io.n images (io.mulv filled in), in launches of at most PLAIN_AIS_ROWS
+// chains, of as many images each: a chain's results do not depend on which launch it ran in.
+enum { PLAIN_AIS_ROWS = 1 << 17 }; // ~1.3 GB of activations and chains in fp32, ~0.9 GB in bf16
+static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
+    if (pl->ais_rows == 0) { // the first AIS run allocates its buffers
+        const size_t R = PLAIN_AIS_ROWS, t = pl->type_size;
+        const int zk = z_width(pl->precision);
+        pl->ais_rows = PLAIN_AIS_ROWS;
+        pl->ais_z_input = device_alloc(R * zk * t, "the AIS chains' fc3 input", pl->max_batch);
+        pl->ais_h3 = device_alloc(R * HIDDEN_DIM * t, "the AIS chains' h3", pl->max_batch);
+        pl->ais_logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the AIS chains' logits", pl->max_batch);
+        pl->residual = device_alloc(R * INPUT_DIM * t, "the AIS chains' sigmoid - x", pl->max_batch);
+        pl->dh = device_alloc(R * HIDDEN_DIM * t, "the AIS chains' dh", pl->max_batch);
+        const size_t floats = R * (4 * LATENT_DIM + Z_PAD + 3) + R; // z p z0 grad0 | grad | bce bce0 h0 | took
+        float* f = (float*)device_alloc(floats * sizeof(float), "the AIS chains", pl->max_batch);
+        AisChains& c = pl->chains;
+        c.z = f, c.p = f + R * LATENT_DIM, c.z0 = f + 2 * R * LATENT_DIM, c.grad0 = f + 3 * R * LATENT_DIM;
+        c.grad = f + 4 * R * LATENT_DIM, c.bce = c.grad + R * Z_PAD, c.bce0 = c.bce + R, c.h0 = c.bce0 + R;
+        c.took = (int*)(c.h0 + R);
+    }
+    const int per_launch = pl->ais_rows / io.chains, launches = ceil_div(io.n, per_launch);
+    const int images = ceil_div(io.n, launches); // launches of even size
+    for (int first = 0; first < io.n; first += images) {
+        const AisIO part = ais_slice(io, first, io.n - first < images ? io.n - first : images);
+        if (pl->precision == PRECISION_BF16) plain_ais_run<bf16>(pl, part, stream);
+        else plain_ais_run<float>(pl, part, stream);
+    }
 }
 
 // ----------------------------------------------------------------------------
@@ -329,9 +1121,6 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 //            [zh | 1 1 1 | zl | zh | 0] against [W3h | bias parts | W3h | W3l | 0]: the three
 //            products are one longer product, the z row carries them
 //   fc4      [W4 | bias parts | 0] (bf16), and a second copy [W4l | 0] for fp32's corrections
-typedef __nv_bfloat16 bf16;
-typedef __half fp16;
-
 template <Precision P> struct Path;
 template <> struct Path<PRECISION_BF16> {
     typedef bf16 T;
@@ -504,7 +1293,6 @@ static_assert(dec_overlap<PRECISION_BF16>() % 8 == 0 && dec_overlap<PRECISION_FP
 // The encoder's shapes (encoder_mma_kernel, below).
 enum {
     ENC_BN = 80,               // fc1's rows a block keeps: one slice (bf16: 80 units; fp32: 40 units' hi and lo)
-    MULV_DIM = 2 * LATENT_DIM,
     MAX_ENC_SLICES = Path<PRECISION_FP32>::ENC_SLICES,
     FC1_K = 832,               // 13 blocks of 64 pixels: 784 and zeros
     FC1_PITCH = FC1_K + 8,     // 1680-byte rows (105 x 16): the 8 rows an ldmatrix phase reads hit 8 bank groups
@@ -1428,11 +2216,7 @@ __global__ void has_wgmma_kernel(int* out) {
 }
 
 // ----------------------------------------------------------------------------
-// kernels: sampling z, and the importance-weighted log-likelihood (--iwae K)
-//
-// log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
-// (Burda et al., "Importance Weighted Autoencoders"). The K samples of an image are K rows of a
-// batch (sample_z_kernel); log p(x|z) = -BCE.
+// kernels: sampling z as the fused decoder's z rows
 
 // Where sample_z_kernel writes; NULL: not wanted.
 struct SampleOut {
@@ -1441,87 +2225,26 @@ struct SampleOut {
     float* log_ratio;  // [rows]: log p(z) - log q(z|x), --iwae's
 };
 
-// z for `rows` rows from the images' [mu | logvar]: row r is sample r % K of image r / K (K = 1 for
-// the ELBO; --iwae's K importance samples of an image are K rows), eps keyed by (seed, image,
-// sample = r % K), so sample 0 is the ELBO's draw. With z = mu + sigma eps the Gaussian terms
-// log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel. One thread
-// per row; its sums run over j in order, whatever the batch.
+// z for `rows` rows from the images' [mu | logvar], as sample_kernel draws them (sample_latents): row r
+// is sample r % K of image r / K. One thread per row.
 template <Precision P>
 __global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, const float* __restrict__ eps_in,
                                 int rows, int K, uint32_t first_image, uint64_t seed, bool z_is_mu) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
-    const int image = r / K, sample = r % K;
-    const float* mulv_row = mulv + (size_t)image * 2 * LATENT_DIM;
-    float z[LATENT_DIM], kl = 0.0f, ratio = 0.0f;
-    #pragma unroll
-    for (int q = 0; q < LATENT_DIM / 4; q++) {
-        const float4 e = posterior_eps(eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, q, first_image + image,
-                                       sample, seed, z_is_mu);
-        const float eps[4] = {e.x, e.y, e.z, e.w};
-        #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int j = 4 * q + i;
-            float kl_term;
-            z[j] = latent_z(mulv_row[j], mulv_row[LATENT_DIM + j], eps[i], &kl_term);
-            kl += kl_term;
-            ratio += eps[i] * eps[i] + mulv_row[LATENT_DIM + j] - z[j] * z[j];
-        }
-    }
+    float z[LATENT_DIM], kl, ratio;
+    sample_latents(z, &kl, &ratio, mulv + (size_t)(r / K) * MULV_DIM, eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL,
+                   first_image + r / K, r % K, seed, z_is_mu);
     if (out.z_rows) store_z_row<P>(out.z_rows + (size_t)r * Path<P>::Z_K / 8, z);
-    if (out.kl) out.kl[r] = -0.5f * kl;
-    if (out.log_ratio) out.log_ratio[r] = 0.5f * ratio;
+    if (out.kl) out.kl[r] = kl;
+    if (out.log_ratio) out.log_ratio[r] = ratio;
 }
 
-// log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k (BCE_k given as `parts`
-// partial sums, the decoder's column blocks, added in order as its tickets would), combined by a running
-// (max, sum of exp) so no exp overflows. One block per image: thread t takes k = t, t + 256, ...,
-// then the warps merge by a shuffle tree and the 8 warp results in order, the same on every run.
-__device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
-    const float top = fmaxf(m, m2);
-    if (top == -INFINITY) return; // both empty
-    s = s * expf(m - top) + s2 * expf(m2 - top);
-    m = top;
-}
-enum { LSE_THREADS = 256 };
-__global__ void __launch_bounds__(LSE_THREADS)
-    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce_parts, int parts,
-                          const float* __restrict__ log_ratio, int K) {
-    __shared__ float warp_m[LSE_THREADS / 32], warp_s[LSE_THREADS / 32];
-    const int image = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float m = -INFINITY, s = 0.0f;
-    for (int k = threadIdx.x; k < K; k += LSE_THREADS) {
-        const size_t r = (size_t)image * K + k;
-        float bce = 0.0f;
-        for (int p = 0; p < parts; p++) bce += bce_parts[r * parts + p];
-        logsumexp_merge(m, s, log_ratio[r] - bce, 1.0f);
-    }
-    for (int offset = 16; offset > 0; offset /= 2) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
-        logsumexp_merge(m, s, m2, s2);
-    }
-    if (lane == 0) warp_m[warp] = m, warp_s[warp] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < LSE_THREADS / 32; w++) logsumexp_merge(m, s, warp_m[w], warp_s[w]);
-        log_px[image] = m + logf(s) - logf((float)K);
-    }
-}
 // ----------------------------------------------------------------------------
-// kernels: annealed importance sampling (--ais T, --bdmc N), Hamiltonian Monte Carlo in the latent space
+// kernels: annealed importance sampling on Hopper, ais_kernel: every transition of a cluster's chains on chip
 //
-// AIS (Neal 2001; for decoder-based models Wu et al., ICLR 2017) moves C chains per image from
-// p0 = q(z|x) (or the prior N(0, I)) towards the posterior through f_b(z) = p0(z)^(1-b) p(x, z)^b,
-// 0 = b_0 < b_1 < ... < b_T = 1. Each chain carries a float64 log weight
-//   log w = sum_t (b_t - b_{t-1}) [log p(x, z_{t-1}) - log p0(z_{t-1})]
-// and log p(x) ~ logsumexp over the chains - log C. Between two weights z moves by one HMC
-// transition that leaves f_b invariant: momentum p ~ N(0, I), L leapfrog steps on the energy
-// U_b(z) = -log f_b(z), a Metropolis test on U + |p|^2 / 2 (without it AIS is biased). The work is
-// the gradient of log p(x|z) = -BCE(x, logits(z)), the decoder's backward pass w.r.t. z:
-//   grad_z BCE = W3^T (mask . (W4^T (sigmoid(logits) - x)))        mask = fc3's ReLU
-// 1.29 MFLOP per evaluation (four 20x400 or 400x784 products), L evaluations per transition.
-// BDMC (Grosse et al. 2015) runs the same chains backwards from an exact posterior sample: its
-// weights bound log p(x) from above as the forward ones do from below.
+// The algorithm is the plain path's (part 1's AIS header): the same keyed noise, the same float32
+// energies and float64 weights, the same step-size rule.
 // A warp's 16 chains hold, per thread (g = lane / 4, t = lane % 4), rows g and g + 8 and latents
 // 8 (i / 2) + 2t + i % 2, i = 0..5 (those below 20): the layout of an m16n8 accumulator over the 20
 // latents, so the gradient's accumulators are the state's own registers.
@@ -1532,7 +2255,6 @@ enum {
     AIS_BAR_TURN = 3,                 // 3, 4: the warpgroups' turns at the tensor cores (ais_turn_wait)
     AIS_LATENTS = 6,                  // latents a thread holds per row
     AIS_SHARE = 24,                   // floats of a block's share of a row: grad, BCE, padding (ais_merge)
-    STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4,
 };
 // A thread's chain state kept in memory, not registers (ais_chains): per row p0's mean and inverse
 // variance, read by each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when
@@ -1548,9 +2270,6 @@ enum {
     AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 2 * AIS_LATENTS, AIS_SLOT_Z0 = 4 * AIS_LATENTS,
     AIS_SLOT_GRAD0 = 6 * AIS_LATENTS, AIS_SLOT_BCE0 = 8 * AIS_LATENTS, AIS_STATE_SLOTS = AIS_SLOT_BCE0 + 2,
 };
-// the step size per image: its start, its bounds, and the acceptance it is adapted toward
-[[maybe_unused]] constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
-[[maybe_unused]] constexpr float AIS_TARGET_ACCEPT = 0.65f;
 // Chains of a tile: a warpgroup's 64 when two such tiles hold as many images as the block's 128 (C = 16:
 // 4 + 4 of 8; not C = 5: 12 + 12 of 25, nor any C > 64), so that its images' step sizes need no other
 // warpgroup and the two run apart, one's epilogue beside the other's products; else the block's 128.
@@ -1561,30 +2280,6 @@ __host__ __device__ inline int ais_tile_rows(int C) {
 __host__ __device__ inline int ais_cluster_images(int C) {
     return AIS_ROWS / ais_tile_rows(C) * (ais_tile_rows(C) / C);
 }
-// FLOPs of one gradient evaluation: forward 20x400 + 400x784 multiply-adds, backward the same
-constexpr double AIS_FLOPS_PER_EVAL = 4.0 * (LATENT_DIM * HIDDEN_DIM + HIDDEN_DIM * INPUT_DIM);
-
-// What one AIS launch reads and writes. Row r of the launch is chain r % C of image r / C.
-struct AisIO {
-    const uint8_t* pixels; // [n][784]
-    const float* mulv;     // [n][40]: p0 = N(mu, exp(logvar)): q(z|x), or zeros for the prior
-    const float* z_start;  // [n][20]: where every chain of an image starts (BDMC's reverse run), or NULL: z ~ p0
-    const double* beta;    // [T + 1]: the schedule, 0 .. 1
-    int n, chains, T, leapfrog;
-    uint32_t first_image;  // the generator's image index of image 0
-    uint64_t seed;
-    bool reverse;          // run the schedule from b_T to b_0: the weights of BDMC's upper bound
-    bool adapt;            // adapt the step size (tests fix it)
-    float step0;
-    double* log_w;         // [n * C]
-    int* accepted;         // [n * C]: transitions accepted
-    float* step_out;       // [n]: the step size at the end
-    float *z_out, *grad0, *bce0, *delta_h; // tests, or NULL: [n * C][20] final z; the first evaluation's
-                                          // grad BCE [n * C][20] and BCE [n * C]; the last H0 - H1 [n * C]
-    const float* p_start; // tests, or NULL: [n * C][20] the first transition's momentum instead of a draw
-    float* proposal;      // tests, or NULL: [n * C][40] the last leapfrog trajectory's end (z, p) before its test
-};
-
 // Where a warpgroup meets its counterparts in the other blocks of the cluster (ais_merge), per block:
 // `stored` completes when their threads have stored their shares, `added` when they have read this
 // block's. Each warpgroup meets only its counterparts, so the two of a block need not keep in step.
@@ -1928,22 +2623,6 @@ __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais
     }
     cp_async_commit();
 }
-// Two N(0, 1) draws (pair `pair` of a 20-vector) and one uniform in (0, 1] keyed by (seed, stream,
-// image, chain, counter): the counter carries the transition, so no draw depends on the batch.
-__host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
-                                              uint32_t counter) {
-    return philox4x32(make_uint4(counter, image, chain, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
-}
-__host__ __device__ inline float2 gaussian_pair(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
-                                                uint32_t counter) {
-    const uint4 r = philox_keyed(seed, stream, image, chain, counter);
-    return box_muller(r.x, r.y);
-}
-__host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
-                                               uint32_t counter) {
-    return ((philox_keyed(seed, stream, image, chain, counter).x >> 8) + 1) * (1.0f / 16777216.0f);
-}
-
 // The chains of a cluster's tiles (ais_tile_rows: a warpgroup's 64 or the block's 128 chains, all C
 // chains of each of its images), run through all their T - 1 transitions on chip; `gradient(z, x_row,
 // grad, bce, energy)` evaluates the warp's 16 rows as ais_gradient_wgmma does (x_row: each row's pixels
@@ -2617,40 +3296,8 @@ __global__ void __launch_bounds__(AIS_THREADS, 1)
 #endif
 }
 
-// Per image, from its C chains in order, in float64: log p(x) ~ logsumexp log w - log C (for the
-// reverse run, the upper bound -(logsumexp(-log w) ... ) = -(logsumexp log w - log C)), the effective
-// sample size (sum w)^2 / sum w^2 of the weights, and the acceptance rate over the transitions.
-__global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restrict__ ess,
-                                    float* __restrict__ acceptance, const double* __restrict__ log_w,
-                                    const int* __restrict__ accepted, int n, int C, int transitions, bool reverse) {
-    const int image = blockIdx.x * blockDim.x + threadIdx.x;
-    if (image >= n) return;
-    const double* w = log_w + (size_t)image * C;
-    double top = -INFINITY;
-    long long taken = 0;
-    for (int c = 0; c < C; c++) top = fmax(top, w[c]), taken += accepted[(size_t)image * C + c];
-    double sum = 0.0, sum_sq = 0.0;
-    for (int c = 0; c < C; c++) {
-        const double e = exp(w[c] - top);
-        sum += e, sum_sq += e * e;
-    }
-    const double estimate = top + log(sum) - log((double)C);
-    log_px[image] = reverse ? -estimate : estimate;
-    ess[image] = (float)(sum * sum / sum_sq);
-    acceptance[image] = transitions > 0 ? (float)((double)taken / ((double)C * transitions)) : 0.0f;
-}
-
 // ----------------------------------------------------------------------------
 // launchers (every launch goes to the model's stream, so a forward pass can be graph-captured)
-
-// The small kernels: `items` rows (or elements), `per_block` of them to a block of `threads`
-// threads (one a thread, or one a warp), on `stream`; the launch is checked.
-template <typename... Params, typename... Args>
-static void launch(void (*kernel)(Params...), long long items, int per_block, int threads, cudaStream_t stream,
-                   Args... args) {
-    kernel<<<(unsigned)((items + per_block - 1) / per_block), threads, 0, stream>>>(Params(args)...);
-    cudaCheck(cudaGetLastError());
-}
 
 // cuTensorMapEncodeTiled is a driver API function; the runtime hands out its address, so the
 // program needs no -lcuda.
@@ -2796,9 +3443,17 @@ static bool gpu_has_wgmma() {
 
 static const char* PRECISION_NAMES[] = {"fp32", "bf16"};
 
+// Which engine runs the model: the plain path (cuBLASLt, every GPU) or the fused kernels (Hopper's
+// wgmma, TMA and clusters, where this binary has sm_90a code for the GPU); auto picks the fused ones
+// wherever they run.
+typedef enum { KERNELS_AUTO, KERNELS_PLAIN, KERNELS_FUSED } Kernels;
+static const char* KERNELS_NAMES[] = {"auto", "plain", "fused"};
+
 typedef struct {
     int max_batch;
     Precision precision;
+    bool fused;   // the fused kernels; else the plain path (m->plain), and none of the fused state below
+    Plain plain;
     cudaStream_t stream;
     float* params; // one device allocation holding the fp32 tensors below
     const float *fc1_w, *fc1_b;
@@ -2836,16 +3491,6 @@ typedef struct {
     bool keep_activations; // also write mulv, z and logits (and fp32's h1 and h3)
 } ForwardOptions;
 
-static void* device_alloc(size_t bytes, const char* what, int batch) {
-    void* p = NULL;
-    cudaError_t status = cudaMalloc(&p, bytes);
-    if (status == cudaErrorMemoryAllocation)
-        fail("out of GPU memory allocating %s (%zu bytes) for batch size %d. HINT: use a smaller -b", what, bytes,
-             batch);
-    cudaCheck(status);
-    return p;
-}
-
 // The weights in precision P's layouts and the GPU-specific state (vae_init's second half).
 template <Precision P> static void vae_init_path(VAE* m) {
     typedef typename Path<P>::T T;
@@ -2880,10 +3525,52 @@ template <Precision P> static void vae_init_path(VAE* m) {
     m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
 }
 
+// The most shared memory a block of the fused kernels asks for (ais_kernel's, ~226 KB): they need a GPU
+// that gives a block that much.
+static size_t fused_smem_bytes() {
+    return std::max({(size_t)enc_wg_smem<PRECISION_FP32>(), (size_t)enc_wg_smem<PRECISION_BF16>(),
+                     (size_t)dec_wg_smem<PRECISION_FP32>(), (size_t)dec_wg_smem<PRECISION_BF16>(),
+                     (size_t)ais_smem<PRECISION_FP32>(), (size_t)ais_smem<PRECISION_BF16>()});
+}
+
+// The engine for a GPU of compute capability major.minor that gives a block smem_optin bytes of shared
+// memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels`
+// as asked, auto being the fused kernels wherever they can run and the plain path elsewhere. False, with
+// the reason, where the fused kernels are asked for and cannot run.
+static bool pick_engine(Kernels kernels, int major, int minor, size_t smem_optin, bool fused_code, bool* fused,
+                        Error* err) {
+    const bool can = fused_code && major == 9 && smem_optin >= fused_smem_bytes();
+    if (kernels == KERNELS_FUSED && !can)
+        return set_error(err, "--kernels fused: the fused kernels need an sm_90 GPU (H100, H200) and a binary with "
+                         "sm_90a code; this is sm_%d%d%s. HINT: --kernels plain (or auto) runs every mode on any GPU",
+                         major, minor, major == 9 ? " without that code (rebuild: make clean && make vae)" : "");
+    *fused = can && kernels != KERNELS_PLAIN;
+    return true;
+}
+
+// The engine `kernels` names, resolved for this GPU: whether the fused kernels run (auto: whether they can).
+static bool use_fused(Kernels kernels) {
+    int device, major, minor, smem;
+    cudaCheck(cudaGetDevice(&device));
+    cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    cudaCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    cudaCheck(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    bool fused = false;
+    Error err;
+    if (!pick_engine(kernels, major, minor, (size_t)smem, kernels != KERNELS_PLAIN && gpu_has_wgmma(), &fused, &err))
+        fail("%s", err.msg);
+    return fused;
+}
+
+// The plain path's decoder rows a pass at most: its activations take ~10 KB a row in fp32 (h3, logits).
+enum { PLAIN_DECODER_ROWS = 1 << 18 };
+
 // max_batch: images per forward pass, and the most samples per image --iwae may take.
-// decoder_rows: rows per --iwae decoder pass (at least max_batch). A row costs at most 172 bytes
-// (fp32's z row, the BCE parts, the log ratio) and no activations, so its passes can be far longer.
-static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, int decoder_rows = 0) {
+// decoder_rows: rows per --iwae decoder pass (at least max_batch). A fused row costs at most 172 bytes
+// (fp32's z row, the BCE parts, the log ratio) and no activations, so its passes can be far longer; the
+// plain path keeps a row's h3 and logits and takes at most PLAIN_DECODER_ROWS.
+static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
+                     int decoder_rows = 0) {
     memset(m, 0, sizeof(*m));
     m->max_batch = max_batch;
     m->precision = precision;
@@ -2909,8 +3596,20 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     cudaCheck(cudaGetDevice(&device));
     cudaCheck(cudaDeviceGetAttribute(&m->sms, cudaDevAttrMultiProcessorCount, device));
     cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    m->fused = use_fused(kernels);
+    if (!m->fused) {
+        int rows = decoder_rows < PLAIN_DECODER_ROWS ? decoder_rows : PLAIN_DECODER_ROWS;
+        rows = rows > max_batch ? rows : max_batch;
+        plain_init(&m->plain, dst, m->enc_w, m->enc_b, precision, max_batch, rows, m->stream);
+        Plain* pl = &m->plain; // the model's views are the plain path's buffers (h1, h3: fp32's only)
+        m->mulv = pl->mulv, m->z = pl->z, m->logits = pl->logits, m->recon = pl->recon;
+        m->decoder_rows = rows, m->bce_parts = pl->bce, m->bce_parts_per_row = 1, m->row_log_ratio = pl->log_ratio;
+        if (precision == PRECISION_FP32) m->h1 = (float*)pl->h1, m->h3 = (float*)pl->h3;
+        cudaCheck(cudaStreamSynchronize(m->stream));
+        return;
+    }
     m->overlap = major >= 9;
-    m->wgmma = gpu_has_wgmma();
+    m->wgmma = true;
     if (precision == PRECISION_FP32) vae_init_path<PRECISION_FP32>(m);
     else vae_init_path<PRECISION_BF16>(m);
 
@@ -2939,6 +3638,13 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
 }
 
 static void vae_free(VAE* m) {
+    if (!m->fused) {
+        plain_free(&m->plain);
+        cudaCheck(cudaFree(m->params));
+        cudaCheck(cudaStreamDestroy(m->stream));
+        memset(m, 0, sizeof(*m));
+        return;
+    }
     void* buffers[] = {m->params,      m->h1,        m->mulv,     m->z,          m->h3,         m->logits, m->recon,
                        m->row_log_ratio, m->bce_parts, m->params16, m->z_rows, m->enc_partials, m->enc_tickets,
                        m->ais_state};
@@ -2974,6 +3680,7 @@ static void vae_encoder(VAE* m, EncoderIO io) {
 
 // mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
 static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
+    if (!m->fused) return plain_encode(&m->plain, pixels, B, m->stream);
     EncoderIO io = {};
     io.z_rows = m->z_rows, io.mulv_out = m->mulv, io.pixels = pixels, io.M = B, io.z_is_mu = true;
     vae_encoder(m, io);
@@ -2981,6 +3688,10 @@ static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
 
 // recon = the decoder's images of B latents given in fp32 (a device pointer), in the model's precision.
 static void vae_decode(VAE* m, const float* z, int B) {
+    if (!m->fused) {
+        plain_set_z(&m->plain, z, B, m->stream);
+        return plain_decode(&m->plain, NULL, B, 1, NULL, m->recon, m->stream);
+    }
     if (m->precision == PRECISION_FP32) launch(z_rows_kernel<PRECISION_FP32>, B, 128, 128, m->stream, m->z_rows, z, B);
     else launch(z_rows_kernel<PRECISION_BF16>, B, 128, 128, m->stream, m->z_rows, z, B);
     vae_decoder(m, NULL, B, 1, NULL, NULL, m->recon);
@@ -3002,6 +3713,13 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
                         float* bce, float* kl) {
     if (B < 1 || B > m->max_batch) fail("internal: batch %d outside 1..%d", B, m->max_batch);
     const bool keep = opt->keep_activations;
+    if (!m->fused) {
+        Plain* pl = &m->plain;
+        plain_encode(pl, pixels, B, m->stream);
+        plain_sample(pl, B, 1, pl->mulv, opt->eps, first_image, opt->seed, opt->z_is_mu, keep ? pl->z : NULL, kl, NULL,
+                     m->stream);
+        return plain_decode(pl, pixels, B, 1, bce, opt->want_recon ? m->recon : NULL, m->stream);
+    }
     EncoderIO io = {};
     io.z_rows = m->z_rows, io.kl = kl, io.mulv_out = keep ? m->mulv : NULL, io.z_out = keep ? m->z : NULL;
     io.h1 = keep ? m->h1 : NULL, io.pixels = pixels, io.eps = opt->eps, io.M = B, io.first_image = first_image;
@@ -3030,6 +3748,11 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
     for (int group = 0; group < n; group += m->max_batch) {
         const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
         vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
+        if (!m->fused) {
+            plain_iwae(&m->plain, pixels + (size_t)group * INPUT_DIM, m->mulv, group_size, first_image + group, K, seed,
+                       eps ? eps + (size_t)group * K * LATENT_DIM : NULL, log_px + group, m->stream);
+            continue;
+        }
         for (int first = group; first < group + group_size; first += images_per_pass) {
             const int left = group + group_size - first, images = left < images_per_pass ? left : images_per_pass;
             const int rows = images * K;
@@ -3056,7 +3779,7 @@ static void ais_schedule(double* beta, int T) {
 // or N(0, I) when from_prior; the caller fills in the rest of io (the schedule, the outputs, the
 // reverse run's z_start). Asynchronous on m->stream.
 static void require_ais(const VAE* m) {
-    if (m->ais_clusters == 0)
+    if (m->fused && m->ais_clusters == 0)
         fail("AIS runs on Hopper GPUs (sm_90) only: its kernel uses thread block clusters. HINT: run --ais on an "
              "H100 or H200 with a binary built for sm_90a (make vae does that there)");
 }
@@ -3066,7 +3789,8 @@ static void vae_ais(VAE* m, AisIO io, bool from_prior) {
     if (from_prior) cudaCheck(cudaMemsetAsync(m->mulv, 0, (size_t)io.n * MULV_DIM * sizeof(float), m->stream));
     else vae_encode(m, io.pixels, io.n);
     io.mulv = m->mulv;
-    if (m->precision == PRECISION_FP32)
+    if (!m->fused) plain_ais(&m->plain, io, m->stream);
+    else if (m->precision == PRECISION_FP32)
         ais_launch<PRECISION_FP32>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, m->stream);
     else
         ais_launch<PRECISION_BF16>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, m->stream);
@@ -3298,23 +4022,15 @@ static bool write_ppm_grid(const char* path, const char* what, const float* tile
 #define VAE_GIT_COMMIT "unknown"
 #endif
 
-// The GPUs vae.cu runs on. Its bf16 kernels need sm_80's mma.sync shapes, cp.async and ldmatrix, and
-// every kernel keeps a block of the weights resident: the mma.sync encoder and decoder take up to
-// 196 KB of shared memory a block (fp32's decoder: two 88-row copies of fc4 and fc3), which Hopper
-// and Blackwell's data-centre GPUs allow (227 KB) and the A100 (163 KB) or sm_86/89's GPUs (99 KB)
-// do not. smem_optin: the GPU's cudaDevAttrMaxSharedMemoryPerBlockOptin in bytes.
-constexpr size_t MAX_KERNEL_SMEM = std::max({sizeof(EncoderSmem<PRECISION_BF16>), sizeof(EncoderSmem<PRECISION_FP32>),
-                                             sizeof(DecoderMmaSmem<PRECISION_BF16>),
-                                             sizeof(DecoderMmaSmem<PRECISION_FP32>)});
-static bool gpu_supported(const char* name, int major, int minor, size_t smem_optin, Error* err) {
-    if (major < 8)
-        return set_error(err, "%s has compute capability %d.%d; vae.cu needs 8.0 or newer with %zu KB of shared "
-                         "memory a block (H100, H200, B200). HINT: run on a newer NVIDIA GPU", name, major, minor,
-                         MAX_KERNEL_SMEM / 1024);
-    if (smem_optin < MAX_KERNEL_SMEM)
-        return set_error(err, "%s (sm_%d%d) allows %zu KB of shared memory a block; vae.cu's kernels keep weight "
-                         "blocks of up to %zu KB resident. HINT: run on an H100, H200 or B200", name, major, minor,
-                         smem_optin / 1024, MAX_KERNEL_SMEM / 1024);
+// The GPUs vae.cu runs on: the plain path (cuBLASLt and kernels that need no more than 48 KB of shared
+// memory) from sm_75 on (T4, RTX 20xx and later); bf16 needs sm_80's bf16 tensor cores.
+static bool gpu_supported(const char* name, int major, int minor, Precision precision, Error* err) {
+    if (major * 10 + minor < 75)
+        return set_error(err, "%s has compute capability %d.%d; vae.cu needs 7.5 or newer (T4, RTX 20xx and later). "
+                         "HINT: run on a newer NVIDIA GPU", name, major, minor);
+    if (precision == PRECISION_BF16 && major < 8)
+        return set_error(err, "%s (sm_%d%d) has no bf16 tensor cores; --precision bf16 needs sm_80 or newer. HINT: "
+                         "--precision fp32", name, major, minor);
     return true;
 }
 
@@ -3325,7 +4041,7 @@ static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bd
 enum Option {
     OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
     OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_AIS, OPT_CHAINS, OPT_LEAPFROG,
-    OPT_AIS_INIT, OPT_BDMC, OPT_VERSION, OPT_HELP, NUM_OPTIONS
+    OPT_AIS_INIT, OPT_BDMC, OPT_KERNELS, OPT_VERSION, OPT_HELP, NUM_OPTIONS
 };
 static const struct {
     const char* name;
@@ -3337,11 +4053,11 @@ static const struct {
     {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
     {"iwae", 0, true},      {"bench", 0, false},         {"bench-batches", 0, true},  {"interp", 0, true},
     {"ais", 0, true},       {"chains", 0, true},         {"leapfrog", 0, true},       {"ais-init", 0, true},
-    {"bdmc", 0, true},      {"version", 0, false},       {"help", 'h', false},
+    {"bdmc", 0, true},      {"kernels", 0, true},        {"version", 0, false},       {"help", 'h', false},
 };
 #define OPT_BIT(o) (1u << (o))
 // The options each mode reads; any other one given with it is refused rather than ignored.
-static const unsigned MODE_OPTIONS[] = {
+static const unsigned MODE_OPTIONS[] = { // and every mode reads --kernels (parse_args)
     // elbo: the evaluation, images and CSV
     OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_IMAGE) | OPT_BIT(OPT_INVERT) | OPT_BIT(OPT_COUNT) |
         OPT_BIT(OPT_BATCH) | OPT_BIT(OPT_SEED) | OPT_BIT(OPT_ZMU) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_OUT) |
@@ -3379,6 +4095,7 @@ typedef struct {
     uint64_t seed;
     bool z_is_mu;
     Precision precision;
+    Kernels kernels;
     bool quiet;
     int iwae_k;     // --iwae: samples per image
     int interp_n;   // --interp: images whose every pair is interpolated
@@ -3409,6 +4126,10 @@ static const char* USAGE =
     "  -s, --seed N         seed of the noise eps, 0..2^64-1 (default 0)\n"
     "      --zmu            use z = mu instead of sampling z\n"
     "      --precision P    fp32: exact, within 1e-5 of float64 (default); bf16: 2-3x faster, within ~1e-2\n"
+    "                       (bf16 needs sm_80 or newer)\n"
+    "      --kernels K      auto (default): the fused kernels where they run (H100, H200), else plain;\n"
+    "                       plain: cuBLASLt and short kernels, any GPU from sm_75; fused: Hopper's\n"
+    "                       wgmma, TMA and cluster kernels (sm_90 with a binary built for sm_90a)\n"
     "outputs\n"
     "  -o, --out DIR        folder for the images (default out; created if missing)\n"
     "      --csv FILE       also write per-image results (index,label,bce,kl[,log_px]) after a '#' line\n"
@@ -3525,6 +4246,13 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
         if (!parse_number(flag, value, 1, AIS_MAX_LEAPFROG, &v, err)) return false;
         cfg->leapfrog = (int)v;
         return true;
+    case OPT_KERNELS:
+        for (int k = 0; k < 3; k++)
+            if (!strcmp(value, KERNELS_NAMES[k])) {
+                cfg->kernels = (Kernels)k;
+                return true;
+            }
+        return set_error(err, "%s needs auto, plain or fused, got '%s'. HINT: vae -h lists the options", flag, value);
     case OPT_AIS_INIT:
         if (!strcmp(value, "q")) cfg->ais_from_prior = false;
         else if (!strcmp(value, "prior")) cfg->ais_from_prior = true;
@@ -3643,7 +4371,7 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
         return set_error(err, "%s applies to --bench only. HINT: add --bench or drop %s", cfg->flag[OPT_BENCH_BATCHES],
                          cfg->flag[OPT_BENCH_BATCHES]);
     for (int o = 0; o < NUM_OPTIONS; o++)
-        if ((cfg->given & OPT_BIT(o)) && !(MODE_OPTIONS[cfg->mode] & OPT_BIT(o)))
+        if ((cfg->given & OPT_BIT(o)) && !((MODE_OPTIONS[cfg->mode] | OPT_BIT(OPT_KERNELS)) & OPT_BIT(o)))
             return set_error(err, "%s does not apply to %s. HINT: drop %s", cfg->flag[o], mode_flag, cfg->flag[o]);
     // --image replaces the test set, which -d and -n choose from
     if (cfg->invert && cfg->num_image_files == 0)
@@ -3745,7 +4473,23 @@ static void print_row(const char* key, const char* fmt, ...) {
     say("| %-9s | %-46s |\n", key, value);
 }
 
-static void init_cuda(cudaDeviceProp* prop) {
+// Whether the GPU has bf16 tensor cores (sm_80 on).
+static bool gpu_has_bf16() {
+    int device, major;
+    cudaCheck(cudaGetDevice(&device));
+    cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major >= 8;
+}
+
+// Which engine runs, and why, for the start-up table.
+static void print_kernels_row(Kernels kernels) {
+    const bool fused = use_fused(kernels);
+    if (fused) print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
+    else if (kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
+    else print_row("kernels", "plain: cuBLASLt (no sm_90a code for this GPU)");
+}
+
+static void init_cuda(cudaDeviceProp* prop, Precision precision) {
     int count = 0;
     cudaError_t status = cudaGetDeviceCount(&count);
     if (status != cudaSuccess || count == 0)
@@ -3754,7 +4498,7 @@ static void init_cuda(cudaDeviceProp* prop) {
     cudaCheck(cudaSetDevice(0));
     cudaCheck(cudaGetDeviceProperties(prop, 0));
     Error err;
-    if (!gpu_supported(prop->name, prop->major, prop->minor, prop->sharedMemPerBlockOptin, &err)) fail("%s", err.msg);
+    if (!gpu_supported(prop->name, prop->major, prop->minor, precision, &err)) fail("%s", err.msg);
     cudaFuncAttributes attr; // a binary built for other GPUs has no kernel this one can load
     status = cudaFuncGetAttributes(&attr, iwae_logsumexp_kernel);
     if (status != cudaSuccess)
@@ -3931,7 +4675,7 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
                      const Config* cfg) {
     const int count = in->count, batch = cfg->batch < count ? cfg->batch : count;
     VAE m;
-    vae_init(&m, w, batch > IMAGE_TILES_MAX ? batch : IMAGE_TILES_MAX, cfg->precision); // the pictures need 110
+    vae_init(&m, w, batch > IMAGE_TILES_MAX ? batch : IMAGE_TILES_MAX, cfg->precision, cfg->kernels); // pictures: 110
     float* bce = (float*)malloc((size_t)2 * count * sizeof(float));
     if (bce == NULL) fail("out of host memory for %d losses", count);
     float *kl = bce + count, ms;
@@ -3957,7 +4701,7 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
 static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pixels, const Config* cfg) {
     const int K = cfg->iwae_k, count = in->count;
     VAE m;
-    vae_init(&m, w, IWAE_ROWS, cfg->precision, IWAE_PASS_ROWS);
+    vae_init(&m, w, IWAE_ROWS, cfg->precision, cfg->kernels, IWAE_PASS_ROWS);
     float* d_log_px = (float*)device_alloc((size_t)count * sizeof(float), "log p(x)", count);
     vae_iwae(&m, d_pixels, 1, 0, K, cfg->seed, NULL, d_log_px); // untimed: module loading stays out
 
@@ -4042,13 +4786,20 @@ static void ais_buffers_free(AisBuffers* b) {
     for (void* p : buffers) cudaCheck(cudaFree(p));
 }
 
-// AIS over images 0 .. n-1 at d_pixels (forward, or reverse from d_z_start [n][20]) in launches of
-// whole rounds of the GPU's clusters, ~2% of the images each, progress between them; then each
-// image's estimates. Returns the time in ms.
+// Images one vae_ais call takes at a time (at most max_batch): a round of the fused kernel's clusters,
+// or a launch of the plain path's PLAIN_AIS_ROWS chains.
+static int vae_ais_round(const VAE* m, int C) {
+    const int round = m->fused ? m->ais_clusters * ais_cluster_images(C) : PLAIN_AIS_ROWS / C;
+    return round < m->max_batch ? round : m->max_batch;
+}
+
+// AIS over images 0 .. n-1 at d_pixels (forward, or reverse from d_z_start [n][20]) in calls of whole
+// rounds (fused: ~2% of the images each; plain: launches of even size), progress between them; then
+// each image's estimates. Returns the time in ms.
 static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, const AisBuffers* b,
                      const float* d_z_start, const char* what) {
-    const int C = cfg->chains, round = m->ais_clusters * ais_cluster_images(C), rounds = ceil_div(n, round);
-    int slice = round * ceil_div(rounds, 50);
+    const int C = cfg->chains, round = vae_ais_round(m, C), rounds = ceil_div(n, round);
+    int slice = m->fused ? round * ceil_div(rounds, 50) : ceil_div(n, rounds);
     if (slice > m->max_batch) slice = m->max_batch / round * round;
     AisIO io = {};
     io.beta = b->beta, io.chains = C, io.T = cfg->ais_t, io.leapfrog = cfg->leapfrog, io.seed = cfg->seed;
@@ -4080,7 +4831,7 @@ static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, 
 
 enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
 static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
-    vae_init(m, w, AIS_BATCH, cfg->precision, decoder_rows);
+    vae_init(m, w, AIS_BATCH, cfg->precision, cfg->kernels, decoder_rows);
     require_ais(m);
 }
 
@@ -4088,9 +4839,10 @@ static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decode
 static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pixels, const Config* cfg) {
     const int count = in->count, C = cfg->chains, T = cfg->ais_t, L = cfg->leapfrog;
     const long long evals_per_image = (long long)C * (1 + (long long)(T - 1) * L); // gradient evaluations
-    const bool iwae = evals_per_image <= IWAE_PASS_ROWS; // IWAE's K: one image's rows fit a decoder pass
+    bool iwae = evals_per_image <= IWAE_PASS_ROWS; // IWAE's K: one image's rows fit a decoder pass
     VAE m;
     ais_init(&m, w, cfg, iwae ? IWAE_PASS_ROWS : 0);
+    iwae = iwae && evals_per_image <= m.decoder_rows; // the plain path's passes are shorter
     AisBuffers b = ais_buffers(count, cfg);
     Config warm = *cfg;
     warm.ais_t = 2, warm.leapfrog = 1;
@@ -4234,12 +4986,22 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
            "replays from an idle GPU, throughput = %d back-to-back replays / %d (images/s and TFLOP/s from it);\n"
            "floor = the FLOPs at 770 TFLOP/s or the bytes at 4.2 TB/s\n", cfg->z_is_mu ? "= mu" : "sampled", WARMUP,
            REPS, REPS, REPS);
-    printf("| precision | batch | latency us | throughput us | images/s | TFLOP/s | floor us | %% of floor |\n");
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
-    for (int p = 0; p < 2; p++) {
+    printf("| kernels | precision | batch | latency us | throughput us | images/s | TFLOP/s | floor us | %% of floor |\n");
+    printf("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    // both engines wherever both run, unless --kernels names one
+    Kernels engines[2] = {cfg->kernels, KERNELS_AUTO};
+    int num_engines = 1;
+    if (cfg->kernels == KERNELS_AUTO) {
+        engines[0] = KERNELS_PLAIN;
+        if (use_fused(KERNELS_AUTO)) engines[1] = KERNELS_FUSED, num_engines = 2;
+    }
+    for (int run = 0; run < 2 * num_engines; run++) { // each engine in both precisions
+        const int p = run % 2;
         if ((cfg->given & OPT_BIT(OPT_PRECISION)) && p != (int)cfg->precision) continue;
+        if (p == PRECISION_BF16 && !(cfg->given & OPT_BIT(OPT_PRECISION)) && !gpu_has_bf16()) continue;
         VAE m;
-        vae_init(&m, w, max_batch, (Precision)p);
+        vae_init(&m, w, max_batch, (Precision)p, engines[run / 2]);
+        const char* engine = m.fused ? "fused" : "plain";
         for (int b = 0; b < cfg->num_bench_batches; b++) {
             const int B = cfg->bench_batches[b];
             const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, false, false};
@@ -4276,7 +5038,7 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
                                                ((double)B * (INPUT_DIM + 2 * sizeof(float)) + weight_bytes) /
                                                    floor_bytes_per_s);
             const double tflops = flops_per_image * B / (throughput_us * 1e6);
-            printf("| %s | %d | %.1f | %.1f | %.3g | %.1f | %.1f | %.1f%% |\n", PRECISION_NAMES[p], B, latency_us,
+            printf("| %s | %s | %d | %.1f | %.1f | %.3g | %.1f | %.1f | %.1f%% |\n", engine, PRECISION_NAMES[p], B, latency_us,
                    throughput_us, B / (throughput_us * 1e-6), tflops, floor_us, 100.0 * floor_us / throughput_us);
             cudaCheck(cudaGraphExecDestroy(exec));
             cudaCheck(cudaGraphDestroy(graph));
@@ -4298,7 +5060,7 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     const long long decodes = (long long)num_pairs * INTERP_STEPS;
     const int pass_rows = IWAE_ROWS - IWAE_ROWS % INTERP_STEPS; // whole pairs per pass
     VAE m;
-    vae_init(&m, w, pass_rows, cfg->precision);
+    vae_init(&m, w, pass_rows, cfg->precision, cfg->kernels);
     int2* pairs = (int2*)malloc((size_t)num_pairs * sizeof(int2));
     float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * INPUT_DIM * sizeof(float));
     float* last = (float*)malloc((size_t)2 * INTERP_STEPS * INPUT_DIM * sizeof(float)); // the last pair, both ways
@@ -4405,10 +5167,11 @@ int main(int argc, char** argv) {
     if (!load_file(cfg.weights_path, parse_weights, &weights, &err)) fail("%s", err.msg);
     if (cfg.mode == MODE_BDMC) { // simulates its images: no test set
         cudaDeviceProp prop;
-        init_cuda(&prop);
+        init_cuda(&prop, cfg.precision);
         print_separator();
         print_row("device", "%s", prop.name);
         print_row("weights", "%s", cfg.weights_path);
+        print_kernels_row(cfg.kernels);
         print_row("bdmc", "%d simulated images, T = %d, C = %d, L = %d, from %s", cfg.bdmc_n, cfg.ais_t, cfg.chains,
                   cfg.leapfrog, cfg.ais_from_prior ? "the prior" : "q(z|x)");
         print_separator();
@@ -4447,7 +5210,7 @@ int main(int argc, char** argv) {
     if (cfg.csv_path != NULL && strcmp(cfg.csv_path, "-") != 0) check_output_file(cfg.flag[OPT_CSV], cfg.csv_path);
 
     cudaDeviceProp prop;
-    init_cuda(&prop);
+    init_cuda(&prop, cfg.precision);
     const int batch = cfg.batch < count ? cfg.batch : count;
     print_separator();
     print_row("device", "%s", prop.name);
@@ -4458,6 +5221,7 @@ int main(int argc, char** argv) {
     if (labels.labels == NULL) print_row("labels", "none (each image's label is -1)");
     if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
     print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
+    if (cfg.mode != MODE_BENCH) print_kernels_row(cfg.kernels);
     if (cfg.mode == MODE_ELBO || cfg.mode == MODE_BENCH)
         print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
     if (cfg.mode != MODE_INTERP) print_row("seed", "%llu", (unsigned long long)cfg.seed);

@@ -245,7 +245,7 @@ template <Precision P> static int v1_clusters() {
 
 template <Precision P> static bool study(const HostWeights* w, const Images* images) {
     VAE m;
-    vae_init(&m, w, 1, P);
+    vae_init(&m, w, 1, P, KERNELS_FUSED);
     if (m.ais_clusters == 0)
         fail("no sm_90a code for this GPU: build with make -C dev ais_gradient_v1 on a Hopper GPU");
     const int clusters = v1_clusters<P>();

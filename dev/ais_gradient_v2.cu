@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(AIS_THREADS, 1)
 template <Precision P> static bool study(const HostWeights* w, const Images* images) {
     typedef typename Path<P>::T T;
     VAE m;
-    vae_init(&m, w, images->count, P);
+    vae_init(&m, w, images->count, P, KERNELS_FUSED);
     if (m.ais_clusters == 0)
         fail("no sm_90a code for this GPU: build with make -C dev ais_gradient_v2 on a Hopper GPU");
     const int smem = ais_smem<P>();

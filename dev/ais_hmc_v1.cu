@@ -73,7 +73,7 @@ static void write_reference_csv(const HostWeights* w, const Images* images, cons
 
 template <Precision P> static bool study(const HostWeights* w, const Images* images) {
     VAE m;
-    vae_init(&m, w, images->count, P);
+    vae_init(&m, w, images->count, P, KERNELS_FUSED);
     if (m.ais_clusters == 0) fail("no sm_90a code for this GPU: build with make -C dev ais_hmc_v1 on a Hopper GPU");
     auto production = [&](const AisIO& io) {
         ais_launch<P>(io, m.fc4_wb, m.w4_map, m.ais_w3, m.ais_state, m.ais_clusters, 0);

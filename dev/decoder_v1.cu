@@ -85,7 +85,7 @@ int main() {
     // events of both timers go to the legacy default stream, which orders itself with m.stream (a
     // blocking stream), where every launch below goes, as in vae.cu.
     VAE m;
-    vae_init(&m, &weights, MAX_IMAGES, PRECISION_BF16, MAX_ROWS);
+    vae_init(&m, &weights, MAX_IMAGES, PRECISION_BF16, KERNELS_FUSED, MAX_ROWS);
     const bool has_wgmma = m.wgmma;
     const int decoders = has_wgmma ? 2 : 1;
     printf("decoders: mma.sync (%zu bytes of shared memory a block)%s; %d SMs\n",

@@ -363,7 +363,7 @@ int main() {
     // The events of both timers go to the legacy default stream, which orders itself with m.stream (a
     // blocking stream): every launch below goes to m.stream, as in vae.cu.
     VAE m;
-    vae_init(&m, &weights, MAX_B, PRECISION_BF16);
+    vae_init(&m, &weights, MAX_B, PRECISION_BF16, KERNELS_FUSED);
     uint8_t* d_pixels;
     cudaCheck(cudaMalloc(&d_pixels, (size_t)MAX_B * INPUT_DIM));
     cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)MAX_B * INPUT_DIM, cudaMemcpyHostToDevice));

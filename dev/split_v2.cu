@@ -82,7 +82,7 @@ int main() {
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (Precision p : {PRECISION_FP32, PRECISION_BF16}) {
         VAE m;
-        vae_init(&m, &weights, MAX_B, p);
+        vae_init(&m, &weights, MAX_B, p, KERNELS_FUSED);
         const bool has_wgmma = m.wgmma;
         for (int engine = 0; engine < (has_wgmma ? 2 : 1); engine++) {
             m.wgmma = engine == 1;
@@ -133,8 +133,8 @@ int main() {
     for (size_t i = 0; i < x.size(); i++) x[i] = images.pixels[i] / 255.0f;
     cudaCheck(cudaMemcpy(d_x, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
     VAE fp32, bf16_model;
-    vae_init(&fp32, &weights, MAX_B, PRECISION_FP32);
-    vae_init(&bf16_model, &weights, MAX_B, PRECISION_BF16);
+    vae_init(&fp32, &weights, MAX_B, PRECISION_FP32, KERNELS_FUSED);
+    vae_init(&bf16_model, &weights, MAX_B, PRECISION_BF16, KERNELS_FUSED);
     printf("\nus per forward pass + loss (z = mu), median of 200, L2 warm; cuBLASLt fp32: its four GEMMs with\n"
            "bias and ReLU fused, nothing else\n"
            "| batch | vae.cu fp32 | vae.cu bf16 | cuBLASLt fp32 layers | fp32 vs cuBLAS fp32 | fp32 vs bf16 path |\n"
