@@ -1297,7 +1297,8 @@ static void test_gpu_plain_shared_memory() {
         (const void*)ais_begin_kernel<bf16>,         (const void*)ais_leapfrog_kernel<float>,
         (const void*)ais_leapfrog_kernel<bf16>,      (const void*)ais_end_kernel,
         (const void*)ais_adapt_kernel,               (const void*)ais_estimate_kernel,
-        (const void*)interp_latents_kernel,
+        (const void*)interp_latents_kernel,          (const void*)fc3_weights_kernel<float>,
+        (const void*)fc3_weights_kernel<bf16>,
     };
     size_t most = 0;
     for (const void* k : plain_kernels) {

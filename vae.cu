@@ -327,33 +327,63 @@ __device__ inline void store_as(bf16* p, float v) { *p = __float2bfloat16_rn(v);
 __device__ inline void store_as(fp16* p, float v) { *p = __float2half_rn(v); }
 __device__ inline float as_float(float v) { return v; }
 __device__ inline float as_float(bf16 v) { return __bfloat162float(v); }
+__device__ inline float as_float(fp16 v) { return __half2float(v); }
 
-// fc3's input. z is padded from 20 to Z_PAD = 24 latents with zeros, so that each row starts on a 16-byte
-// boundary (cuBLAS's fast kernels want that). bf16 stores z in two parts, hi = bf16(z) and lo = bf16(z -
-// hi), as [hi | 0 | lo | 0], against fc3's rows stored twice, [W3 | 0 | W3 | 0]: one matmul of K = 48 adds
-// W3 hi + W3 lo = W3 z to 16 significant bits. z moves smoothly along an AIS trajectory and the energy's
-// gradient must follow it: bf16's 8 bits alone would move grad by ~7% near a posterior's mode (curvature
-// ~100 times z's rounding). W3's own rounding is a fixed change of the model, which HMC does not mind.
+// Four consecutive values as one 8- or 16-byte access (the elementwise kernels' loads and stores).
+template <typename T> struct alignas(4 * sizeof(T)) Four {
+    T v[4];
+};
+
+// fc3's input and weights, with the bias in K: the input row ends its latents with ones and fc3's rows hold
+// the bias there, so the product adds it (the epilogue only takes the ReLU). Blocks of Z_PAD = 24 keep each
+// row on a 16-byte boundary (cuBLAS's fast kernels want that):
+//   fp32  [z | 1 | 0 0 0]                       against  [W3 | b3 | 0 0 0]
+//   bf16  [zh | 1 1 1 | 0] [zl | 0] [zh | 0]    against  [W3h | b3's three parts | 0] [W3h | 0] [W3l | 0]
+// with hi = bf16(v) and lo = bf16(v - hi) (bf16_part): one bf16 matmul of K = 72 adds zh W3h + zl W3h + zh W3l + b3,
+// W3 z + b3 to ~16 significant bits (zl W3l, 2^-16 of it, is dropped), as the fused kernels' fc3 does in
+// fp16 parts. z moves smoothly along an AIS trajectory and the energy's gradient must follow it: with z and
+// W3 in bf16 alone the gradient was 2.4e-2 of its scale from float64 (test_vae's tolerance: 2e-2).
 enum { Z_PAD = 24 };
-template <typename T> __host__ __device__ constexpr int z_parts() { return std::is_same<T, bf16>::value ? 2 : 1; }
-__host__ __device__ constexpr int z_width(Precision p) { return Z_PAD * (p == PRECISION_BF16 ? 2 : 1); }
+template <typename T> __host__ __device__ constexpr int z_parts() { return std::is_same<T, bf16>::value ? 3 : 1; }
+__host__ __device__ constexpr int z_width(Precision p) { return Z_PAD * (p == PRECISION_BF16 ? 3 : 1); }
+
+// Part p of v in bf16: 0 its bf16 value, 1 the bf16 of what that leaves, 2 of what both leave (each
+// remainder is exact in fp32).
+__device__ inline float bf16_part(float v, int p) {
+    for (int q = 0; q < p; q++) v -= __bfloat162float(__float2bfloat16_rn(v));
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+// fc3's input row of latents z, as above: built in registers, stored four values at a time.
+template <typename T> __device__ inline void store_z_input(T* row, const float (&z)[LATENT_DIM]) {
+    constexpr int PARTS = z_parts<T>();
+    Four<T> out[PARTS * Z_PAD / 4];
+    for (int k = 0; k < Z_PAD; k++) {
+        const float v = k < LATENT_DIM ? z[k] : 0.0f, ones = k < LATENT_DIM + PARTS ? 1.0f : 0.0f;
+        const float hi = PARTS == 1 ? v : bf16_part(v, 0);
+        store_as(&out[k / 4].v[k % 4], k < LATENT_DIM ? hi : ones);
+        if (PARTS == 1) continue;
+        store_as(&out[(Z_PAD + k) / 4].v[k % 4], bf16_part(v, 1));
+        store_as(&out[(2 * Z_PAD + k) / 4].v[k % 4], hi);
+    }
+    for (int q = 0; q < PARTS * Z_PAD / 4; q++) reinterpret_cast<Four<T>*>(row)[q] = out[q];
+}
+// fc3's rows as above, [400][Z_PAD * z_parts], from W3 [400][20] and b3 (fp32).
+template <typename T> __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const float* __restrict__ b3) {
+    const int width = Z_PAD * z_parts<T>(), i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= HIDDEN_DIM * width) return;
+    const int n = i / width, block = i % width / Z_PAD, k = i % Z_PAD, bias_parts = z_parts<T>();
+    float v = 0.0f;
+    if (k < LATENT_DIM) v = std::is_same<T, bf16>::value ? bf16_part(w3[n * LATENT_DIM + k], block == 2) : w3[n * LATENT_DIM + k];
+    else if (block == 0 && k < LATENT_DIM + bias_parts) v = std::is_same<T, bf16>::value ? bf16_part(b3[n], k - LATENT_DIM) : b3[n];
+    store_as(&dst[i], v);
+}
 
 // The type of AIS's backward pass (sigmoid - x, dh, and their copies of W4 and W3): T, except that bf16's
-// runs in fp16. sigmoid - x lies in [-1, 1] and dh well inside fp16's range, and fp16's 11 significant bits
-// keep the gradient's cancellations (grad = W3^T dh sums terms of both signs) to ~1e-3 of float64, where
-// bf16's 8 bits gave 2.3e-2 (test_vae, against a tolerance of 2e-2). The fused kernels do the same.
+// runs in fp16, as the fused kernels' does. sigmoid - x lies in [-1, 1] and dh well inside fp16's range, so
+// fp16's 11 significant bits cost nothing over bf16's 8: the gradient, a sum of terms of both signs
+// (grad = W3^T dh), lands 2.3e-3 of its scale from float64 (test_vae; tolerance 2e-2).
 template <typename T> struct Backward { typedef T type; };
 template <> struct Backward<bf16> { typedef fp16 type; };
-__device__ inline void store_z_input(float* row, const float* z) {
-    for (int j = 0; j < Z_PAD; j++) row[j] = j < LATENT_DIM ? z[j] : 0.0f;
-}
-__device__ inline void store_z_input(bf16* row, const float* z) {
-    for (int j = 0; j < Z_PAD; j++) {
-        const float v = j < LATENT_DIM ? z[j] : 0.0f;
-        const bf16 hi = __float2bfloat16_rn(v);
-        row[j] = hi, row[Z_PAD + j] = __float2bfloat16_rn(v - __bfloat162float(hi));
-    }
-}
 
 // The pixels as fc1's input: bytes 0..255 as T, exact in both types; fc1's alpha = 1/255 scales them.
 template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t* pixels, long long n) {
@@ -406,7 +436,10 @@ __global__ void sample_kernel(T* z_input, float* z_out, float* kl, float* log_ra
 // fc3's inputs from latents given in fp32 (prior samples, interpolations, the tests' z). One thread a row.
 template <typename T> __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r < rows) store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), z + (size_t)r * LATENT_DIM);
+    if (r >= rows) return;
+    float row[LATENT_DIM];
+    for (int j = 0; j < LATENT_DIM; j++) row[j] = z[(size_t)r * LATENT_DIM + j];
+    store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), row);
 }
 
 // What the decoder's logits give, per row r scored against image r / rows_per_image (NULL: not wanted):
@@ -414,32 +447,48 @@ template <typename T> __global__ void z_input_kernel(T* z_input, const float* __
 //             log(1 + exp(-|l|)): no log of a rounded sigmoid, finite for any l
 //   recon     sigmoid(l)
 //   residual  sigmoid(l) - x in R: d BCE / d logits, the start of AIS's backward pass
-// x = byte / 255. One warp a row: lane i takes pixels i, i + 32, ..., then a fixed shuffle tree adds the
-// 32 sums, so a row's BCE has the same bits in any batch.
+// x = byte / 255. One warp a row, four pixels a lane at a time (196 groups of four): lane i takes groups i,
+// i + 32, ..., then a fixed shuffle tree adds the 32 sums, so a row's BCE has the same bits in any batch.
 template <typename R>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const float* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
+    static_assert(INPUT_DIM % 4 == 0, "rows of whole groups of four");
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
     if (r >= rows) return;
-    const float* l_row = logits + (size_t)r * INPUT_DIM;
-    const uint8_t* x_row = pixels ? pixels + (size_t)(r / rows_per_image) * INPUT_DIM : NULL;
+    const Four<float>* l_row = reinterpret_cast<const Four<float>*>(logits + (size_t)r * INPUT_DIM);
+    const Four<uint8_t>* x_row =
+        pixels ? reinterpret_cast<const Four<uint8_t>*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM) : NULL;
     float sum = 0.0f;
-    for (int i = lane; i < INPUT_DIM; i += 32) {
-        const float l = l_row[i], sigmoid = 1.0f / (1.0f + expf(-l));
-        if (recon) recon[(size_t)r * INPUT_DIM + i] = sigmoid;
+    for (int i = lane; i < INPUT_DIM / 4; i += 32) {
+        const Four<float> l = l_row[i];
+        Four<float> sigmoid;
+        for (int k = 0; k < 4; k++) sigmoid.v[k] = 1.0f / (1.0f + expf(-l.v[k]));
+        if (recon) reinterpret_cast<Four<float>*>(recon + (size_t)r * INPUT_DIM)[i] = sigmoid;
         if (x_row == NULL) continue;
-        const float x = x_row[i] * (1.0f / 255.0f);
-        if (residual) store_as(&residual[(size_t)r * INPUT_DIM + i], sigmoid - x);
-        if (bce) sum += fmaxf(l, 0.0f) - x * l + log1pf(expf(-fabsf(l)));
+        const Four<uint8_t> px = x_row[i];
+        Four<R> d;
+        for (int k = 0; k < 4; k++) {
+            const float x = px.v[k] * (1.0f / 255.0f);
+            store_as(&d.v[k], sigmoid.v[k] - x);
+            if (bce) sum += fmaxf(l.v[k], 0.0f) - x * l.v[k] + log1pf(expf(-fabsf(l.v[k])));
+        }
+        if (residual) reinterpret_cast<Four<R>*>(residual + (size_t)r * INPUT_DIM)[i] = d;
     }
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (bce && x_row && lane == 0) bce[r] = sum;
 }
 
-// The ReLU's backward: the gradient w.r.t. a hidden layer's input is zero where its output h is.
-template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long n) {
+// The ReLU's backward: the gradient w.r.t. a hidden layer's input is zero where its output h is. Four
+// values a thread; n is a multiple of four (rows of 400).
+template <typename G, typename H>
+__global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n && !(as_float(h[i]) > 0.0f)) store_as(&grad[i], 0.0f);
+    if (4 * i >= n) return;
+    Four<G> g = reinterpret_cast<Four<G>*>(grad)[i];
+    const Four<H> hidden = reinterpret_cast<const Four<H>*>(h)[i];
+    for (int k = 0; k < 4; k++)
+        if (!(as_float(hidden.v[k]) > 0.0f)) store_as(&g.v[k], 0.0f);
+    reinterpret_cast<Four<G>*>(grad)[i] = g;
 }
 
 // The plain path's weights, once at load: rows x cols of W (fp32, PyTorch's W[out][in]) as T in rows of
@@ -538,13 +587,28 @@ struct AisIO {
 };
 
 // The plain path's chains, in memory between its kernels: per row z, p, the gradient of BCE (fc3's
-// backward writes it, Z_PAD wide), the BCE, and the transition's start (z, grad, BCE, H) that a rejected
-// proposal returns to. Each kernel below is one step of the transition for every row at once.
+// backward writes it, row-major and Z_PAD wide), the BCE, and the transition's start (z, grad, BCE, H)
+// that a rejected proposal returns to. z, p and the start are stored latent by latent, [20][rows], so
+// that a warp's 32 rows of one latent are 128 adjacent bytes: row by row, a thread's 80 bytes, the
+// leapfrog kernel had taken 139 us a step for 80,000 chains. Each kernel below is one step of the
+// transition for every row at once, one thread a row.
+enum { PLAIN_AIS_ROWS = 1 << 17 }; // chains a launch at most: ~1.3 GB of activations and chains in fp32
 struct AisChains {
-    float *z, *p, *z0, *grad0; // [rows][20]
+    float *z, *p, *z0, *grad0; // [20][PLAIN_AIS_ROWS]
     float* grad;               // [rows][Z_PAD]
     float *bce, *bce0, *h0;    // [rows]
     int* took;                 // [rows]: this transition's proposal accepted
+    __device__ void load(const float* a, size_t r, float (&v)[LATENT_DIM]) const {
+        for (int j = 0; j < LATENT_DIM; j++) v[j] = a[j * (size_t)PLAIN_AIS_ROWS + r];
+    }
+    __device__ void store(float* a, size_t r, const float (&v)[LATENT_DIM]) const {
+        for (int j = 0; j < LATENT_DIM; j++) a[j * (size_t)PLAIN_AIS_ROWS + r] = v[j];
+    }
+    __device__ void load_grad(size_t r, float (&v)[LATENT_DIM]) const {
+        const Four<float>* row = reinterpret_cast<const Four<float>*>(grad + r * Z_PAD);
+        for (int q = 0; q < LATENT_DIM / 4; q++)
+            for (int k = 0; k < 4; k++) v[4 * q + k] = row[q].v[k];
+    }
 };
 
 // A chain's view of its image: p0's mean, inverse variance and sum of log variances.
@@ -557,7 +621,7 @@ struct AisPrior {
         }
     }
     // log p(x, z) = -BCE - |z|^2 / 2 and log p0(z) = -(sum (z - mu)^2 / var + logvar) / 2 (the log 2 pi cancel)
-    __device__ void log_densities(const float* z, float bce, float* lpxz, float* lp0) const {
+    __device__ void log_densities(const float (&z)[LATENT_DIM], float bce, float* lpxz, float* lp0) const {
         float sq = 0.0f, mahal = 0.0f;
         for (int j = 0; j < LATENT_DIM; j++) {
             const float d = z[j] - mu[j];
@@ -566,7 +630,8 @@ struct AisPrior {
         *lpxz = -bce - 0.5f * sq, *lp0 = -0.5f * (mahal + logvar_sum);
     }
     // p -= scale eps grad U_b(z): U_b = -b log p(x, z) - (1 - b) log p0(z)
-    __device__ void kick(float* p, const float* z, const float* grad_bce, float beta, float scaled_step) const {
+    __device__ void kick(float (&p)[LATENT_DIM], const float (&z)[LATENT_DIM], const float (&grad_bce)[LATENT_DIM],
+                         float beta, float scaled_step) const {
         for (int j = 0; j < LATENT_DIM; j++) {
             const float grad_u = beta * (grad_bce[j] + z[j]) + (1.0f - beta) * (z[j] - mu[j]) * inv_var[j];
             p[j] = fmaf(-scaled_step, grad_u, p[j]);
@@ -574,11 +639,12 @@ struct AisPrior {
     }
 };
 
-// z += eps p, and z as fc3's input for the next gradient evaluation.
-template <typename T> __device__ inline void ais_drift(const AisChains& c, T* z_input, size_t r, float step) {
-    float z[LATENT_DIM];
-    for (int j = 0; j < LATENT_DIM; j++)
-        z[j] = c.z[r * LATENT_DIM + j] = fmaf(step, c.p[r * LATENT_DIM + j], c.z[r * LATENT_DIM + j]);
+// z += eps p, stored, and as fc3's input for the next gradient evaluation.
+template <typename T>
+__device__ inline void ais_drift(const AisChains& c, T* z_input, size_t r, float (&z)[LATENT_DIM],
+                                 const float (&p)[LATENT_DIM], float step) {
+    for (int j = 0; j < LATENT_DIM; j++) z[j] = fmaf(step, p[j], z[j]);
+    c.store(c.z, r, z);
     store_z_input(z_input + r * Z_PAD * z_parts<T>(), z);
 }
 
@@ -592,11 +658,11 @@ template <typename T> __global__ void ais_start_kernel(AisIO io, AisChains c, T*
     float z[LATENT_DIM];
     for (int j = 0; j < LATENT_DIM; j++) {
         float kl_term;
-        z[j] = c.z[(size_t)r * LATENT_DIM + j] =
-            io.z_start ? io.z_start[(size_t)image * LATENT_DIM + j]
-                       : latent_z(mulv[j], mulv[LATENT_DIM + j],
-                                  gaussian(io.seed, STREAM_POSTERIOR, io.first_image + image, chain, j), &kl_term);
+        z[j] = io.z_start ? io.z_start[(size_t)image * LATENT_DIM + j]
+                          : latent_z(mulv[j], mulv[LATENT_DIM + j],
+                                     gaussian(io.seed, STREAM_POSTERIOR, io.first_image + image, chain, j), &kl_term);
     }
+    c.store(c.z, r, z);
     store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), z);
     io.log_w[r] = 0.0, io.accepted[r] = 0;
     if (chain == 0) io.step_out[image] = io.step0;
@@ -610,36 +676,39 @@ template <typename T> __global__ void ais_begin_kernel(AisIO io, AisChains c, T*
     if (r >= io.n * io.chains) return;
     const int image = r / io.chains, chain = r % io.chains;
     const AisPrior prior(io.mulv + (size_t)image * MULV_DIM);
-    float* z = c.z + (size_t)r * LATENT_DIM;
-    const float* grad = c.grad + (size_t)r * Z_PAD;
-    if (s == 1 && io.grad0)
-        for (int j = 0; j < LATENT_DIM; j++) io.grad0[(size_t)r * LATENT_DIM + j] = grad[j], io.bce0[r] = c.bce[r];
+    float z[LATENT_DIM], grad[LATENT_DIM], p[LATENT_DIM];
+    c.load(c.z, r, z), c.load_grad(r, grad);
+    const float bce = c.bce[r];
+    if (s == 1 && io.grad0) {
+        for (int j = 0; j < LATENT_DIM; j++) io.grad0[(size_t)r * LATENT_DIM + j] = grad[j];
+        io.bce0[r] = bce;
+    }
     float lpxz, lp0;
-    prior.log_densities(z, c.bce[r], &lpxz, &lp0);
+    prior.log_densities(z, bce, &lpxz, &lp0);
     const int at = io.reverse ? io.T + 1 - s : s; // the weight's step of the schedule
     const double d_beta = io.beta[at] - io.beta[at - 1];
     io.log_w[r] += (io.reverse ? -d_beta : d_beta) * (double)(lpxz - lp0);
     if (s == io.T) {
-        if (io.z_out) for (int j = 0; j < LATENT_DIM; j++) io.z_out[(size_t)r * LATENT_DIM + j] = z[j];
+        if (io.z_out)
+            for (int j = 0; j < LATENT_DIM; j++) io.z_out[(size_t)r * LATENT_DIM + j] = z[j];
         return;
     }
     const float beta = (float)io.beta[io.reverse ? io.T - s : s]; // the transition's target f_beta
-    float* p = c.p + (size_t)r * LATENT_DIM;
     float kinetic = 0.0f;
     for (int j = 0; j < LATENT_DIM; j += 2) {
-        const float2 e = io.p_start && s == 1
-                             ? make_float2(io.p_start[(size_t)r * LATENT_DIM + j], io.p_start[(size_t)r * LATENT_DIM + j + 1])
-                             : gaussian_pair(io.seed, STREAM_MOMENTUM, io.first_image + image, chain, 16 * s + j / 2);
+        const float* given = io.p_start && s == 1 ? io.p_start + (size_t)r * LATENT_DIM + j : NULL;
+        const float2 e = given ? make_float2(given[0], given[1])
+                               : gaussian_pair(io.seed, STREAM_MOMENTUM, io.first_image + image, chain, 16 * s + j / 2);
         p[j] = e.x, p[j + 1] = e.y;
         kinetic = fmaf(e.x, e.x, fmaf(e.y, e.y, kinetic));
     }
     c.h0[r] = -beta * lpxz - (1.0f - beta) * lp0 + 0.5f * kinetic;
-    c.bce0[r] = c.bce[r];
-    for (int j = 0; j < LATENT_DIM; j++)
-        c.z0[(size_t)r * LATENT_DIM + j] = z[j], c.grad0[(size_t)r * LATENT_DIM + j] = grad[j];
+    c.bce0[r] = bce;
+    c.store(c.z0, r, z), c.store(c.grad0, r, grad);
     const float step = io.step_out[image];
     prior.kick(p, z, grad, beta, 0.5f * step);
-    ais_drift(c, z_input, r, step);
+    c.store(c.p, r, p);
+    ais_drift(c, z_input, r, z, p, step);
 }
 
 // A leapfrog step between two gradient evaluations: a whole kick, then the next drift.
@@ -649,8 +718,11 @@ template <typename T> __global__ void ais_leapfrog_kernel(AisIO io, AisChains c,
     const int image = r / io.chains;
     const AisPrior prior(io.mulv + (size_t)image * MULV_DIM);
     const float beta = (float)io.beta[io.reverse ? io.T - s : s], step = io.step_out[image];
-    prior.kick(c.p + (size_t)r * LATENT_DIM, c.z + (size_t)r * LATENT_DIM, c.grad + (size_t)r * Z_PAD, beta, step);
-    ais_drift(c, z_input, r, step);
+    float z[LATENT_DIM], grad[LATENT_DIM], p[LATENT_DIM];
+    c.load(c.z, r, z), c.load_grad(r, grad), c.load(c.p, r, p);
+    prior.kick(p, z, grad, beta, step);
+    c.store(c.p, r, p);
+    ais_drift(c, z_input, r, z, p, step);
 }
 
 // A transition's end: the last half kick, H1, and the Metropolis test; a rejected proposal returns to the
@@ -661,7 +733,8 @@ __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
     const int image = r / io.chains, chain = r % io.chains;
     const AisPrior prior(io.mulv + (size_t)image * MULV_DIM);
     const float beta = (float)io.beta[io.reverse ? io.T - s : s], step = io.step_out[image];
-    float *z = c.z + (size_t)r * LATENT_DIM, *p = c.p + (size_t)r * LATENT_DIM, *grad = c.grad + (size_t)r * Z_PAD;
+    float z[LATENT_DIM], grad[LATENT_DIM], p[LATENT_DIM];
+    c.load(c.z, r, z), c.load_grad(r, grad), c.load(c.p, r, p);
     prior.kick(p, z, grad, beta, 0.5f * step);
     if (io.proposal && s == io.T - 1)
         for (int j = 0; j < LATENT_DIM; j++)
@@ -673,9 +746,11 @@ __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
     const float u = uniform_open0(io.seed, STREAM_ACCEPT, io.first_image + image, chain, s);
     const bool accept = logf(u) < c.h0[r] - h1; // false for a non-finite proposal
     if (io.delta_h) io.delta_h[r] = c.h0[r] - h1;
-    if (!accept) {
+    if (!accept) { // back to the start: z, grad (fc3's backward's row) and BCE
         c.bce[r] = c.bce0[r];
-        for (int j = 0; j < LATENT_DIM; j++) z[j] = c.z0[(size_t)r * LATENT_DIM + j], grad[j] = c.grad0[(size_t)r * LATENT_DIM + j];
+        c.load(c.z0, r, z), c.load(c.grad0, r, grad);
+        c.store(c.z, r, z);
+        for (int j = 0; j < LATENT_DIM; j++) c.grad[(size_t)r * Z_PAD + j] = grad[j];
     }
     io.accepted[r] += accept, c.took[r] = accept;
 }
@@ -891,7 +966,7 @@ static void plain_init_weights(Plain* pl, const float* const* t, const float* en
     };
     const size_t w1 = slot(HIDDEN_DIM * INPUT_DIM * sizeof(T)), b1 = slot(HIDDEN_DIM * sizeof(T));
     const size_t w2 = slot(MULV_DIM * HIDDEN_DIM * sizeof(T)), b2 = slot(MULV_DIM * sizeof(float));
-    const size_t w3 = slot(HIDDEN_DIM * zk * sizeof(T)), b3 = slot(HIDDEN_DIM * sizeof(T));
+    const size_t w3 = slot(HIDDEN_DIM * zk * sizeof(T)); // with b3 in it
     const size_t w4 = slot(INPUT_DIM * HIDDEN_DIM * sizeof(T)), b4 = slot(INPUT_DIM * sizeof(float));
     const size_t w3_back = slot(HIDDEN_DIM * Z_PAD * sizeof(B)), w4_back = slot(INPUT_DIM * HIDDEN_DIM * sizeof(B));
     uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights", pl->max_batch);
@@ -905,10 +980,9 @@ static void plain_init_weights(Plain* pl, const float* const* t, const float* en
     pl->fc2 = gemm_init(pl->lt, convert_weights<T>(base + w2, enc_w, MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
                         MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
                         convert_weights<float>(base + b2, enc_b, 1, MULV_DIM, MULV_DIM, 1, stream), type, f32, 1.0f);
-    // fc3: h3 = ReLU(z W3^T + b3) in T (bf16: z's two parts against W3 twice); fc4: logits = h3 W4^T + b4 in fp32
-    pl->fc3 = gemm_init(pl->lt, convert_weights<T>(base + w3, t[FC3_W], HIDDEN_DIM, LATENT_DIM, zk, z_parts<T>(), stream),
-                        HIDDEN_DIM, zk, zk, false, true,
-                        convert_weights<T>(base + b3, t[FC3_B], 1, HIDDEN_DIM, HIDDEN_DIM, 1, stream), type, type, 1.0f);
+    // fc3: h3 = ReLU([z | 1] [W3 | b3]^T) in T (the bias in K; bf16 in parts); fc4: logits = h3 W4^T + b4 in fp32
+    launch(fc3_weights_kernel<T>, HIDDEN_DIM * zk, 256, 256, stream, (T*)(base + w3), t[FC3_W], t[FC3_B]);
+    pl->fc3 = gemm_init(pl->lt, base + w3, HIDDEN_DIM, zk, zk, false, true, NULL, type, type, 1.0f);
     pl->fc4 = gemm_init(pl->lt, convert_weights<T>(base + w4, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
                         INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
                         convert_weights<float>(base + b4, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, f32, 1.0f);
@@ -989,7 +1063,7 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
                          cudaStream_t stream) {
     gemm(pl->lt, pl->fc3, pl->h3, pl->z_input, rows, stream);
     gemm(pl->lt, pl->fc4, pl->logits, pl->h3, rows, stream);
-    launch(decoder_output_kernel<float>, (long long)rows * 32, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
+    launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
            pixels, rows, rows_per_image);
 }
 
@@ -1014,11 +1088,11 @@ template <typename T> static void plain_ais_gradient(Plain* pl, const AisIO& io,
     typedef typename Backward<T>::type B;
     gemm(pl->lt, pl->fc3, pl->ais_h3, pl->ais_z_input, rows, stream);
     gemm(pl->lt, pl->fc4, pl->ais_logits, pl->ais_h3, rows, stream);
-    launch(decoder_output_kernel<B>, (long long)rows * 32, 4, 128, stream, energy ? pl->chains.bce : NULL, (float*)NULL,
+    launch(decoder_output_kernel<B>, rows, 4, 128, stream, energy ? pl->chains.bce : NULL, (float*)NULL,
            (B*)pl->residual, pl->ais_logits, io.pixels, rows, io.chains);
     gemm(pl->lt, pl->fc4_backward, pl->dh, pl->residual, rows, stream);
     const long long hidden = (long long)rows * HIDDEN_DIM;
-    launch(relu_backward_kernel<B, T>, hidden, 256, 256, stream, (B*)pl->dh, (const T*)pl->ais_h3, hidden);
+    launch(relu_backward_kernel<B, T>, hidden / 4, 256, 256, stream, (B*)pl->dh, (const T*)pl->ais_h3, hidden);
     gemm(pl->lt, pl->fc3_backward, pl->chains.grad, pl->dh, rows, stream);
 }
 
@@ -1058,7 +1132,6 @@ static AisIO ais_slice(AisIO io, int first, int n) {
 
 // AIS on the plain path over io.n images (io.mulv filled in), in launches of at most PLAIN_AIS_ROWS
 // chains, of as many images each: a chain's results do not depend on which launch it ran in.
-enum { PLAIN_AIS_ROWS = 1 << 17 }; // ~1.3 GB of activations and chains in fp32, ~0.9 GB in bf16
 static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
     if (pl->ais_rows == 0) { // the first AIS run allocates its buffers
         const size_t R = PLAIN_AIS_ROWS, t = pl->type_size;
