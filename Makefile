@@ -1,10 +1,11 @@
 # vae.cu: make vae | make test | make dev | make data | make fuzz | make sanitize | make clean
 NVCC ?= nvcc
 # The GPU architecture: GPU_ARCH (90, 9.0, sm_90 and sm_90a all mean Hopper), else the first GPU's compute
-# capability from nvidia-smi. With neither, a portable fat binary: sm_80 code, its PTX (which the driver
-# compiles for any newer GPU) and sm_90a, Hopper's architecture-specific target with wgmma; the program
-# picks Hopper's kernels at run time. vae.cu needs sm_80 or newer.
-MIN_ARCH := 80
+# capability from nvidia-smi. With neither, a portable fat binary: sm_75 and sm_80 code, sm_80's PTX (which
+# the driver compiles for any newer GPU) and sm_90a, Hopper's architecture-specific target with the fused
+# kernels (wgmma); the program picks them at run time where they run, the plain path (cuBLASLt) elsewhere.
+# vae.cu needs sm_75 or newer (bf16: sm_80).
+MIN_ARCH := 75
 normalize_arch = $(shell echo '$(1)' | sed -E 's/^[[:space:]]*(sm_|compute_)?//; s/a?[[:space:]]*$$//; s/\.//')
 is_arch = $(shell echo '$(1)' | grep -xE '[0-9]{2,3}')
 ifeq ($(origin GPU_ARCH),undefined)
@@ -23,10 +24,11 @@ $(error vae.cu: GPU_ARCH=$(GPU_ARCH) is not a compute capability. HINT: GPU_ARCH
 endif
 endif
 ifeq ($(ARCH),)
-ARCH_FLAGS := -gencode arch=compute_80,code=[sm_80,compute_80] -gencode arch=compute_90a,code=sm_90a
-$(info vae.cu: no GPU detected: building for sm_80 (+ PTX for newer GPUs) and sm_90a. HINT: GPU_ARCH=86 builds for one GPU)
+ARCH_FLAGS := -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=[sm_80,compute_80] \
+              -gencode arch=compute_90a,code=sm_90a
+$(info vae.cu: no GPU detected: building for sm_75, sm_80 (+ PTX for newer GPUs) and sm_90a. HINT: GPU_ARCH=86 builds for one GPU)
 else ifeq ($(shell test $(ARCH) -lt $(MIN_ARCH) && echo old),old)
-$(error vae.cu: sm_$(ARCH) is older than sm_$(MIN_ARCH), the oldest instruction set vae.cu's kernels use (mma.sync, cp.async, ldmatrix). HINT: GPU_ARCH=80, or leave it unset for the portable binary)
+$(error vae.cu: sm_$(ARCH) is older than sm_$(MIN_ARCH), the oldest GPU vae.cu runs on (the T4; cuBLASLt and the plain path's kernels). HINT: GPU_ARCH=75, or leave it unset for the portable binary)
 else ifeq ($(ARCH),90)
 # -gencode because the -arch=sm_90a shorthand also runs a plain sm_90 pass
 ARCH_FLAGS := -gencode arch=compute_90a,code=sm_90a

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # test_build.sh: checks the Makefile's choice of GPU code, without a GPU (make test runs it).
-#   - no GPU found (nvidia-smi absent or failing): a portable fat binary, sm_80 + its PTX + sm_90a,
+#   - no GPU found (nvidia-smi absent or failing): a portable fat binary, sm_75 + sm_80 + its PTX + sm_90a,
 #     with a notice when nvidia-smi printed an error instead of a compute capability;
 #   - GPU_ARCH in its forms (90, 9.0, sm_90, sm_90a; 86, 8.6, sm_86) and nvidia-smi's answer;
-#   - older than sm_80, or not a compute capability: make stops with one line;
-#   - vae and test_vae link no cuBLAS (neither calls it);
+#   - older than sm_75, or not a compute capability: make stops with one line;
+#   - vae and test_vae link cuBLASLt (the plain path's matrix products) and not cuBLAS;
 #   - a built ./vae holds the code its nvcc line promises (cuobjdump), when there is one.
 # Ends with "N passed, N failed, N skipped"; exits non-zero if anything failed.
 set -uo pipefail
@@ -22,16 +22,16 @@ trap 'rm -rf "$fake"' EXIT
 fake_smi() { printf '#!/bin/sh\n%s\n' "$1" > "$fake/nvidia-smi" && chmod +x "$fake/nvidia-smi"; }
 # the nvcc command make would run for vae, and what make printed besides
 plan() { PATH="$fake:$PATH" make -s -n -B -f Makefile vae "$@" 2>&1; }
-portable='-gencode arch=compute_80,code=\[sm_80,compute_80\] -gencode arch=compute_90a,code=sm_90a'
+portable='-gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=\[sm_80,compute_80\] -gencode arch=compute_90a,code=sm_90a'
 
 echo "Makefile: GPU code for the GPU a user has"
 fake_smi 'exit 127'
 out=$(plan); echo "$out" | grep -q -- "nvcc .*$portable" && echo "$out" | grep -q 'no GPU detected'
-check "no nvidia-smi answer: a portable binary (sm_80, its PTX, sm_90a), said so" $? "$out"
+check "no nvidia-smi answer: a portable binary (sm_75, sm_80, its PTX, sm_90a), said so" $? "$out"
 fake_smi "echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\"; exit 9"
 out=$(plan); echo "$out" | grep -q -- "nvcc .*$portable" && echo "$out" | grep -q "nvidia-smi gave no compute capability"
 check "nvidia-smi failing with an error: the portable binary, with a notice" $? "$(echo "$out" | head -2)"
-for answer in 9.0 8.6 12.0; do
+for answer in 9.0 8.6 7.5 12.0; do
     fake_smi "echo $answer"
     want=$([ "$answer" = 9.0 ] && echo 'arch=compute_90a,code=sm_90a' || echo "-arch=sm_${answer/./}")
     out=$(plan); echo "$out" | grep -q -- "nvcc .*$want"
@@ -43,13 +43,13 @@ for arch in 90 9.0 sm_90 sm_90a " 9.0 "; do
         ! echo "$out" | grep -q compute_80
     check "GPU_ARCH='$arch': sm_90a only" $? "$out"
 done
-for arch in 86 8.6 sm_86 80; do
+for arch in 86 8.6 sm_86 80 75 7.5; do
     out=$(plan GPU_ARCH="$arch"); echo "$out" | grep -q -- "nvcc .*-arch=sm_${arch//[^0-9]/} "
     check "GPU_ARCH=$arch: -arch=sm_${arch//[^0-9]/}" $? "$out"
 done
-for arch in 75 7.5 sm_70 60; do
+for arch in 70 7.0 sm_70 60; do
     out=$(plan GPU_ARCH="$arch"); rc=$?
-    [ $rc -ne 0 ] && [ "$(echo "$out" | grep -c .)" -eq 1 ] && echo "$out" | grep -q 'older than sm_80'
+    [ $rc -ne 0 ] && [ "$(echo "$out" | grep -c .)" -eq 1 ] && echo "$out" | grep -q 'older than sm_75'
     check "GPU_ARCH=$arch: make stops with one line" $? "rc $rc: $out"
 done
 for arch in junk 9.x sm_ "NVIDIA-SMI has failed"; do
@@ -61,11 +61,11 @@ done
 echo "Makefile: what each target links"
 for target in vae test_vae; do
     out=$(PATH="$fake:$PATH" make -s -n -B "$target" 2>&1 | grep "nvcc .* -o $target")
-    [ -n "$out" ] && ! echo "$out" | grep -q -- '-lcublas'
-    check "$target links no cuBLAS" $? "$out"
+    [ -n "$out" ] && echo "$out" | grep -q -- '-lcublasLt' && ! echo "$out" | grep -qE -- '-lcublas( |$)'
+    check "$target links cuBLASLt, not cuBLAS" $? "$out"
 done
 if [ -x vae ] && command -v cuobjdump > /dev/null; then
-    ldd vae | grep -q cublas; check "./vae does not load libcublas" $((1 - $?))
+    ! ldd vae | grep -q 'libcublas\.'; check "./vae loads libcublasLt, not libcublas" $?
     # the code the Makefile's nvcc line for this machine promises, against what the binary holds
     line=$(make -s -n -B vae 2>/dev/null | grep 'nvcc .* -o vae')
     want=$(echo "$line" | grep -oE 'code=\[?sm_[0-9]+a?|-arch=sm_[0-9]+a?' | grep -oE 'sm_[0-9]+a?' | sort -u)

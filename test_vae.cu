@@ -1016,7 +1016,8 @@ static void test_cli(int num_images, const Images* images) {
     check(!gpu_supported("Tesla V100", 7, 0, PRECISION_FP32, &err) && strstr(err.msg, "Tesla V100") &&
               strstr(err.msg, "7.0") && strstr(err.msg, "7.5"), "a GPU below sm_75 is refused with its name: %s",
           err.msg);
-    check(gpu_supported("Tesla T4", 7, 5, PRECISION_FP32, &err) && !gpu_supported("Tesla T4", 7, 5, PRECISION_BF16, &err) &&
+    check(gpu_supported("Tesla T4", 7, 5, PRECISION_FP32, &err) &&
+              !gpu_supported("Tesla T4", 7, 5, PRECISION_BF16, &err) &&
               strstr(err.msg, "bf16") && strstr(err.msg, "--precision fp32"),
           "sm_75 runs fp32; bf16 there is refused in one line that names fp32: %s", err.msg);
     const struct {
@@ -1572,7 +1573,8 @@ static void test_gpu_plain_vs_fused(const HostWeights* w, Precision p, const uin
         vae_free(&m);
     }
     const double rel = p == PRECISION_FP32 ? 1e-5 : 1e-2, pixel = p == PRECISION_FP32 ? 1e-5 : TOL_BF16;
-    const double bce = worst_relative(r[0].bce, r[1].bce, count, 0.0), kl = worst_relative(r[0].kl, r[1].kl, count, 0.0);
+    const double bce = worst_relative(r[0].bce, r[1].bce, count, 0.0);
+    const double kl = worst_relative(r[0].kl, r[1].kl, count, 0.0);
     check(bce < rel && kl < rel, "per-image BCE and KL of %d images (sampled eps) within %.0e relative: worst %.2e, "
           "%.2e", count, rel, bce, kl);
     const double iwae = worst_relative(r[0].log_px, r[1].log_px, COMPARE_IWAE, 0.0);
@@ -2386,7 +2388,9 @@ int main(int argc, char** argv) {
 
     int devices = 0;
     const cudaError_t status = cudaGetDeviceCount(&devices);
-    const char* no_gpu = !loaded ? "inputs did not load" : status != cudaSuccess || devices == 0 ? "no CUDA device" : NULL;
+    const char* no_gpu = !loaded                                  ? "inputs did not load"
+                         : status != cudaSuccess || devices == 0 ? "no CUDA device"
+                                                                 : NULL;
     // the engines here: the plain path always, the fused kernels where this GPU and build run them
     bool engine_runs[2] = {false, false}; // fused, plain
     if (no_gpu == NULL) {
@@ -2441,7 +2445,8 @@ int main(int argc, char** argv) {
             if (!m.fused || m.ais_clusters > 0) test_gpu_ais(&m, &weights, &images, d_pixels, quick);
             else skip("GPU AIS", "this GPU and build have no sm_90a code (AIS's fused kernel runs on Hopper)");
             vae_free(&m);
-            if (engine == 1 && engine_runs[0]) test_gpu_plain_vs_fused(&weights, precision, d_pixels, invariance_images);
+            if (engine == 1 && engine_runs[0])
+                test_gpu_plain_vs_fused(&weights, precision, d_pixels, invariance_images);
             cudaCheck(cudaFree(d_pixels));
         }
     }

@@ -13,8 +13,13 @@ Build and run (make vae also prepares data/ when it is missing):
     make vae && ./vae                 evaluate the MNIST test set, write three images
     ./vae -h                          all options
 
-The file reads top to bottom: utilities, the model's shapes, random numbers, kernels, launchers,
-the model, file formats, image output, and (unless TESTING is defined, as test_vae.cu does) the CLI.
+Two engines run the model. The plain path, which a reader meets first, runs every mode on any GPU from
+sm_75 (T4) on: the four layers are cuBLASLt matmuls and a few short kernels do the rest. The fused
+kernels are Hopper's fast path (wgmma, TMA, thread-block clusters), picked at start where they run
+(--kernels). The file reads top to bottom: utilities, the model's shapes, random numbers, the plain
+path (its kernels, then the model on cuBLASLt), the fused kernels and their launchers, the model's glue
+(which engine, one interface for both), file formats, image output, and (unless TESTING is defined,
+as test_vae.cu does) the CLI.
 */
 #include <cuda.h> // CUtensorMap and its enums only: the encoder comes through the runtime, no -lcuda
 #include <cudaTypedefs.h>
@@ -368,13 +373,15 @@ template <typename T> __device__ inline void store_z_input(T* row, const float (
     for (int q = 0; q < PARTS * Z_PAD / 4; q++) reinterpret_cast<Four<T>*>(row)[q] = out[q];
 }
 // fc3's rows as above, [400][Z_PAD * z_parts], from W3 [400][20] and b3 (fp32).
-template <typename T> __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const float* __restrict__ b3) {
+template <typename T>
+__global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const float* __restrict__ b3) {
     const int width = Z_PAD * z_parts<T>(), i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= HIDDEN_DIM * width) return;
     const int n = i / width, block = i % width / Z_PAD, k = i % Z_PAD, bias_parts = z_parts<T>();
+    const bool parts = std::is_same<T, bf16>::value;
     float v = 0.0f;
-    if (k < LATENT_DIM) v = std::is_same<T, bf16>::value ? bf16_part(w3[n * LATENT_DIM + k], block == 2) : w3[n * LATENT_DIM + k];
-    else if (block == 0 && k < LATENT_DIM + bias_parts) v = std::is_same<T, bf16>::value ? bf16_part(b3[n], k - LATENT_DIM) : b3[n];
+    if (k < LATENT_DIM) v = parts ? bf16_part(w3[n * LATENT_DIM + k], block == 2) : w3[n * LATENT_DIM + k];
+    else if (block == 0 && k < LATENT_DIM + bias_parts) v = parts ? bf16_part(b3[n], k - LATENT_DIM) : b3[n];
     store_as(&dst[i], v);
 }
 
@@ -425,8 +432,8 @@ __global__ void sample_kernel(T* z_input, float* z_out, float* kl, float* log_ra
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     float z[LATENT_DIM], row_kl, ratio;
-    sample_latents(z, &row_kl, &ratio, mulv + (size_t)(r / K) * MULV_DIM, eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL,
-                   first_image + r / K, r % K, seed, z_is_mu);
+    sample_latents(z, &row_kl, &ratio, mulv + (size_t)(r / K) * MULV_DIM,
+                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, first_image + r / K, r % K, seed, z_is_mu);
     store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), z);
     if (z_out) for (int j = 0; j < LATENT_DIM; j++) z_out[(size_t)r * LATENT_DIM + j] = z[j];
     if (kl) kl[r] = row_kl;
@@ -738,7 +745,8 @@ __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
     prior.kick(p, z, grad, beta, 0.5f * step);
     if (io.proposal && s == io.T - 1)
         for (int j = 0; j < LATENT_DIM; j++)
-            io.proposal[(size_t)r * 2 * LATENT_DIM + j] = z[j], io.proposal[(size_t)r * 2 * LATENT_DIM + LATENT_DIM + j] = p[j];
+            io.proposal[(size_t)r * 2 * LATENT_DIM + j] = z[j],
+            io.proposal[((size_t)r * 2 + 1) * LATENT_DIM + j] = p[j];
     float lpxz, lp0, kinetic = 0.0f;
     prior.log_densities(z, c.bce[r], &lpxz, &lp0);
     for (int j = 0; j < LATENT_DIM; j++) kinetic = fmaf(p[j], p[j], kinetic);
@@ -851,7 +859,8 @@ static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int p
     const cublasLtEpilogue_t epilogue = bias ? (relu ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS)
                                              : (relu ? CUBLASLT_EPILOGUE_RELU : CUBLASLT_EPILOGUE_DEFAULT);
     cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-    if (bias) cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    if (bias)
+        cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
     // W's bytes, column-major: `in` rows (the first m of them backward), `out` columns, pitch apart
     g.w_layout = gemm_layout(in_type, backward ? in : in, out, pitch);
     cublasLtMatrixLayout_t x = gemm_layout(in_type, g.k, GEMM_PICK_ROWS, g.k);
@@ -867,8 +876,9 @@ static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int p
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
     cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt, g.desc, g.w_layout, x, y, y, pref, 1, &result, &found));
-    if (found == 0) fail("cuBLASLt has no algorithm for a %d x %d x %d product on this GPU. HINT: --precision fp32", g.m,
-                         GEMM_PICK_ROWS, g.k);
+    if (found == 0)
+        fail("cuBLASLt has no algorithm for a %d x %d x %d product on this GPU. HINT: --precision fp32", g.m,
+             GEMM_PICK_ROWS, g.k);
     g.algo = result.algo;
     int32_t splits = 1;
     cublasCheck(cublasLtMatmulAlgoConfigGetAttribute(&g.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits),
@@ -985,7 +995,8 @@ static void plain_init_weights(Plain* pl, const float* const* t, const float* en
     pl->fc3 = gemm_init(pl->lt, base + w3, HIDDEN_DIM, zk, zk, false, true, NULL, type, type, 1.0f);
     pl->fc4 = gemm_init(pl->lt, convert_weights<T>(base + w4, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
                         INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
-                        convert_weights<float>(base + b4, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, f32, 1.0f);
+                        convert_weights<float>(base + b4, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, f32,
+                        1.0f);
     // AIS's backward in B: dh = residual W4, then grad BCE = dh W3 in fp32 (Z_PAD wide)
     pl->fc4_backward =
         gemm_init(pl->lt, convert_weights<B>(base + w4_back, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
@@ -1034,7 +1045,8 @@ static void plain_free(Plain* pl) {
 // The encoder: [mu | logvar] of B images (device uint8 pixels) into pl->mulv, and h1.
 static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t stream) {
     const long long n = (long long)B * INPUT_DIM;
-    if (pl->precision == PRECISION_BF16) launch(pixels_to_input_kernel<bf16>, n, 256, 256, stream, (bf16*)pl->x, pixels, n);
+    if (pl->precision == PRECISION_BF16)
+        launch(pixels_to_input_kernel<bf16>, n, 256, 256, stream, (bf16*)pl->x, pixels, n);
     else launch(pixels_to_input_kernel<float>, n, 256, 256, stream, (float*)pl->x, pixels, n);
     gemm(pl->lt, pl->fc1, pl->h1, pl->x, B, stream);
     gemm(pl->lt, pl->fc2, pl->mulv, pl->h1, B, stream);
@@ -1053,7 +1065,8 @@ static void plain_sample(Plain* pl, int rows, int K, const float* mulv, const fl
 
 // fc3's inputs from latents given in fp32 ([rows][20] on the device).
 static void plain_set_z(Plain* pl, const float* z, int rows, cudaStream_t stream) {
-    if (pl->precision == PRECISION_BF16) launch(z_input_kernel<bf16>, rows, 128, 128, stream, (bf16*)pl->z_input, z, rows);
+    if (pl->precision == PRECISION_BF16)
+        launch(z_input_kernel<bf16>, rows, 128, 128, stream, (bf16*)pl->z_input, z, rows);
     else launch(z_input_kernel<float>, rows, 128, 128, stream, (float*)pl->z_input, z, rows);
 }
 
@@ -1084,7 +1097,8 @@ static void plain_iwae(Plain* pl, const uint8_t* pixels, const float* mulv, int 
 // AIS: one gradient evaluation for `rows` chains at pl->ais_z_input, a row's pixels those of image r / C:
 // the decoder forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into
 // chains.grad, and the BCE into chains.bce when `energy` (a trajectory's start and end).
-template <typename T> static void plain_ais_gradient(Plain* pl, const AisIO& io, int rows, bool energy, cudaStream_t stream) {
+template <typename T>
+static void plain_ais_gradient(Plain* pl, const AisIO& io, int rows, bool energy, cudaStream_t stream) {
     typedef typename Backward<T>::type B;
     gemm(pl->lt, pl->fc3, pl->ais_h3, pl->ais_z_input, rows, stream);
     gemm(pl->lt, pl->fc4, pl->ais_logits, pl->ais_h3, rows, stream);
@@ -1169,10 +1183,10 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
 //                    asked for. h3 never leaves the registers, the logits never reach memory
 // Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from
 // sample_z_kernel), the pictures and --interp (rows of chosen latents, no pixels: recon).
-// Each is one design on two instruction sets: encoder_mma_kernel and decoder_mma_kernel (mma.sync:
-// sm_80's instructions, run where wgmma is missing), encoder_wgmma_kernel and decoder_wgmma_kernel
-// (Hopper's wgmma + TMA); the tests check the two agree. Its interface is rows of z in, per-row
-// results out: a backward pass w.r.t. z fits the same shape (x - sigmoid(logits) formed in the
+// Both run on Hopper's wgmma + TMA (encoder_wgmma_kernel, decoder_wgmma_kernel); the tests check them
+// against float64 and against the plain path. The same design on sm_80's mma.sync is dev/'s
+// (dev/encoder_v1.cu, dev/decoder_v1.cu), with its time beside these. Its interface is rows of z in,
+// per-row results out: a backward pass w.r.t. z fits the same shape (x - sigmoid(logits) formed in the
 // epilogue's registers).
 //
 // Both precisions run the same kernels (template parameter P); Path<P> holds what differs.
@@ -1363,7 +1377,7 @@ static_assert(HIDDEN_DIM % DEC_CHUNK == 0 && DEC_CHUNK % 16 == 0, "chunks are wh
 static_assert(dec_overlap<PRECISION_BF16>() % 8 == 0 && dec_overlap<PRECISION_FP32>() % 8 == 0 &&
                   dec_overlap<PRECISION_FP32>() >= 0 && INPUT_DIM % 2 == 0, "the overlaps are whole n8 blocks");
 
-// The encoder's shapes (encoder_mma_kernel, below).
+// The encoder's shapes (encoder_wgmma_kernel, below).
 enum {
     ENC_BN = 80,               // fc1's rows a block keeps: one slice (bf16: 80 units; fp32: 40 units' hi and lo)
     MAX_ENC_SLICES = Path<PRECISION_FP32>::ENC_SLICES,
@@ -1388,7 +1402,7 @@ __global__ void weights_kernel(typename Path<P>::T* __restrict__ dst, Layer laye
     if (i >= count) return;
     float v = 0.0f; // the source value, and which of its parts goes here
     int part = 0;
-    if (layer == LAYER_FC1) { // [slices * 80][832] in the K order of the pixel fragments (encoder_mma_kernel)
+    if (layer == LAYER_FC1) { // [slices * 80][832] in the K order of the pixel fragments (pixel_fragments)
         const int n = (int)(i / FC1_K), k = (int)(i % FC1_K), s = k / 16, slot = k % 16, u = s / 4, j = s % 4;
         const int t = (slot % 8) / 2, pixel = 64 * u + 16 * t + 4 * j + (slot / 8) * 2 + slot % 2;
         const int unit = n / ENC_BN * Q::ENC_UNITS + n % ENC_BN % Q::ENC_UNITS;
@@ -1498,32 +1512,6 @@ template <int H> __device__ inline void store_hidden(float* out, const float (&h
                 *reinterpret_cast<float2*>(&out[(size_t)(row16 + g + 8 * half) * HIDDEN_DIM + col0 + 8 * j + 2 * t]) =
                     make_float2(fmaxf(h[4 * j + 2 * half], 0.0f), fmaxf(h[4 * j + 2 * half + 1], 0.0f));
 }
-
-// encoder_mma_kernel: the decoder's design turned around. fc1's 400 hidden units are cut into
-// slices (bf16: 5 of 80 units; fp32: 10 of 40, their hi and lo rows); a block owns one slice and
-// keeps its 80 rows of fc1 (134 KB) and its columns of [fc21 | fc22] in shared memory, copied
-// once. Its warps then take 16-image tasks on their own:
-//   pixels   straight from global memory into mma's A fragments: thread t of a quad loads 16
-//            bytes of each of its two rows per 64 pixels (one uint4, the next two in flight while
-//            this one is multiplied) and widens them to 16 bits (0..255 are exact). That needs
-//            fc1's K in a matching order: k16 step s = 4u + j holds, in the fragment slots (2t,
-//            2t+1) and (8+2t, 9+2t), pixels 64u + 16t + 4j + (0, 1) and (2, 3); weights_kernel
-//            stores fc1 permuted that way once, K padded to 832 with zeros
-//   fc1      16 x 80 per warp, K = 832: 10 mma per k16 step, B by ldmatrix from the resident rows
-//   fc21/22  the accumulators (fp32: the hi and lo halves added; scale 1/255, bias, ReLU) are the
-//            A fragments of the 16 x 40 partial [mu | logvar] of the slice (relu_to_a): h1 never
-//            leaves the registers
-//   merge    each warp stores its 16 x 40 partial (L2) and takes a ticket per 16 images; the last
-//            slice to arrive adds them all in slice order (whatever order they arrived in:
-//            bitwise reproducible and batch invariant), adds the bias, draws eps (keyed by the
-//            image's global index) and writes the z rows and KL
-// Tasks are dealt round-robin over the blocks first, so a batch of 1024 (64 tasks a slice) runs
-// on 130 SMs, a task per warp, not on 40 with 8 each.
-template <Precision P> struct EncoderSmem {
-    typename Path<P>::T w1[ENC_BN][FC1_PITCH];
-    typename Path<P>::T w_enc[MULV_DIM][Path<P>::ENC_W_COLS + 8]; // rows of 176 or 208 bytes: conflict-free loads
-    float z[ENC_WARPS][TASK_ROWS][LATENT_DIM], kl_terms[ENC_WARPS][TASK_ROWS][LATENT_DIM]; // a finishing warp's
-};
 
 // What an encoder pass reads and writes (both kernels, both paths).
 struct EncoderIO {
@@ -1656,48 +1644,6 @@ __device__ inline void copy_enc_weights(typename Path<P>::T (*dst)[Path<P>::ENC_
     copy_block_async(&dst[0][0], COLS + 8, src + slice * COLS, Path<P>::ENC_SLICES * COLS, MULV_DIM, COLS);
 }
 
-template <Precision P>
-__global__ void __launch_bounds__(ENC_WARPS * 32, 1)
-    encoder_mma_kernel(const typename Path<P>::T* __restrict__ fc1_wp, const EncoderIO io) {
-    typedef typename Path<P>::T T;
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    EncoderSmem<P>& sm = *reinterpret_cast<EncoderSmem<P>*>(smem_raw);
-    allow_dependent_launch();
-    const int slice = blockIdx.x % Path<P>::ENC_SLICES, copies = gridDim.x / Path<P>::ENC_SLICES;
-    copy_block_async(&sm.w1[0][0], FC1_PITCH, fc1_wp + (size_t)slice * ENC_BN * FC1_K, FC1_K, ENC_BN, FC1_K);
-    copy_enc_weights<P>(sm.w_enc, io, slice);
-    cp_async_wait<0>();
-    __syncthreads();
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
-    const int tasks = ceil_div(io.M, TASK_ROWS);
-    for (int task = blockIdx.x / Path<P>::ENC_SLICES + copies * warp; task < tasks; task += copies * ENC_WARPS) {
-        const PixelRows rows(io.pixels, task * TASK_ROWS, io.M);
-        float acc[2 * ENC_BN / 4] = {};
-        uint4 px[FC1_K / 64][2]; // constant indices (the loop is unrolled): registers, ENC_PREFETCH + 1 live
-        #pragma unroll
-        for (int u = 0; u < ENC_PREFETCH; u++) rows.load(px[u], u);
-        #pragma unroll
-        for (int u = 0; u < FC1_K / 64; u++) {
-            if (u + ENC_PREFETCH < FC1_K / 64) rows.load(px[u + ENC_PREFETCH], u + ENC_PREFETCH);
-            uint32_t a[4][4];
-            pixel_fragments<T>(a, px[u]);
-            #pragma unroll
-            for (int j = 0; j < 4; j++)
-                #pragma unroll
-                for (int nt = 0; nt < ENC_BN / 8; nt += 2) {
-                    uint32_t r[4];
-                    ldmatrix_x4(r, &sm.w1[nt * 8 + b_row][(4 * u + j) * 16 + b_k]);
-                    const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-                    mma_m16n8k16<T>(&acc[4 * nt], a[j], b0);
-                    mma_m16n8k16<T>(&acc[4 * nt + 4], a[j], b1);
-                }
-        }
-        encoder_finish<P>(acc, sm.w_enc, task * TASK_ROWS, slice, io, sm.z[warp], sm.kl_terms[warp]);
-    }
-}
-
 // fc3's A fragments (Z_K / 16 k16 steps) of rows row16 + g and + 8 (zeros past the rows): two
 // 16-byte loads per two steps.
 template <int STEPS>
@@ -1729,14 +1675,12 @@ struct DecoderIO {
     float* h3;             // [rows][400] or NULL (tests)
 };
 
-// The epilogue of both decoders, for one warp's 16 rows x DEC_BN logits of column block cb, held
-// in the m16n8 layout (logit[4j..4j+3] = n8 block j, rows g and g + 8). A row's BCE terms
-// max(l, 0) - x l + log(1 + e^-|l|) are summed as (1/2 - x) l + |l| / 2 + log(1 + e^-|l|)
-// with one log per row and thread: the factors 1 + e^-|l| (each in (1, 2]; 25 or 11 a thread)
-// multiplied in two products, log2 taken once. The 4 lanes of a quad share a row. Each row's share
-// goes to parts[row][cb]; the column block that completes the 16 rows (a ticket per 16 rows) adds
-// the shares in block order, the same sum whichever block is last: bitwise reproducible, batch
-// invariant.
+// The decoder's epilogue (also dev/decoder_v1.cu's mma.sync kernel's), for one warp's 16 rows x DEC_BN logits of column
+// block cb, held in the m16n8 layout (logit[4j..4j+3] = n8 block j, rows g and g + 8). A row's BCE terms max(l, 0) - x
+// l + log(1 + e^-|l|) are summed as (1/2 - x) l + |l| / 2 + log(1 + e^-|l|) with one log per row and thread: the
+// factors 1 + e^-|l| (each in (1, 2]; 25 or 11 a thread) multiplied in two products, log2 taken once. The 4 lanes of a
+// quad share a row. Each row's share goes to parts[row][cb]; the column block that completes the 16 rows (a ticket per
+// 16 rows) adds the shares in block order, the same sum whichever block is last: bitwise reproducible, batch invariant.
 template <Precision P>
 __device__ inline void decoder_epilogue(const float (&logit)[Path<P>::DEC_BN / 2], int row16, int cb,
                                         const DecoderIO& io) {
@@ -1793,96 +1737,9 @@ __device__ inline void decoder_epilogue(const float (&logit)[Path<P>::DEC_BN / 2
     }
 }
 
-// decoder_mma_kernel: the decoder on mma.sync (sm_80's instructions). A block owns one column
-// block: its DEC_BN rows of fc4 (bf16: 200, 163 KB; fp32: 88 in two copies, 144 KB) and all of
-// fc3 (32 or 58 KB) are copied into shared memory once, and its 8 warps then take 16-row tasks,
-// dealt round-robin over the block's copies first, on their own (no block-wide barrier after the
-// copy). Per task a warp runs fc3 in chunks of 80 hidden units (10 n8 blocks, K = Z_K), turns
-// each chunk's accumulators into fc4's A fragments in registers (relu_to_a), and multiplies them
-// by fc4's rows through ldmatrix: the same dataflow as the wgmma kernel, 16 rows at a time instead
-// of 64. Rows of 816 bytes (51 x 16) put the 8 rows an ldmatrix phase reads in 8 different bank
-// groups; fc3's rows of 80 or 144 bytes make its fragment loads conflict-free.
-enum { DEC_MMA_WARPS = 8 };
-template <Precision P> struct DecoderMmaSmem {
-    typename Path<P>::T w4[Path<P>::SPLIT ? 2 : 1][Path<P>::DEC_BN][FC4_K];
-    typename Path<P>::T w3[HIDDEN_DIM][Path<P>::Z_K + 8];
-};
 // bf16's or fp16's 1s at K = 400..402 (times fc4's bias parts), as thread t's A register pair.
 template <typename T> __device__ inline uint32_t bias_ones(int t) {
     return t == 0 ? pack2<T>(1.0f, 1.0f) : t == 1 ? pack2<T>(1.0f, 0.0f) : 0u;
-}
-
-template <Precision P>
-__global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
-    decoder_mma_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const typename Path<P>::T* __restrict__ fc3_wb,
-                       const DecoderIO io) {
-    typedef Path<P> Q;
-    typedef typename Q::T T;
-    constexpr int DEC_BN = Q::DEC_BN, DEC_COL_BLOCKS = Q::DEC_COL_BLOCKS, Z_STEPS = Q::Z_K / 16;
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    DecoderMmaSmem<P>& sm = *reinterpret_cast<DecoderMmaSmem<P>*>(smem_raw);
-    const int cb = blockIdx.x % DEC_COL_BLOCKS, col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
-    for (int copy = 0; copy < (Q::SPLIT ? 2 : 1); copy++)
-        copy_block_async(&sm.w4[copy][0][0], FC4_K, fc4_wb + ((size_t)copy * INPUT_DIM + col0) * FC4_K, FC4_K, DEC_BN,
-                         FC4_K);
-    copy_block_async(&sm.w3[0][0], Q::Z_K + 8, fc3_wb, Q::Z_K, HIDDEN_DIM, Q::Z_K);
-    cp_async_wait<0>();
-    __syncthreads();
-    wait_for_prior_grid(); // the z rows
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
-    const uint32_t a_bias[4] = {bias_ones<T>(t), bias_ones<T>(t), 0u, 0u};
-    const int tasks = ceil_div(io.rows, TASK_ROWS), copies = gridDim.x / DEC_COL_BLOCKS; // tasks dealt round-robin
-    for (int task = blockIdx.x / DEC_COL_BLOCKS + copies * warp; task < tasks; task += copies * DEC_MMA_WARPS) {
-        uint32_t z_a[Z_STEPS][4];
-        load_z_fragments(z_a, io.z_rows, task * TASK_ROWS, io.rows);
-        float logit[DEC_BN / 2] = {};
-        #pragma unroll 1
-        for (int c = 0; c < DEC_CHUNKS; c++) {
-            float h[2 * DEC_CHUNK / 4] = {};
-            #pragma unroll
-            for (int nt = 0; nt < DEC_CHUNK / 8; nt++)
-                #pragma unroll
-                for (int kk = 0; kk < Z_STEPS; kk++) {
-                    const T* w = &sm.w3[c * DEC_CHUNK + nt * 8 + g][kk * 16 + 2 * t];
-                    const uint32_t b[2] = {pair_at(w), pair_at(w + 8)};
-                    mma_m16n8k16<T>(&h[4 * nt], z_a[kk], b);
-                }
-            if (io.h3 && cb == 0) store_hidden(io.h3, h, task * TASK_ROWS, io.rows, c * DEC_CHUNK);
-            uint32_t a[DEC_STEPS][4], a_lo[DEC_STEPS][4];
-            relu_to_a<T>(a, a_lo, h);
-            #pragma unroll
-            for (int s = 0; s < DEC_STEPS; s++) {
-                const int k = (c * DEC_STEPS + s) * 16;
-                #pragma unroll
-                for (int nt = 0; nt < DEC_BN / 8; nt += 2) {
-                    const T* row = &sm.w4[0][nt * 8 + b_row][k + b_k];
-                    const T* row_lo = row + DEC_BN * FC4_K; // fp32: the same place in the lo copy
-                    if (nt + 1 < DEC_BN / 8) {
-                        uint32_t r[4], q[4] = {};
-                        ldmatrix_x4(r, row);
-                        if constexpr (Q::SPLIT) ldmatrix_x4(q, row_lo);
-                        const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]}, c0[2] = {q[0], q[1]},
-                                       c1[2] = {q[2], q[3]};
-                        mma_parts<T>(&logit[4 * nt], a[s], a_lo[s], b0, c0);
-                        mma_parts<T>(&logit[4 * nt + 4], a[s], a_lo[s], b1, c1);
-                    } else { // an odd count of n8 blocks: the last alone; lanes 16-31 pass (unused) in-bounds addresses
-                        uint32_t b[2], b_lo[2] = {};
-                        ldmatrix_x2(b[0], b[1], row - (lane / 16) * 8 * FC4_K);
-                        if constexpr (Q::SPLIT) ldmatrix_x2(b_lo[0], b_lo[1], row_lo - (lane / 16) * 8 * FC4_K);
-                        mma_parts<T>(&logit[4 * nt], a[s], a_lo[s], b, b_lo);
-                    }
-                }
-            }
-        }
-        #pragma unroll
-        for (int nt = 0; nt < DEC_BN / 8; nt++) { // k16 step 25: the bias; B's K = 408..415 (past the rows) as zeros
-            const uint32_t b[2] = {pair_at(&sm.w4[0][nt * 8 + g][HIDDEN_DIM + 2 * t]), 0u};
-            mma_m16n8k16<T>(&logit[4 * nt], a_bias, b);
-        }
-        decoder_epilogue<P>(logit, task * TASK_ROWS, cb, io);
-    }
 }
 
 // ----------------------------------------------------------------------------
@@ -1900,7 +1757,7 @@ __global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
 // A block owns one column block and keeps its slice of fc4 (179 KB) and all of fc3 (25 KB) in
 // shared memory for the whole pass, loaded once. Its two warpgroups take 64-row tiles in turns
 // at the tensor cores, handing over by named barriers: while one issues a tile's MMAs the other
-// runs its epilogue (decoder_epilogue, shared with the mma.sync kernel), so the BCE and the
+// runs its epilogue (decoder_epilogue), so the BCE and the
 // matrix work overlap. One block per SM (205 KB of shared memory, ~235 registers a thread).
 // --iwae's 50 million rows at K = 5000 run at 77-79% of the bf16 floor (dev/README.md, IWAE).
 
@@ -2208,13 +2065,18 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
 #endif
 }
 
-// encoder_wgmma_kernel: encoder_mma_kernel's design on Hopper's wgmma. A block owns one slice of
-// 80 rows of fc1 (bf16: 80 hidden units; fp32: 40 units' hi and lo parts); they arrive once by TMA
-// (13 tiles of 80 x 64, the 128-byte swizzle wgmma reads). Each warpgroup takes 64-image tasks:
-// per 64 pixels its warps widen their 16 rows into A fragments in registers (pixel_fragments, as
-// on mma.sync) and issue 4 m64n80k16 wgmmas from them, while the next block's pixels are loaded
-// and widened into the other register buffer. Each warp then finishes its 16 images with
-// encoder_finish, the same code as the mma.sync kernel. Four warpgroups a block (bf16: 124
+// encoder_wgmma_kernel: the decoder's design turned around. fc1's 400 hidden units are cut into slices
+// (bf16: 5 of 80 units; fp32: 10 of 40, their hi and lo rows); a block owns one slice, its 80 rows of
+// fc1, which arrive once by TMA (13 tiles of 80 x 64, the 128-byte swizzle wgmma reads), and its
+// columns of [fc21 | fc22]. Each warpgroup takes 64-image tasks: per 64 pixels its warps load 16 bytes
+// of each of their rows straight from global memory and widen them into A fragments in registers
+// (pixel_fragments; 0..255 are exact in 16 bits; weights_kernel stores fc1's K in the matching order),
+// and issue 4 m64n80k16 wgmmas from them, while the next block's pixels are loaded and widened into the
+// other register buffer. Each warp then finishes its 16 images with encoder_finish: the accumulators
+// (scale 1/255, bias, ReLU) are the A fragments of the slice's partial [mu | logvar] (h1 never leaves
+// the registers); the partial goes through L2 with a ticket per 16 images, and the last slice to arrive
+// adds them all in slice order (bitwise reproducible, batch invariant), draws eps and writes the z rows
+// and the KL. Four warpgroups a block (bf16: 124
 // registers a thread, 182 KB of shared memory): at B = 10000 the 157 tasks of a slice take 2
 // rounds of its 104 warpgroups, not 3 of 78, and the bf16 encoder runs in 39.2 us instead of 43.0;
 // five spread too thin at small batches.
@@ -3406,46 +3268,32 @@ static CUtensorMap tensor_map_16bit(const void* base, int rows, int cols, int bo
     return map;
 }
 
-// The encoder over io.M images in precision P: Hopper's wgmma kernel when `wgmma`, else the
-// mma.sync one; one block per SM of `sms`, whole groups of the slices, no more than there are tasks.
+// The encoder over io.M images in precision P: one block per SM of `sms`, whole groups of the slices, no
+// more than there are 64-image tasks.
 template <Precision P>
-static void encoder_launch(const EncoderIO& io, const void* fc1_wp, const CUtensorMap& w1_map, bool wgmma, int sms,
-                           cudaStream_t stream) {
+static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int sms, cudaStream_t stream) {
     constexpr int SLICES = Path<P>::ENC_SLICES;
-    const int tasks = ceil_div(io.M, wgmma ? 64 : TASK_ROWS), copies = sms / SLICES < tasks ? sms / SLICES : tasks;
-    if (wgmma)
-        encoder_wgmma_kernel<P><<<SLICES * copies, ENC_WG_GROUPS * 128, enc_wg_smem<P>(), stream>>>(w1_map, io);
-    else
-        encoder_mma_kernel<P><<<SLICES * copies, ENC_WARPS * 32, sizeof(EncoderSmem<P>), stream>>>(
-            static_cast<const typename Path<P>::T*>(fc1_wp), io);
+    const int tasks = ceil_div(io.M, 64), copies = sms / SLICES < tasks ? sms / SLICES : tasks;
+    encoder_wgmma_kernel<P><<<SLICES * copies, ENC_WG_GROUPS * 128, enc_wg_smem<P>(), stream>>>(w1_map, io);
     cudaCheck(cudaGetLastError());
 }
 
-// The decoder over io.rows z rows in precision P: Hopper's wgmma kernel when `wgmma`, else the
-// mma.sync one. Blocks come in groups of the column blocks, at most one per SM of `sms` and no
-// more than there are tasks (64-row tiles for wgmma, 16 rows for mma.sync).
-// `overlap`: a programmatic dependent launch (sm_90+), so the decoder loads its weights while the
-// kernel before it finishes.
+// The decoder over io.rows z rows in precision P. Blocks come in groups of the column blocks, at most one
+// per SM of `sms` and no more than there are 64-row tiles. `overlap`: a programmatic dependent launch
+// (sm_90+), so the decoder loads its weights while the kernel before it finishes.
 template <Precision P>
-static void decoder_launch(const DecoderIO& io, const void* fc4_wb, const void* fc3_wb, const CUtensorMap& w4_map,
-                           const CUtensorMap& w3_map, bool wgmma, int sms, bool overlap, cudaStream_t stream) {
-    typedef typename Path<P>::T T;
+static void decoder_launch(const DecoderIO& io, const CUtensorMap& w4_map, const CUtensorMap& w3_map, int sms,
+                           bool overlap, cudaStream_t stream) {
     constexpr int BLOCKS = Path<P>::DEC_COL_BLOCKS;
-    const int copies_needed = ceil_div(io.rows, wgmma ? 64 : TASK_ROWS);
+    const int copies_needed = ceil_div(io.rows, 64);
     const int copies = sms / BLOCKS < copies_needed ? sms / BLOCKS : copies_needed;
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(BLOCKS * copies), cfg.stream = stream, cfg.attrs = &attr, cfg.numAttrs = overlap;
-    if (wgmma) {
-        cfg.blockDim = dim3(DEC_WG_THREADS), cfg.dynamicSmemBytes = dec_wg_smem<P>();
-        cudaCheck(cudaLaunchKernelEx(&cfg, decoder_wgmma_kernel<P>, w4_map, w3_map, io));
-    } else {
-        cfg.blockDim = dim3(DEC_MMA_WARPS * 32), cfg.dynamicSmemBytes = sizeof(DecoderMmaSmem<P>);
-        cudaCheck(cudaLaunchKernelEx(&cfg, decoder_mma_kernel<P>, static_cast<const T*>(fc4_wb),
-                                     static_cast<const T*>(fc3_wb), io));
-    }
+    cfg.blockDim = dim3(DEC_WG_THREADS), cfg.dynamicSmemBytes = dec_wg_smem<P>();
+    cudaCheck(cudaLaunchKernelEx(&cfg, decoder_wgmma_kernel<P>, w4_map, w3_map, io));
 }
 
 // ais_kernel over io.n images in precision P: a grid of clusters of AIS_CLUSTER blocks, `clusters`
@@ -3485,12 +3333,7 @@ template <Precision P> static int ais_max_clusters() {
 }
 
 // More than the default 48 KB of dynamic shared memory for precision P's kernels, allowed once.
-template <Precision P> static void allow_shared_memory(bool wgmma) {
-    cudaCheck(cudaFuncSetAttribute(encoder_mma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)sizeof(EncoderSmem<P>)));
-    cudaCheck(cudaFuncSetAttribute(decoder_mma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)sizeof(DecoderMmaSmem<P>)));
-    if (!wgmma) return;
+template <Precision P> static void allow_shared_memory() {
     cudaCheck(cudaFuncSetAttribute(ais_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, ais_smem<P>()));
     cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    enc_wg_smem<P>()));
@@ -3548,8 +3391,6 @@ typedef struct {
     const void* ais_w3;                  // fc3 for ais_kernel: [parts][400][24]
     int ais_clusters;                    // ais_kernel's clusters at once; 0 without sm_90a code (--ais needs it)
     float* ais_state;                    // ais_kernel's chain state for ais_clusters (ais_state_bytes)
-    bool wgmma;   // encoder and decoder on Hopper's wgmma kernels (set at init; tests turn it off to check
-                  // the kernels other GPUs run)
     bool overlap; // the decoder launched while the kernel before it runs (sm_90+)
     int sms;      // persistent blocks: at most one per SM
     CUtensorMap w1_map, w4_map, w3_map;
@@ -3588,8 +3429,7 @@ template <Precision P> static void vae_init_path(VAE* m) {
     launch(weights_kernel<PRECISION_FP32>, ais_fc3, 256, 256, m->stream, (fp16*)p, LAYER_AIS_FC3, m->fc3_w, m->fc3_b,
            (long long)ais_fc3);
     m->bce_parts_per_row = Path<P>::DEC_COL_BLOCKS;
-    allow_shared_memory<P>(m->wgmma);
-    if (!m->wgmma) return;
+    allow_shared_memory<P>();
     m->ais_clusters = ais_max_clusters<P>();
     if (m->ais_clusters > 0) // not without sm_90a code, where --ais stops at require_ais
         m->ais_state = (float*)device_alloc(ais_state_bytes<P>(m->ais_clusters), "the AIS chains' state", m->max_batch);
@@ -3682,7 +3522,6 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
         return;
     }
     m->overlap = major >= 9;
-    m->wgmma = true;
     if (precision == PRECISION_FP32) vae_init_path<PRECISION_FP32>(m);
     else vae_init_path<PRECISION_BF16>(m);
 
@@ -3734,10 +3573,10 @@ static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_im
     const DecoderIO io = {m->z_rows, pixels,   rows,   rows_per_image, bce, m->bce_parts, m->dec_tickets,
                           logits,    recon,    h3};
     if (m->precision == PRECISION_FP32)
-        decoder_launch<PRECISION_FP32>(io, m->fc4_wb, m->fc3_wb, m->w4_map, m->w3_map, m->wgmma, m->sms, m->overlap,
+        decoder_launch<PRECISION_FP32>(io, m->w4_map, m->w3_map, m->sms, m->overlap,
                                        m->stream);
     else
-        decoder_launch<PRECISION_BF16>(io, m->fc4_wb, m->fc3_wb, m->w4_map, m->w3_map, m->wgmma, m->sms, m->overlap,
+        decoder_launch<PRECISION_BF16>(io, m->w4_map, m->w3_map, m->sms, m->overlap,
                                        m->stream);
 }
 
@@ -3746,9 +3585,9 @@ static void vae_encoder(VAE* m, EncoderIO io) {
     io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.fc1_b = m->fc1_b, io.enc_w = m->enc_w16;
     io.enc_b = m->enc_b;
     if (m->precision == PRECISION_FP32)
-        encoder_launch<PRECISION_FP32>(io, m->fc1_wp, m->w1_map, m->wgmma, m->sms, m->stream);
+        encoder_launch<PRECISION_FP32>(io, m->w1_map, m->sms, m->stream);
     else
-        encoder_launch<PRECISION_BF16>(io, m->fc1_wp, m->w1_map, m->wgmma, m->sms, m->stream);
+        encoder_launch<PRECISION_BF16>(io, m->w1_map, m->sms, m->stream);
 }
 
 // mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
@@ -4212,12 +4051,13 @@ static const char* USAGE =
     "      --iwae K         importance-weighted log p(x), K samples per image (1..65536): mean NLL, its\n"
     "                       standard error, time, beside the ELBO; --csv adds per-image log p(x)\n"
     "      --bench          time forward+loss per batch size (latency and throughput), in both\n"
-    "                       precisions or the one --precision names\n"
+    "                       precisions or the one --precision names, on both engines where both run\n"
+    "                       (or the one --kernels names)\n"
     "      --bench-batches L  --bench's batch sizes, comma-separated (default 1024,2048,4096,10000)\n"
     "      --interp N       every pair of the first N test images (2..1000), 11 steps each, decoded\n"
     "                       batched and one pair per call: both times; the first pairs in interp.ppm\n"
     "      --ais T          log p(x) by annealed importance sampling over T distributions (1..100000), HMC\n"
-    "                       in the latent space (Hopper GPUs): mean NLL, acceptance, time, beside the ELBO and\n"
+    "                       in the latent space: mean NLL, acceptance, time, beside the ELBO and\n"
     "                       IWAE; --csv writes index,label,log_px,ess,acceptance\n"
     "      --chains C       --ais: chains per image (1..128, default 16)\n"
     "      --leapfrog L     --ais: leapfrog steps per HMC transition (1..1000, default 10; 1 is MALA)\n"
@@ -5059,7 +4899,8 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
            "replays from an idle GPU, throughput = %d back-to-back replays / %d (images/s and TFLOP/s from it);\n"
            "floor = the FLOPs at 770 TFLOP/s or the bytes at 4.2 TB/s\n", cfg->z_is_mu ? "= mu" : "sampled", WARMUP,
            REPS, REPS, REPS);
-    printf("| kernels | precision | batch | latency us | throughput us | images/s | TFLOP/s | floor us | %% of floor |\n");
+    printf("| kernels | precision | batch | latency us | throughput us | images/s | TFLOP/s | floor us | "
+           "%% of floor |\n");
     printf("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     // both engines wherever both run, unless --kernels names one
     Kernels engines[2] = {cfg->kernels, KERNELS_AUTO};
@@ -5111,8 +4952,9 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
                                                ((double)B * (INPUT_DIM + 2 * sizeof(float)) + weight_bytes) /
                                                    floor_bytes_per_s);
             const double tflops = flops_per_image * B / (throughput_us * 1e6);
-            printf("| %s | %s | %d | %.1f | %.1f | %.3g | %.1f | %.1f | %.1f%% |\n", engine, PRECISION_NAMES[p], B, latency_us,
-                   throughput_us, B / (throughput_us * 1e-6), tflops, floor_us, 100.0 * floor_us / throughput_us);
+            printf("| %s | %s | %d | %.1f | %.1f | %.3g | %.1f | %.1f | %.1f%% |\n", engine, PRECISION_NAMES[p], B,
+                   latency_us, throughput_us, B / (throughput_us * 1e-6), tflops, floor_us,
+                   100.0 * floor_us / throughput_us);
             cudaCheck(cudaGraphExecDestroy(exec));
             cudaCheck(cudaGraphDestroy(graph));
         }

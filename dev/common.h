@@ -25,11 +25,7 @@
 #include <cublasLt.h>
 #include <cublas_v2.h>
 
-// ---- Error checking (cudaCheck comes from vae.cu)
-inline void cublas_check(cublasStatus_t status, const char* file, int line) {
-    if (status != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: status %d at %s:%d", static_cast<int>(status), file, line);
-}
-#define cublasCheck(call) cublas_check((call), __FILE__, __LINE__)
+// ---- Error checking: cudaCheck and cublasCheck come from vae.cu
 
 inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 

@@ -1,6 +1,6 @@
 // Encoder v1: the first fused bf16 encoder - fc1 + ReLU, fc21/fc22, the sampling and the KL in one
-// launch - as vae.cu first had it, measured against today's encoder (vae.cu's encoder_launch: the wgmma kernel on
-// Hopper, the mma.sync one elsewhere).
+// launch - as vae.cu first had it, and the same encoder as today's on mma.sync (encoder_mma_kernel,
+// written out below), both measured against today's encoder (vae.cu's encoder_launch: the wgmma kernel).
 //
 // The design: a block per (slice, row tile), a fresh grid per batch.
 //   grid     5 slices of 80 hidden units x ceil(B / 64) row tiles: 80 blocks at B = 1024 (on 132 SMs),
@@ -29,6 +29,91 @@
 // Build and run from the repository root (needs data/: make data):
 //   make -C dev encoder_v1 && ./dev/encoder_v1
 #include "common.h"
+
+// ----------------------------------------------------------------------------
+// the mma.sync kernel
+
+// encoder_mma_kernel: vae.cu's encoder design (encoder_wgmma_kernel's) on mma.sync, vae.cu's encoder on GPUs without
+// wgmma until the plain path took them over. The decoder's design turned around. fc1's 400 hidden units are cut into
+// slices (bf16: 5 of 80 units; fp32: 10 of 40, their hi and lo rows); a block owns one slice and
+// keeps its 80 rows of fc1 (134 KB) and its columns of [fc21 | fc22] in shared memory, copied
+// once. Its warps then take 16-image tasks on their own:
+//   pixels   straight from global memory into mma's A fragments: thread t of a quad loads 16
+//            bytes of each of its two rows per 64 pixels (one uint4, the next two in flight while
+//            this one is multiplied) and widens them to 16 bits (0..255 are exact). That needs
+//            fc1's K in a matching order: k16 step s = 4u + j holds, in the fragment slots (2t,
+//            2t+1) and (8+2t, 9+2t), pixels 64u + 16t + 4j + (0, 1) and (2, 3); weights_kernel
+//            stores fc1 permuted that way once, K padded to 832 with zeros
+//   fc1      16 x 80 per warp, K = 832: 10 mma per k16 step, B by ldmatrix from the resident rows
+//   fc21/22  the accumulators (fp32: the hi and lo halves added; scale 1/255, bias, ReLU) are the
+//            A fragments of the 16 x 40 partial [mu | logvar] of the slice (relu_to_a): h1 never
+//            leaves the registers
+//   merge    each warp stores its 16 x 40 partial (L2) and takes a ticket per 16 images; the last
+//            slice to arrive adds them all in slice order (whatever order they arrived in:
+//            bitwise reproducible and batch invariant), adds the bias, draws eps (keyed by the
+//            image's global index) and writes the z rows and KL
+// Tasks are dealt round-robin over the blocks first, so a batch of 1024 (64 tasks a slice) runs
+// on 130 SMs, a task per warp, not on 40 with 8 each.
+template <Precision P> struct EncoderSmem {
+    typename Path<P>::T w1[ENC_BN][FC1_PITCH];
+    typename Path<P>::T w_enc[MULV_DIM][Path<P>::ENC_W_COLS + 8]; // rows of 176 or 208 bytes: conflict-free loads
+    float z[ENC_WARPS][TASK_ROWS][LATENT_DIM], kl_terms[ENC_WARPS][TASK_ROWS][LATENT_DIM]; // a finishing warp's
+};
+
+template <Precision P>
+__global__ void __launch_bounds__(ENC_WARPS * 32, 1)
+    encoder_mma_kernel(const typename Path<P>::T* __restrict__ fc1_wp, const EncoderIO io) {
+    typedef typename Path<P>::T T;
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    EncoderSmem<P>& sm = *reinterpret_cast<EncoderSmem<P>*>(smem_raw);
+    allow_dependent_launch();
+    const int slice = blockIdx.x % Path<P>::ENC_SLICES, copies = gridDim.x / Path<P>::ENC_SLICES;
+    copy_block_async(&sm.w1[0][0], FC1_PITCH, fc1_wp + (size_t)slice * ENC_BN * FC1_K, FC1_K, ENC_BN, FC1_K);
+    copy_enc_weights<P>(sm.w_enc, io, slice);
+    cp_async_wait<0>();
+    __syncthreads();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int b_row = lane % 8 + (lane / 16) * 8, b_k = ((lane / 8) % 2) * 8; // ldmatrix_x4: two n8 blocks x k16
+    const int tasks = ceil_div(io.M, TASK_ROWS);
+    for (int task = blockIdx.x / Path<P>::ENC_SLICES + copies * warp; task < tasks; task += copies * ENC_WARPS) {
+        const PixelRows rows(io.pixels, task * TASK_ROWS, io.M);
+        float acc[2 * ENC_BN / 4] = {};
+        uint4 px[FC1_K / 64][2]; // constant indices (the loop is unrolled): registers, ENC_PREFETCH + 1 live
+        #pragma unroll
+        for (int u = 0; u < ENC_PREFETCH; u++) rows.load(px[u], u);
+        #pragma unroll
+        for (int u = 0; u < FC1_K / 64; u++) {
+            if (u + ENC_PREFETCH < FC1_K / 64) rows.load(px[u + ENC_PREFETCH], u + ENC_PREFETCH);
+            uint32_t a[4][4];
+            pixel_fragments<T>(a, px[u]);
+            #pragma unroll
+            for (int j = 0; j < 4; j++)
+                #pragma unroll
+                for (int nt = 0; nt < ENC_BN / 8; nt += 2) {
+                    uint32_t r[4];
+                    ldmatrix_x4(r, &sm.w1[nt * 8 + b_row][(4 * u + j) * 16 + b_k]);
+                    const uint32_t b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
+                    mma_m16n8k16<T>(&acc[4 * nt], a[j], b0);
+                    mma_m16n8k16<T>(&acc[4 * nt + 4], a[j], b1);
+                }
+        }
+        encoder_finish<P>(acc, sm.w_enc, task * TASK_ROWS, slice, io, sm.z[warp], sm.kl_terms[warp]);
+    }
+}
+
+// encoder_mma_kernel over B images (bf16), as vae.cu's encoder_launch does the wgmma kernel: whole groups
+// of the slices, at most one block per SM and no more than there are 16-image tasks.
+static void encoder_mma(VAE* m, EncoderIO io) {
+    typedef Path<PRECISION_BF16> Q;
+    io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.fc1_b = m->fc1_b, io.enc_w = m->enc_w16;
+    io.enc_b = m->enc_b;
+    const int tasks = ceil_div(io.M, TASK_ROWS);
+    const int copies = m->sms / Q::ENC_SLICES < tasks ? m->sms / Q::ENC_SLICES : tasks;
+    encoder_mma_kernel<PRECISION_BF16><<<Q::ENC_SLICES * copies, ENC_WARPS * 32, sizeof(EncoderSmem<PRECISION_BF16>),
+                                         m->stream>>>(static_cast<const bf16*>(m->fc1_wp), io);
+    cudaCheck(cudaGetLastError());
+}
 
 // ----------------------------------------------------------------------------
 // the v1 kernel (vae.cu's names with a V1 / _v1 suffix)
@@ -387,14 +472,23 @@ int main() {
     cudaCheck(cudaFuncSetAttribute(encoder_v1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(EncoderSmemV1)));
     cudaCheck(cudaStreamSynchronize(m.stream));
-    printf("v1: %d threads, %zu bytes of shared memory a block; production: %d blocks of %d threads, %zu bytes\n",
-           EncoderTileV1::THREADS, sizeof(EncoderSmemV1), m.sms, m.wgmma ? ENC_WG_GROUPS * 128 : ENC_WARPS * 32,
-           m.wgmma ? (size_t)enc_wg_smem<PRECISION_BF16>() : sizeof(EncoderSmem<PRECISION_BF16>));
+    cudaCheck(cudaFuncSetAttribute(encoder_mma_kernel<PRECISION_BF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(EncoderSmem<PRECISION_BF16>)));
+    printf("v1: %d threads, %zu bytes of shared memory a block; mma.sync: %d threads, %zu bytes; production "
+           "(wgmma): %d blocks of %d threads, %d bytes\n", EncoderTileV1::THREADS, sizeof(EncoderSmemV1),
+           ENC_WARPS * 32, sizeof(EncoderSmem<PRECISION_BF16>), m.sms, ENC_WG_GROUPS * 128,
+           enc_wg_smem<PRECISION_BF16>());
 
     // z rows, KL and (when mulv is given) [mu | logvar] of B images; eps from the generator unless z = mu
     auto run_v1 = [&](int B, float* mulv, bool z_is_mu) {
         encoder_v1_bf16(z_rows_v1, d_kl, mulv, partials_v1, tickets_v1, d_pixels, fc1_w16, m.fc1_b,
                         static_cast<const bf16*>(m.enc_w16), m.enc_b, B, 42, z_is_mu, m.stream);
+    };
+    auto run_mma = [&](int B, float* mulv, bool z_is_mu) {
+        EncoderIO io = {};
+        io.z_rows = m.z_rows, io.kl = d_kl, io.mulv_out = mulv, io.pixels = d_pixels, io.M = B, io.seed = 42;
+        io.z_is_mu = z_is_mu;
+        encoder_mma(&m, io);
     };
     auto run_production = [&](int B, float* mulv, bool z_is_mu) {
         EncoderIO io = {};
@@ -408,14 +502,16 @@ int main() {
     std::vector<double> ref_mulv, ref_kl;
     cpu_encoder(&weights, images.pixels, max_check, ref_mulv, ref_kl); // the batches are prefixes of one another
     bool ok = true;
-    std::vector<float> mulv((size_t)(max_check + 1) * MULV_DIM), kl_v1(max_check + 1), kl_prod(max_check + 1);
+    std::vector<float> mulv((size_t)(max_check + 1) * MULV_DIM), kl_of[3];
+    for (auto& k : kl_of) k.resize(max_check + 1);
     for (int B : CHECK_B)
-        for (int path = 0; path < 2; path++) {
-            const char* name = path == 0 ? "v1" : "production";
-            std::vector<float>& kl = path == 0 ? kl_v1 : kl_prod;
+        for (int path = 0; path < 3; path++) { // v1, mma.sync, production
+            const char* name = path == 0 ? "v1" : path == 1 ? "mma.sync" : "production";
+            std::vector<float>& kl = kl_of[path];
             poison(d_mulv, (size_t)(MAX_B + 1) * MULV_DIM * sizeof(float));
             poison(d_kl, (size_t)(MAX_B + 1) * sizeof(float));
             if (path == 0) run_v1(B, d_mulv, true);
+            else if (path == 1) run_mma(B, d_mulv, true);
             else run_production(B, d_mulv, true);
             cudaCheck(cudaStreamSynchronize(m.stream));
             cudaCheck(cudaMemcpy(mulv.data(), d_mulv, (size_t)(B + 1) * MULV_DIM * sizeof(float),
@@ -430,12 +526,14 @@ int main() {
             printf("%s %s B=%d vs float64: mu %.2e, logvar %.2e, KL %.2e of max |ref| (tol %.0e)%s\n",
                    pass ? "PASS" : "FAIL", name, B, e_mu, e_lv, e_kl, TOL_REF,
                    past_end ? "" : "; wrote past image B - 1");
-            if (path == 0) continue;
-            const double e_paths = rel_err(kl_v1.data(), kl_prod.data(), B, 1, 0, 1);
-            const bool agree = e_paths <= TOL_PATHS;
-            ok = ok && agree;
-            printf("%s v1 vs production B=%d: KL %.2e of max |KL| (tol %.1e)\n", agree ? "PASS" : "FAIL", B,
-                   e_paths, TOL_PATHS);
+            if (path < 2) continue;
+            for (int other = 0; other < 2; other++) {
+                const double e_paths = rel_err(kl_of[other].data(), kl_of[2].data(), B, 1, 0, 1);
+                const bool agree = e_paths <= TOL_PATHS;
+                ok = ok && agree;
+                printf("%s %s vs production B=%d: KL %.2e of max |KL| (tol %.1e)\n", agree ? "PASS" : "FAIL",
+                       other == 0 ? "v1" : "mma.sync", B, e_paths, TOL_PATHS);
+            }
         }
     if (!ok) {
         printf("FAIL: validation failed, nothing timed\n");
@@ -445,16 +543,20 @@ int main() {
     // Timing: the ELBO's encoder (z rows and KL, eps drawn by the generator; no mu / logvar written).
     printf("\nus per launch, median of 200: hot = back to back, cold = L2 flushed (%.0f MB written) before each\n",
            std::max<size_t>(256u << 20, 4 * (size_t)device_props().l2CacheSize) / 1048576.0);
-    printf("| batch | v1 us hot | v1 us cold | production us hot | production us cold | production vs v1 "
-           "(hot / cold) | floor us (%.0f TFLOP/s) |\n|---:|---:|---:|---:|---:|---:|---:|\n", PEAK_TFLOPS);
+    printf("| batch | v1 us hot | v1 us cold | mma.sync us hot | mma.sync us cold | production us hot | production us "
+           "cold | production vs v1 (hot / cold) | floor us (%.0f TFLOP/s) |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
+           "---:|\n", PEAK_TFLOPS);
     for (int B : TIME_B) {
         const float v1_hot = benchmark_us([&] { run_v1(B, NULL, false); }, 200, 10, false);
         const float v1_cold = benchmark_us([&] { run_v1(B, NULL, false); });
+        const float mma_hot = benchmark_us([&] { run_mma(B, NULL, false); }, 200, 10, false);
+        const float mma_cold = benchmark_us([&] { run_mma(B, NULL, false); });
         const float prod_hot = benchmark_us([&] { run_production(B, NULL, false); }, 200, 10, false);
         const float prod_cold = benchmark_us([&] { run_production(B, NULL, false); });
         const double flop = 2.0 * B * ((double)INPUT_DIM * HIDDEN_DIM + (double)HIDDEN_DIM * MULV_DIM);
-        printf("| %d | %.1f | %.1f | %.1f | %.1f | %.2fx / %.2fx | %.2f |\n", B, v1_hot, v1_cold, prod_hot,
-               prod_cold, v1_hot / prod_hot, v1_cold / prod_cold, flop / (PEAK_TFLOPS * 1e12) * 1e6);
+        printf("| %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2fx / %.2fx | %.2f |\n", B, v1_hot, v1_cold, mma_hot,
+               mma_cold, prod_hot, prod_cold, v1_hot / prod_hot, v1_cold / prod_cold,
+               flop / (PEAK_TFLOPS * 1e12) * 1e6);
     }
     cudaCheck(cudaGetLastError());
 
