@@ -2350,9 +2350,8 @@ typedef fp16 AisW3;
 //   K  8..11  z hi 16..19               times  W3 lo 16..19
 //   K 12..15  z lo 16..19               times  W3 hi 16..19
 // 15 of its 16 products used: K = 24 of each part in k8 steps took six products a 16 units, or wgmma
-// (no k8) six k16 steps, half of them zeros; four now (--ais 100 on an H200: bf16 0.495 -> 0.491 s,
-// fp32 3.13 -> 3.10 s). Thread t holds K 2t, 2t + 1 and 8 + 2t, 9 + 2t: lanes t = 2, 3 take z lo
-// 16..19 from lanes 0, 1.
+// (no k8) six k16 steps, half of them zeros; four now (--ais 100 -1%). Thread t holds K 2t, 2t + 1 and
+// 8 + 2t, 9 + 2t: lanes t = 2, 3 take z lo 16..19 from lanes 0, 1.
 struct AisZFragments {
     uint32_t k16[4], k16_lo[4], k24[4];
 };
@@ -2466,7 +2465,7 @@ __device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const
 // round trips in a row (bf16: 4,700 cycles of an evaluation's 32,800; 1,650 now). The own block's share
 // is read through the cluster window too, as the other blocks read it, ordered after its store by the
 // same release and acquire; adding the own share from the thread's registers instead (no load to wait
-// for) was 4% slower (bf16 --ais 100 0.590 -> 0.616 s; the registers it holds through the merge spill).
+// for) was 4% slower in bf16 (the registers it holds through the merge spill).
 template <int CLUSTER>
 __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint32_t& merges, const float (&dz)[3][4],
                                  const float (&bce_share)[2], float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
@@ -2513,9 +2512,7 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
 // they wait for at their next merge), its reads ordered before them by the full fence. Not at the
 // merge's end but in the next evaluation, once its forward products are issued, where the thread
 // would wait for them: the fence (MEMBAR.GPU, then CCTL.IVALL) had held up the transition's
-// arithmetic after the merge. With the chain state in memory (AIS_STATE_SLOTS), --ais 100 on an
-// H200: bf16 0.491 -> 0.481 s, fp32 (then on mma.sync, before its forward) 3.10 -> 3.09 s; each
-// alone, before k24, ~-1%.
+// arithmetic after the merge (with the chain state in memory, AIS_STATE_SLOTS: --ais 100 bf16 -2%).
 template <int CLUSTER> __device__ inline void ais_release_shares(AisMeet& meet, uint32_t merges) {
     if (merges == 0) return;
     fence_cluster(); // after reads of other blocks' shared memory
@@ -2757,9 +2754,9 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
     }
 }
 
-// The gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it: bf16 114.6 us
-// a transition of 3,840 chains on an H200, 207.7 with fc3 and its backward on mma.sync; the mma.sync
-// gradient is dev/ais_gradient_v1.cu's). In bf16, the cluster of 4 blocks, column block of 200 logits,
+// The gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it: a bf16
+// transition 1.8x faster than with fc3 and its backward on mma.sync; the mma.sync gradient is
+// dev/ais_gradient_v1.cu's). In bf16, the cluster of 4 blocks, column block of 200 logits,
 // epilogue and merge of that gradient; all four products move to the warpgroup (fc3 with hi and lo
 // parts, three products, its backward with one):
 //   forward   per 64 hidden units, fc3 as 4 m64n64k16 wgmmas (z's parts as A from registers, fc3's
@@ -2787,8 +2784,8 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
 // fp32 runs the same steps with every product of fc4, and the backward through fc3, as three (lo hi,
 // hi lo, hi hi) on fp16 parts: a cluster of 8 blocks of 104 logits (AisFc4Cores; 221,480 bytes a
 // block), m64n104k16 forward and m64n64k16 backward. On mma.sync (a warp per 16 units of fc4: 14
-// ldmatrix and 39 products forward, 14 and 42 backward) it had been bound by their issue: --ais 100
-// 3.09 s, now 1.71 (H200).
+// ldmatrix and 39 products forward, 14 and 42 backward) it had been bound by their issue: --ais 100 is
+// 1.8x faster on wgmma.
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
 static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
 // fc4's column block as each path's wgmmas read it. bf16: K in 64-wide slices of 200 rows, the
@@ -2945,7 +2942,7 @@ __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&
 // r of k16 step i: j = 4i + r) keeps its two flags at bits j and 16 + j, so one shift places both. As
 // comparisons (h > 0) the bits had become predicates that ptxas kept by moving bits between registers,
 // three instructions a bit plus a repacking after the forward: 1,900 of the 17,500 SASS instructions in
-// the kernel's code (--ais 100 bf16 0.590 -> 0.510 s).
+// the kernel's code (--ais 100 bf16 -14%).
 __device__ inline uint32_t relu_pair_flags(uint32_t pair, int j) {
     uint32_t flags;
     asm("min.relu.s16x2 %0, %1, %2;\n" : "=r"(flags) : "r"(pair), "r"(0x00010001u));
@@ -2992,8 +2989,8 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     const AisZFragments za = ais_z_fragments(z);
     // Buffers of fc4's A fragments and of the backward's dh: bf16 two, each group's wgmmas reading one
     // while the warps write the other; fp32 one, the warps waiting for the wgmmas: with fp32's lo
-    // parts two had ptxas spill 2,272 / 2,752 bytes a thread, against 1,600 / 1,920 (--ais 100 on an
-    // H200: 1.786 s with two, 1.710 s with one)
+    // parts two had ptxas spill 2,272 / 2,752 bytes a thread, against 1,600 / 1,920 (--ais 100 4% slower
+    // with two)
     constexpr int BUFFERS = SPLIT ? 1 : 2;
     uint32_t mask[AIS_WG_GROUPS]; // fc3's ReLU: group q's pair j at bits j and 16 + j (relu_pair_flags)
     float logit[BN / 2];
