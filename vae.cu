@@ -229,7 +229,7 @@ __host__ __device__ inline uint4 philox4x32(uint4 c, uint2 k) {
 }
 
 // Streams keep the noise of different uses apart.
-enum { STREAM_POSTERIOR = 0, STREAM_PRIOR = 1 };
+enum { STREAM_POSTERIOR = 0, STREAM_PRIOR = 1, STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4 };
 
 // Two independent N(0,1) draws from two 32-bit random words (Box-Muller: radius times the
 // cosine and the sine of one angle).
@@ -285,11 +285,13 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
 // the plain path, part 1: the short kernels for what cuBLAS does not do
 //
 // The plain path runs every mode on any GPU from sm_75 on: the four Linear layers are cuBLASLt
-// matmuls (part 2, below), and these kernels do the rest, one thread (or one warp) per row of a batch.
+// matmuls (part 2, below), and these kernels do the rest: one thread a row, element or four elements (a
+// warp a row for the decoder's output).
 // Its activations live in memory, row-major [row][feature] as in PyTorch, in the path's type T:
 //   fp32  T = float, and cuBLAS computes in true fp32 (CUBLAS_COMPUTE_32F, no TF32)
-//   bf16  T = bf16 for the matmuls' inputs (8 significant bits), fp32 accumulation, and fp32 wherever
-//         a value is summed or compared: mu and logvar, the logits, the losses, the AIS chains
+//   bf16  T = bf16 for the matmuls' inputs (8 significant bits; AIS's backward: fp16, see Backward),
+//         fp32 accumulation, and fp32 wherever a value is summed or compared: mu and logvar, the logits,
+//         the losses, the AIS chains
 // A row of either engine is a pure function of its image and its keyed noise, whatever the batch.
 
 // One latent coordinate: z_j = mu_j + eps_j * exp(logvar_j / 2), and its KL(q(z|x) || N(0,I))
@@ -334,7 +336,7 @@ __device__ inline float as_float(float v) { return v; }
 __device__ inline float as_float(bf16 v) { return __bfloat162float(v); }
 __device__ inline float as_float(fp16 v) { return __half2float(v); }
 
-// Four consecutive values as one 8- or 16-byte access (the elementwise kernels' loads and stores).
+// Four consecutive values as one 4-, 8- or 16-byte access (the elementwise kernels' loads and stores).
 template <typename T> struct alignas(4 * sizeof(T)) Four {
     T v[4];
 };
@@ -349,6 +351,8 @@ template <typename T> struct alignas(4 * sizeof(T)) Four {
 // fp16 parts. z moves smoothly along an AIS trajectory and the energy's gradient must follow it: with z and
 // W3 in bf16 alone the gradient was 2.4e-2 of its scale from float64 (test_vae's tolerance: 2e-2).
 enum { Z_PAD = 24 };
+static_assert(Z_PAD % 4 == 0 && Z_PAD >= LATENT_DIM + 3 && HIDDEN_DIM % 4 == 0,
+              "fc3's input blocks hold z and three ones in whole groups of four; rows of 400 in groups of four");
 template <typename T> __host__ __device__ constexpr int z_parts() { return std::is_same<T, bf16>::value ? 3 : 1; }
 __host__ __device__ constexpr int z_width(Precision p) { return Z_PAD * (p == PRECISION_BF16 ? 3 : 1); }
 
@@ -391,6 +395,7 @@ __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const f
 // (grad = W3^T dh), lands 2.3e-3 of its scale from float64 (test_vae; tolerance 2e-2).
 template <typename T> struct Backward { typedef T type; };
 template <> struct Backward<bf16> { typedef fp16 type; };
+static_assert(sizeof(Backward<bf16>::type) == sizeof(bf16), "the backward's buffers are sized in T");
 
 // The pixels as fc1's input: bytes 0..255 as T, exact in both types; fc1's alpha = 1/255 scales them.
 template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t* pixels, long long n) {
@@ -499,8 +504,8 @@ __global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long
 }
 
 // The plain path's weights, once at load: rows x cols of W (fp32, PyTorch's W[out][in]) as T in rows of
-// `pitch`, the columns repeated every pitch / copies with zeros between (fc3's [W3 | 0] or [W3 | 0 | W3 |
-// 0]; one copy without padding for the others).
+// `pitch`, the columns repeated every pitch / copies with zeros between (fc3's backward copy: [W3 | 0]; the
+// others one copy without padding).
 template <typename T>
 __global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int rows, int cols, int pitch, int copies) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -565,7 +570,6 @@ __global__ void __launch_bounds__(LSE_THREADS)
 // Both engines draw a chain's start, momenta and Metropolis uniforms keyed by (seed, image, chain,
 // transition), keep the energies in float32 (H ~ 100: the Metropolis test sees differences of ~1e-5
 // nats) and the weights in float64, and adapt each image's step size from its C chains' acceptance.
-enum { STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4 };
 // the step size per image: its start, its bounds, and the acceptance it is adapted toward
 constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
 constexpr float AIS_TARGET_ACCEPT = 0.65f;
@@ -775,8 +779,9 @@ __global__ void ais_adapt_kernel(AisIO io, AisChains c) {
 }
 
 // Per image, from its C chains in order, in float64: log p(x) ~ logsumexp log w - log C (for the
-// reverse run, the upper bound -(logsumexp(-log w) ... ) = -(logsumexp log w - log C)), the effective
-// sample size (sum w)^2 / sum w^2 of the weights, and the acceptance rate over the transitions.
+// reverse run, whose weights ais_begin_kernel accumulates with -d_beta, the upper bound -(logsumexp log w
+// - log C)), the effective sample size (sum w)^2 / sum w^2 of the weights, and the acceptance rate over
+// the transitions.
 __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restrict__ ess,
                                     float* __restrict__ acceptance, const double* __restrict__ log_w,
                                     const int* __restrict__ accepted, int n, int C, int transitions, bool reverse) {
@@ -804,11 +809,11 @@ __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restri
 // epilogue. PyTorch keeps a layer as W[out][in] and a batch as X[rows][in], both row-major; cuBLAS is
 // column-major. A row-major [r][c] matrix is, byte for byte, the column-major c x r matrix: its
 // transpose. So the forward Y = X W^T + b, read column-major, is
-//   Y^T (out x rows) = W^T (out x in) X^T (in x rows)     m = out, n = rows, k = in
-// with W's bytes seen as the in x out matrix W^T... transposed back by op T (CUBLAS_OP_T), X's as X^T
-// (CUBLAS_OP_N), and Y^T written column-major, which is Y row-major: no copy or transpose anywhere.
-// The backward through a layer, dX = dY W (AIS's gradient w.r.t. z), is
-//   dX^T (in x rows) = W (in x out, W's bytes as they are, CUBLAS_OP_N) dY^T (out x rows)
+//   Y^T (out x rows) = W (out x in) X^T (in x rows)     m = out, n = rows, k = in
+// W's bytes read column-major are the in x out matrix W^T, turned back into W by op T (CUBLAS_OP_T); X's
+// are X^T as they are (CUBLAS_OP_N), and Y^T written column-major is Y row-major: no copy or transpose
+// anywhere. The backward through a layer, dX = dY W (AIS's gradient w.r.t. z), is
+//   dX^T (in x rows) = W^T (in x out: W's bytes as they are, CUBLAS_OP_N) dY^T (out x rows)
 //                                                       m = in, n = rows, k = out
 // Reproducible results: each product uses one algorithm, picked once by cuBLASLt's heuristic and kept
 // for every batch size, with no workspace and no split-K reduction scheme allowed: cuBLASLt's default
@@ -861,8 +866,8 @@ static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int p
     cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
     if (bias)
         cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    // W's bytes, column-major: `in` rows (the first m of them backward), `out` columns, pitch apart
-    g.w_layout = gemm_layout(in_type, backward ? in : in, out, pitch);
+    // W's bytes, column-major: `in` rows, `out` columns, `pitch` apart
+    g.w_layout = gemm_layout(in_type, in, out, pitch);
     cublasLtMatrixLayout_t x = gemm_layout(in_type, g.k, GEMM_PICK_ROWS, g.k);
     cublasLtMatrixLayout_t y = gemm_layout(out_type, g.m, GEMM_PICK_ROWS, g.m);
     cublasLtMatmulPreference_t pref;
@@ -917,7 +922,8 @@ typedef struct {
     size_t type_size;
     int max_batch, rows;
     cublasLtHandle_t lt;
-    void* weights;         // W1, b1, W2, W3, b3, W4 in T; b2, b4 in fp32 (the bias of an fp32 output)
+    void* weights;         // W1, b1, W2, fc3's [W3 | b3], W4 in T; b2, b4 in fp32 (an fp32 output's bias);
+                           // AIS's backward copies of W4 and W3 in Backward<T>
     Gemm fc1, fc2, fc3, fc4;
     void *x, *h1;          // [max_batch][784], [max_batch][400]
     float* mulv;           // [max_batch][40] fp32: [mu | logvar]
@@ -3472,13 +3478,14 @@ static bool use_fused(Kernels kernels) {
     return fused;
 }
 
-// The plain path's decoder rows a pass at most: its activations take ~10 KB a row in fp32 (h3, logits).
+// The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a
+// row in fp32 (fc3's input, h3, the logits).
 enum { PLAIN_DECODER_ROWS = 1 << 18 };
 
 // max_batch: images per forward pass, and the most samples per image --iwae may take.
 // decoder_rows: rows per --iwae decoder pass (at least max_batch). A fused row costs at most 172 bytes
 // (fp32's z row, the BCE parts, the log ratio) and no activations, so its passes can be far longer; the
-// plain path keeps a row's h3 and logits and takes at most PLAIN_DECODER_ROWS.
+// plain path keeps a row's h3 and logits and takes at most PLAIN_DECODER_ROWS (or max_batch).
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
                      int decoder_rows = 0) {
     memset(m, 0, sizeof(*m));
@@ -4085,7 +4092,7 @@ enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper
 // The program joins paths into 4096-byte buffers (-d + "/t10k-images-idx3-ubyte", -o +
 // "/samples.ppm"); a longer argument would be cut silently and name another file.
 enum { MAX_PATH_ARG = 4000 };
-enum { IWAE_ROWS = 1 << 16 };  // decoder rows per --iwae pass (~0.6 GB of activations); K at most this
+enum { IWAE_ROWS = 1 << 16 };  // --iwae's largest K, and the images its encoder takes at once
 enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per decoder pass (at most 172 bytes each: z row, BCE parts, log ratio)
 enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
 enum { AIS_MAX_T = 100000, AIS_MAX_LEAPFROG = 1000, BDMC_MAX_IMAGES = 100000 };
