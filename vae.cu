@@ -3657,8 +3657,6 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
     const int images_per_pass = vae_iwae_images_per_pass(m, K);
-    const SampleOut out = {m->z_rows, NULL, m->row_log_ratio};
-    auto sample = m->precision == PRECISION_FP32 ? sample_z_kernel<PRECISION_FP32> : sample_z_kernel<PRECISION_BF16>;
     // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
     // holds few images (13 at K = 5000), far too few to fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
@@ -3669,6 +3667,9 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                        eps ? eps + (size_t)group * K * LATENT_DIM : NULL, log_px + group, m->stream);
             continue;
         }
+        const SampleOut out = {m->z_rows, NULL, m->row_log_ratio};
+        auto sample =
+            m->precision == PRECISION_FP32 ? sample_z_kernel<PRECISION_FP32> : sample_z_kernel<PRECISION_BF16>;
         for (int first = group; first < group + group_size; first += images_per_pass) {
             const int left = group + group_size - first, images = left < images_per_pass ? left : images_per_pass;
             const int rows = images * K;
@@ -4907,12 +4908,9 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
            "%% of floor |\n");
     printf("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     // both engines wherever both run, unless --kernels names one
-    Kernels engines[2] = {cfg->kernels, KERNELS_AUTO};
+    Kernels engines[2] = {cfg->kernels, KERNELS_FUSED};
     int num_engines = 1;
-    if (cfg->kernels == KERNELS_AUTO) {
-        engines[0] = KERNELS_PLAIN;
-        if (use_fused(KERNELS_AUTO)) engines[1] = KERNELS_FUSED, num_engines = 2;
-    }
+    if (cfg->kernels == KERNELS_AUTO) engines[0] = KERNELS_PLAIN, num_engines = use_fused(KERNELS_AUTO) ? 2 : 1;
     for (int run = 0; run < 2 * num_engines; run++) { // each engine in both precisions
         const int p = run % 2;
         if ((cfg->given & OPT_BIT(OPT_PRECISION)) && p != (int)cfg->precision) continue;
