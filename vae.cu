@@ -459,21 +459,23 @@ template <typename T> __global__ void z_input_kernel(T* z_input, const float* __
 //             log(1 + exp(-|l|)): no log of a rounded sigmoid, finite for any l
 //   recon     sigmoid(l)
 //   residual  sigmoid(l) - x in R: d BCE / d logits, the start of AIS's backward pass
-// x = byte / 255. One warp a row, four pixels a lane at a time (196 groups of four): lane i takes groups i,
-// i + 32, ..., then a fixed shuffle tree adds the 32 sums, so a row's BCE has the same bits in any batch.
-template <typename R>
-__global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const float* __restrict__ logits,
+// x = byte / 255; the logits in L (fp32, or AIS's gradient-only evaluations' T). One warp a row, four pixels a
+// lane at a time (196 groups of four): lane i takes groups i, i + 32, ..., then a fixed shuffle tree adds the
+// 32 sums, so a row's BCE has the same bits in any batch.
+template <typename R, typename L = float>
+__global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
     static_assert(INPUT_DIM % 4 == 0, "rows of whole groups of four");
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
     if (r >= rows) return;
-    const Four<float>* l_row = reinterpret_cast<const Four<float>*>(logits + (size_t)r * INPUT_DIM);
+    const Four<L>* l_row = reinterpret_cast<const Four<L>*>(logits + (size_t)r * INPUT_DIM);
     const Four<uint8_t>* x_row =
         pixels ? reinterpret_cast<const Four<uint8_t>*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM) : NULL;
     float sum = 0.0f;
     for (int i = lane; i < INPUT_DIM / 4; i += 32) {
-        const Four<float> l = l_row[i];
-        Four<float> sigmoid;
+        const Four<L> stored = l_row[i];
+        Four<float> l, sigmoid;
+        for (int k = 0; k < 4; k++) l.v[k] = as_float(stored.v[k]);
         for (int k = 0; k < 4; k++) sigmoid.v[k] = 1.0f / (1.0f + expf(-l.v[k]));
         if (recon) reinterpret_cast<Four<float>*>(recon + (size_t)r * INPUT_DIM)[i] = sigmoid;
         if (x_row == NULL) continue;
@@ -841,19 +843,30 @@ typedef struct {
     float alpha; // the product's scale: fc1's 1/255
 } Gemm;
 
-enum { GEMM_PICK_ROWS = 4096 }; // the batch the algorithms are picked for
-
 static cublasLtMatrixLayout_t gemm_layout(cudaDataType_t type, int rows, int cols, int ld) {
     cublasLtMatrixLayout_t layout;
     cublasCheck(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld));
     return layout;
 }
 
+// What every pick asks of an algorithm: no workspace and no split-K.
+static cublasLtMatmulPreference_t gemm_preference() {
+    cublasLtMatmulPreference_t pref;
+    cublasCheck(cublasLtMatmulPreferenceCreate(&pref));
+    const size_t workspace = 0;
+    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+    cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                     sizeof(workspace)));
+    cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
+                                                     sizeof(reduction)));
+    return pref;
+}
+
 // A product over W[out][in] (pitch values a row, pitch >= in): forward Y[rows][out] = alpha X W^T (+ bias)
 // (ReLU), or with `backward` dX[rows][in] = dY[rows][out] W. The inputs in in_type, Y in out_type; the bias
-// (NULL: none) in out_type, as cuBLASLt reads it.
+// (NULL: none) in out_type, as cuBLASLt reads it. Its algorithm is the heuristic's first for pick_rows rows.
 static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int pitch, bool backward, bool relu,
-                      const void* bias, cudaDataType_t in_type, cudaDataType_t out_type, float alpha) {
+                      const void* bias, cudaDataType_t in_type, cudaDataType_t out_type, float alpha, int pick_rows) {
     Gemm g = {};
     g.w = w, g.in_type = in_type, g.out_type = out_type, g.alpha = alpha;
     g.m = backward ? in : out, g.k = backward ? out : in;
@@ -868,22 +881,15 @@ static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int p
         cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
     // W's bytes, column-major: `in` rows, `out` columns, `pitch` apart
     g.w_layout = gemm_layout(in_type, in, out, pitch);
-    cublasLtMatrixLayout_t x = gemm_layout(in_type, g.k, GEMM_PICK_ROWS, g.k);
-    cublasLtMatrixLayout_t y = gemm_layout(out_type, g.m, GEMM_PICK_ROWS, g.m);
-    cublasLtMatmulPreference_t pref;
-    cublasCheck(cublasLtMatmulPreferenceCreate(&pref));
-    const size_t workspace = 0;
-    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
-    cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
-                                                     sizeof(workspace)));
-    cublasCheck(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
-                                                     sizeof(reduction)));
+    cublasLtMatrixLayout_t x = gemm_layout(in_type, g.k, pick_rows, g.k);
+    cublasLtMatrixLayout_t y = gemm_layout(out_type, g.m, pick_rows, g.m);
+    cublasLtMatmulPreference_t pref = gemm_preference();
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
     cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt, g.desc, g.w_layout, x, y, y, pref, 1, &result, &found));
     if (found == 0)
         fail("cuBLASLt has no algorithm for a %d x %d x %d product on this GPU. HINT: --precision fp32", g.m,
-             GEMM_PICK_ROWS, g.k);
+             pick_rows, g.k);
     g.algo = result.algo;
     int32_t splits = 1;
     cublasCheck(cublasLtMatmulAlgoConfigGetAttribute(&g.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits),
@@ -934,7 +940,7 @@ typedef struct {
     // AIS, allocated by its first run: its rows' own z input, h3 and logits, the backward's residual
     // (sigmoid - x) and dh, and the chains
     int ais_rows;
-    Gemm fc4_backward, fc3_backward;
+    Gemm fc4_to_type, fc4_backward, fc3_backward; // fc4_to_type: fc4 with its logits in T
     void *ais_z_input, *ais_h3, *residual, *dh;
     float* ais_logits;
     AisChains chains;
@@ -984,32 +990,43 @@ static void plain_init_weights(Plain* pl, const float* const* t, const float* en
     const size_t w2 = slot(MULV_DIM * HIDDEN_DIM * sizeof(T)), b2 = slot(MULV_DIM * sizeof(float));
     const size_t w3 = slot(HIDDEN_DIM * zk * sizeof(T)); // with b3 in it
     const size_t w4 = slot(INPUT_DIM * HIDDEN_DIM * sizeof(T)), b4 = slot(INPUT_DIM * sizeof(float));
+    const size_t b4_type = slot(INPUT_DIM * sizeof(T));
     const size_t w3_back = slot(HIDDEN_DIM * Z_PAD * sizeof(B)), w4_back = slot(INPUT_DIM * HIDDEN_DIM * sizeof(B));
     uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights", pl->max_batch);
     pl->weights = base;
     const cudaDataType_t f32 = CUDA_R_32F, type = pl->type, back = pl->backward_type;
+    // The batch each algorithm is picked for. fp32 runs on the SIMT cores (TF32 is off), where the pick for
+    // 4,096 rows (128 x 128 tiles) leaves 100 of 132 SMs idle at 1,024; picked for 1,024, fc1 and fc4 take 29
+    // and 25 us there instead of 73 and 45, and 186 and 161 us instead of 262 and 220 at 10,000 rows. bf16's
+    // AIS-only products are picked for AIS's launches (80,000 rows at n = 10,000): fc4's backward then takes
+    // 94 us instead of 132, fc4 into bf16 102 instead of 122 (H200, dev/gemm_pick_v1).
+    const int pick = type == f32 ? 1024 : 4096, ais_pick = type == f32 ? 1024 : 65536;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
     pl->fc1 = gemm_init(pl->lt, convert_weights<T>(base + w1, t[FC1_W], HIDDEN_DIM, INPUT_DIM, INPUT_DIM, 1, stream),
                         HIDDEN_DIM, INPUT_DIM, INPUT_DIM, false, true,
                         convert_weights<T>(base + b1, t[FC1_B], 1, HIDDEN_DIM, HIDDEN_DIM, 1, stream), type, type,
-                        1.0f / 255.0f);
+                        1.0f / 255.0f, pick);
     pl->fc2 = gemm_init(pl->lt, convert_weights<T>(base + w2, enc_w, MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
                         MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
-                        convert_weights<float>(base + b2, enc_b, 1, MULV_DIM, MULV_DIM, 1, stream), type, f32, 1.0f);
+                        convert_weights<float>(base + b2, enc_b, 1, MULV_DIM, MULV_DIM, 1, stream), type, f32, 1.0f,
+                        pick);
     // fc3: h3 = ReLU([z | 1] [W3 | b3]^T) in T (the bias in K; bf16 in parts); fc4: logits = h3 W4^T + b4 in fp32
     launch(fc3_weights_kernel<T>, HIDDEN_DIM * zk, 256, 256, stream, (T*)(base + w3), t[FC3_W], t[FC3_B]);
-    pl->fc3 = gemm_init(pl->lt, base + w3, HIDDEN_DIM, zk, zk, false, true, NULL, type, type, 1.0f);
+    pl->fc3 = gemm_init(pl->lt, base + w3, HIDDEN_DIM, zk, zk, false, true, NULL, type, type, 1.0f, pick);
     pl->fc4 = gemm_init(pl->lt, convert_weights<T>(base + w4, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
                         INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
                         convert_weights<float>(base + b4, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, f32,
-                        1.0f);
+                        1.0f, pick);
+    pl->fc4_to_type = gemm_init(pl->lt, base + w4, INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
+                                convert_weights<T>(base + b4_type, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type,
+                                type, 1.0f, ais_pick);
     // AIS's backward in B: dh = residual W4, then grad BCE = dh W3 in fp32 (Z_PAD wide)
     pl->fc4_backward =
         gemm_init(pl->lt, convert_weights<B>(base + w4_back, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
-                  INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, true, false, NULL, back, back, 1.0f);
+                  INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, true, false, NULL, back, back, 1.0f, ais_pick);
     pl->fc3_backward =
         gemm_init(pl->lt, convert_weights<B>(base + w3_back, t[FC3_W], HIDDEN_DIM, LATENT_DIM, Z_PAD, 1, stream),
-                  HIDDEN_DIM, Z_PAD, Z_PAD, true, false, NULL, back, f32, 1.0f);
+                  HIDDEN_DIM, Z_PAD, Z_PAD, true, false, NULL, back, f32, 1.0f, ais_pick);
 }
 
 // The plain model for up to max_batch images a forward pass and `rows` decoder rows a pass.
@@ -1042,7 +1059,7 @@ static void plain_free(Plain* pl) {
                        pl->h3,      pl->logits, pl->bce,        pl->log_ratio, pl->recon,   pl->ais_z_input,
                        pl->ais_h3,  pl->residual, pl->dh,       pl->ais_logits, pl->chains.z};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
-    Gemm* gemms[] = {&pl->fc1, &pl->fc2, &pl->fc3, &pl->fc4, &pl->fc4_backward, &pl->fc3_backward};
+    Gemm* gemms[] = {&pl->fc1, &pl->fc2, &pl->fc3, &pl->fc4, &pl->fc4_to_type, &pl->fc4_backward, &pl->fc3_backward};
     for (Gemm* g : gemms) gemm_free(g);
     if (pl->lt) cublasCheck(cublasLtDestroy(pl->lt));
     memset(pl, 0, sizeof(*pl));
@@ -1102,14 +1119,24 @@ static void plain_iwae(Plain* pl, const uint8_t* pixels, const float* mulv, int 
 
 // AIS: one gradient evaluation for `rows` chains at pl->ais_z_input, a row's pixels those of image r / C:
 // the decoder forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into
-// chains.grad, and the BCE into chains.bce when `energy` (a trajectory's start and end).
+// chains.grad, and the BCE into chains.bce when `energy` (a trajectory's start and end). The L - 1
+// evaluations between a trajectory's ends need only the gradient: their logits are in T, which halves
+// the bytes of bf16's logits (80,000 rows x 784: 251 MB in fp32). Each point's gradient is then the same
+// function of z in either direction along the trajectory (ends: fp32 logits; between: T), so the
+// leapfrog stays reversible.
 template <typename T>
 static void plain_ais_gradient(Plain* pl, const AisIO& io, int rows, bool energy, cudaStream_t stream) {
     typedef typename Backward<T>::type B;
     gemm(pl->lt, pl->fc3, pl->ais_h3, pl->ais_z_input, rows, stream);
-    gemm(pl->lt, pl->fc4, pl->ais_logits, pl->ais_h3, rows, stream);
-    launch(decoder_output_kernel<B>, rows, 4, 128, stream, energy ? pl->chains.bce : NULL, (float*)NULL,
-           (B*)pl->residual, pl->ais_logits, io.pixels, rows, io.chains);
+    if (energy) {
+        gemm(pl->lt, pl->fc4, pl->ais_logits, pl->ais_h3, rows, stream);
+        launch(decoder_output_kernel<B, float>, rows, 4, 128, stream, pl->chains.bce, (float*)NULL,
+               (B*)pl->residual, (const float*)pl->ais_logits, io.pixels, rows, io.chains);
+    } else {
+        gemm(pl->lt, pl->fc4_to_type, pl->ais_logits, pl->ais_h3, rows, stream);
+        launch(decoder_output_kernel<B, T>, rows, 4, 128, stream, (float*)NULL, (float*)NULL, (B*)pl->residual,
+               (const T*)pl->ais_logits, io.pixels, rows, io.chains);
+    }
     gemm(pl->lt, pl->fc4_backward, pl->dh, pl->residual, rows, stream);
     const long long hidden = (long long)rows * HIDDEN_DIM;
     launch(relu_backward_kernel<B, T>, hidden / 4, 256, 256, stream, (B*)pl->dh, (const T*)pl->ais_h3, hidden);
@@ -4064,7 +4091,7 @@ static const char* USAGE =
     "      --ais T          log p(x) by annealed importance sampling over T distributions (1..100000), HMC\n"
     "                       in the latent space: mean NLL, acceptance, time, beside the ELBO and\n"
     "                       IWAE; --csv writes index,label,log_px,ess,acceptance\n"
-    "      --chains C       --ais: chains per image (1..128, default 16)\n"
+    "      --chains C       --ais: chains per image (1..256, default 16; above 128 on the plain path)\n"
     "      --leapfrog L     --ais: leapfrog steps per HMC transition (1..1000, default 10; 1 is MALA)\n"
     "      --ais-init P     --ais: start from q (the encoder's q(z|x), default) or prior (N(0, I))\n"
     "      --bdmc N         with --ais T: N simulated images (z ~ p(z), x ~ p(x|z), binary), forward AIS\n"
@@ -4096,7 +4123,7 @@ enum { MAX_PATH_ARG = 4000 };
 enum { IWAE_ROWS = 1 << 16 };  // --iwae's largest K, and the images its encoder takes at once
 enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per decoder pass (at most 172 bytes each: z row, BCE parts, log ratio)
 enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
-enum { AIS_MAX_T = 100000, AIS_MAX_LEAPFROG = 1000, BDMC_MAX_IMAGES = 100000 };
+enum { AIS_MAX_T = 100000, AIS_MAX_CHAINS = 256, AIS_MAX_LEAPFROG = 1000, BDMC_MAX_IMAGES = 100000 };
 
 static bool parse_path(const char* flag, const char* value, const char** out, Error* err) {
     if (value[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
@@ -4157,7 +4184,7 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
         cfg->bdmc_n = (int)v, cfg->mode = MODE_BDMC;
         return true;
     case OPT_CHAINS:
-        if (!parse_number(flag, value, 1, AIS_ROWS, &v, err)) return false;
+        if (!parse_number(flag, value, 1, AIS_MAX_CHAINS, &v, err)) return false;
         cfg->chains = (int)v;
         return true;
     case OPT_LEAPFROG:
@@ -4280,6 +4307,9 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     if (cfg->mode == MODE_BDMC && !(cfg->given & OPT_BIT(OPT_AIS)))
         return set_error(err, "%s runs AIS both ways and needs its T. HINT: add --ais T (e.g. --ais 1000)",
                          cfg->flag[OPT_BDMC]);
+    if (cfg->chains > AIS_ROWS && cfg->kernels == KERNELS_FUSED)
+        return set_error(err, "%s %d: the fused AIS kernel holds at most %d chains an image. HINT: --kernels plain "
+                         "(or auto) runs more, or --chains %d", cfg->flag[OPT_CHAINS], cfg->chains, AIS_ROWS, AIS_ROWS);
     if (cfg->z_is_mu && cfg->mode == MODE_IWAE)
         return set_error(err, "--iwae samples z by definition; --zmu does not apply. HINT: drop --zmu");
     for (int o : {OPT_CHAINS, OPT_LEAPFROG, OPT_AIS_INIT})
@@ -4400,10 +4430,14 @@ static bool gpu_has_bf16() {
 }
 
 // Which engine runs, and why, for the start-up table.
-static void print_kernels_row(Kernels kernels) {
-    const bool fused = use_fused(kernels);
-    if (fused) print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
-    else if (kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
+// The engine AIS runs on: --chains above the fused kernel's AIS_ROWS run on the plain path.
+static Kernels ais_kernels(const Config* cfg) { return cfg->chains > AIS_ROWS ? KERNELS_PLAIN : cfg->kernels; }
+
+static void print_kernels_row(const Config* cfg) {
+    const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
+    if (use_fused(ais ? ais_kernels(cfg) : cfg->kernels)) print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
+    else if (cfg->kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
+    else if (ais && cfg->chains > AIS_ROWS) print_row("kernels", "plain: cuBLASLt (--chains above %d)", AIS_ROWS);
     else print_row("kernels", "plain: cuBLASLt (no sm_90a code for this GPU)");
 }
 
@@ -4749,7 +4783,7 @@ static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, 
 
 enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
 static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
-    vae_init(m, w, AIS_BATCH, cfg->precision, cfg->kernels, decoder_rows);
+    vae_init(m, w, AIS_BATCH, cfg->precision, ais_kernels(cfg), decoder_rows);
     require_ais(m);
 }
 
@@ -5088,7 +5122,7 @@ int main(int argc, char** argv) {
         print_separator();
         print_row("device", "%s", prop.name);
         print_row("weights", "%s", cfg.weights_path);
-        print_kernels_row(cfg.kernels);
+        print_kernels_row(&cfg);
         print_row("bdmc", "%d simulated images, T = %d, C = %d, L = %d, from %s", cfg.bdmc_n, cfg.ais_t, cfg.chains,
                   cfg.leapfrog, cfg.ais_from_prior ? "the prior" : "q(z|x)");
         print_separator();
@@ -5138,7 +5172,7 @@ int main(int argc, char** argv) {
     if (labels.labels == NULL) print_row("labels", "none (each image's label is -1)");
     if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
     print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
-    if (cfg.mode != MODE_BENCH) print_kernels_row(cfg.kernels);
+    if (cfg.mode != MODE_BENCH) print_kernels_row(&cfg);
     if (cfg.mode == MODE_ELBO || cfg.mode == MODE_BENCH)
         print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
     if (cfg.mode != MODE_INTERP) print_row("seed", "%llu", (unsigned long long)cfg.seed);
