@@ -459,9 +459,12 @@ template <typename T> __global__ void z_input_kernel(T* z_input, const float* __
 //             log(1 + exp(-|l|)): no log of a rounded sigmoid, finite for any l
 //   recon     sigmoid(l)
 //   residual  sigmoid(l) - x in R: d BCE / d logits, the start of AIS's backward pass
-// x = byte / 255; the logits in L (fp32, or AIS's gradient-only evaluations' T). One warp a row, four pixels a
-// lane at a time (196 groups of four): lane i takes groups i, i + 32, ..., then a fixed shuffle tree adds the
-// 32 sums, so a row's BCE has the same bits in any batch.
+// x = byte / 255; the logits in L (fp32, or T for --iwae and AIS's gradient-only evaluations). One exp a logit
+// serves all three: e = exp(-|l|) gives softplus's log(1 + e) and sigmoid(l) = 1 / (1 + e) for l >= 0, e / (1 +
+// e) below, and the sigmoid is computed only where wanted (with two exps and an IEEE division a logit, bf16's
+// --iwae 5000 took 15% longer: this kernel is most of a pass). One warp a row, four pixels a lane at a time (196
+// groups of four): lane i takes groups i, i + 32, ..., then a fixed shuffle tree adds the 32 sums, so a row's
+// BCE has the same bits in any batch.
 template <typename R, typename L = float>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
@@ -471,20 +474,25 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
     const Four<L>* l_row = reinterpret_cast<const Four<L>*>(logits + (size_t)r * INPUT_DIM);
     const Four<uint8_t>* x_row =
         pixels ? reinterpret_cast<const Four<uint8_t>*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM) : NULL;
+    const bool want_sigmoid = recon != NULL || residual != NULL;
     float sum = 0.0f;
     for (int i = lane; i < INPUT_DIM / 4; i += 32) {
         const Four<L> stored = l_row[i];
-        Four<float> l, sigmoid;
-        for (int k = 0; k < 4; k++) l.v[k] = as_float(stored.v[k]);
-        for (int k = 0; k < 4; k++) sigmoid.v[k] = 1.0f / (1.0f + expf(-l.v[k]));
+        Four<float> l, e, sigmoid;
+        for (int k = 0; k < 4; k++) l.v[k] = as_float(stored.v[k]), e.v[k] = expf(-fabsf(l.v[k]));
+        if (want_sigmoid)
+            for (int k = 0; k < 4; k++) {
+                const float s = __fdividef(1.0f, 1.0f + e.v[k]); // 1 + e in [1, 2]: within __fdividef's range
+                sigmoid.v[k] = l.v[k] >= 0.0f ? s : e.v[k] * s;
+            }
         if (recon) reinterpret_cast<Four<float>*>(recon + (size_t)r * INPUT_DIM)[i] = sigmoid;
         if (x_row == NULL) continue;
         const Four<uint8_t> px = x_row[i];
         Four<R> d;
         for (int k = 0; k < 4; k++) {
             const float x = px.v[k] * (1.0f / 255.0f);
-            store_as(&d.v[k], sigmoid.v[k] - x);
-            if (bce) sum += fmaxf(l.v[k], 0.0f) - x * l.v[k] + log1pf(expf(-fabsf(l.v[k])));
+            if (residual) store_as(&d.v[k], sigmoid.v[k] - x);
+            if (bce) sum += fmaxf(l.v[k], 0.0f) - x * l.v[k] + log1pf(e.v[k]);
         }
         if (residual) reinterpret_cast<Four<R>*>(residual + (size_t)r * INPUT_DIM)[i] = d;
     }
@@ -930,7 +938,7 @@ typedef struct {
     cublasLtHandle_t lt;
     void* weights;         // W1, b1, W2, fc3's [W3 | b3], W4 in T; b2, b4 in fp32 (an fp32 output's bias);
                            // AIS's backward copies of W4 and W3 in Backward<T>
-    Gemm fc1, fc2, fc3, fc4;
+    Gemm fc1, fc2, fc3, fc4, fc4_long; // fc4_long: fc4 for the long passes (--iwae, AIS's leapfrog), logits in T
     void *x, *h1;          // [max_batch][784], [max_batch][400]
     float* mulv;           // [max_batch][40] fp32: [mu | logvar]
     float* z;              // [max_batch][20] fp32
@@ -940,7 +948,7 @@ typedef struct {
     // AIS, allocated by its first run: its rows' own z input, h3 and logits, the backward's residual
     // (sigmoid - x) and dh, and the chains
     int ais_rows;
-    Gemm fc4_to_type, fc4_backward, fc3_backward; // fc4_to_type: fc4 with its logits in T
+    Gemm fc4_backward, fc3_backward;
     void *ais_z_input, *ais_h3, *residual, *dh;
     float* ais_logits;
     AisChains chains;
@@ -997,10 +1005,12 @@ static void plain_init_weights(Plain* pl, const float* const* t, const float* en
     const cudaDataType_t f32 = CUDA_R_32F, type = pl->type, back = pl->backward_type;
     // The batch each algorithm is picked for. fp32 runs on the SIMT cores (TF32 is off), where the pick for
     // 4,096 rows (128 x 128 tiles) leaves 100 of 132 SMs idle at 1,024; picked for 1,024, fc1 and fc4 take 29
-    // and 25 us there instead of 73 and 45, and 186 and 161 us instead of 262 and 220 at 10,000 rows. bf16's
-    // AIS-only products are picked for AIS's launches (80,000 rows at n = 10,000): fc4's backward then takes
-    // 94 us instead of 132, fc4 into bf16 102 instead of 122 (H200, dev/gemm_pick_v1).
-    const int pick = type == f32 ? 1024 : 4096, ais_pick = type == f32 ? 1024 : 65536;
+    // and 25 us there instead of 73 and 45, and 186 and 161 us instead of 262 and 220 at 10,000 rows. The
+    // products that run only on long passes (fc4_long for --iwae and AIS, the backward ones) are picked for
+    // 4,096 rows in fp32 (AIS 5% faster than for 1,024), 65,536 in bf16 (AIS's launches are 80,000 rows at
+    // n = 10,000): fc4's backward then takes 94 us instead of 132, fc4_long 102 instead of 122 (H200,
+    // dev/gemm_pick_v1).
+    const int pick = type == f32 ? 1024 : 4096, long_pick = type == f32 ? 4096 : 65536;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
     pl->fc1 = gemm_init(pl->lt, convert_weights<T>(base + w1, t[FC1_W], HIDDEN_DIM, INPUT_DIM, INPUT_DIM, 1, stream),
                         HIDDEN_DIM, INPUT_DIM, INPUT_DIM, false, true,
@@ -1017,16 +1027,16 @@ static void plain_init_weights(Plain* pl, const float* const* t, const float* en
                         INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
                         convert_weights<float>(base + b4, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, f32,
                         1.0f, pick);
-    pl->fc4_to_type = gemm_init(pl->lt, base + w4, INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
+    pl->fc4_long = gemm_init(pl->lt, base + w4, INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
                                 convert_weights<T>(base + b4_type, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type,
-                                type, 1.0f, ais_pick);
+                                type, 1.0f, long_pick);
     // AIS's backward in B: dh = residual W4, then grad BCE = dh W3 in fp32 (Z_PAD wide)
     pl->fc4_backward =
         gemm_init(pl->lt, convert_weights<B>(base + w4_back, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
-                  INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, true, false, NULL, back, back, 1.0f, ais_pick);
+                  INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, true, false, NULL, back, back, 1.0f, long_pick);
     pl->fc3_backward =
         gemm_init(pl->lt, convert_weights<B>(base + w3_back, t[FC3_W], HIDDEN_DIM, LATENT_DIM, Z_PAD, 1, stream),
-                  HIDDEN_DIM, Z_PAD, Z_PAD, true, false, NULL, back, f32, 1.0f, ais_pick);
+                  HIDDEN_DIM, Z_PAD, Z_PAD, true, false, NULL, back, f32, 1.0f, long_pick);
 }
 
 // The plain model for up to max_batch images a forward pass and `rows` decoder rows a pass.
@@ -1059,7 +1069,7 @@ static void plain_free(Plain* pl) {
                        pl->h3,      pl->logits, pl->bce,        pl->log_ratio, pl->recon,   pl->ais_z_input,
                        pl->ais_h3,  pl->residual, pl->dh,       pl->ais_logits, pl->chains.z};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
-    Gemm* gemms[] = {&pl->fc1, &pl->fc2, &pl->fc3, &pl->fc4, &pl->fc4_to_type, &pl->fc4_backward, &pl->fc3_backward};
+    Gemm* gemms[] = {&pl->fc1, &pl->fc2, &pl->fc3, &pl->fc4, &pl->fc4_long, &pl->fc4_backward, &pl->fc3_backward};
     for (Gemm* g : gemms) gemm_free(g);
     if (pl->lt) cublasCheck(cublasLtDestroy(pl->lt));
     memset(pl, 0, sizeof(*pl));
@@ -1094,11 +1104,17 @@ static void plain_set_z(Plain* pl, const float* z, int rows, cudaStream_t stream
 }
 
 // The decoder over `rows` rows of pl->z_input: logits, then each row's BCE against image r /
-// rows_per_image into bce (with pixels), recon when given.
+// rows_per_image into bce (with pixels), recon when given. A long pass (--iwae's K rows an image) runs fc4_long:
+// its logits in bf16 on the bf16 path, half the bytes of the pass's largest buffer (3,136 a row in fp32).
 static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* recon,
-                         cudaStream_t stream) {
+                         bool long_pass, cudaStream_t stream) {
     gemm(pl->lt, pl->fc3, pl->h3, pl->z_input, rows, stream);
-    gemm(pl->lt, pl->fc4, pl->logits, pl->h3, rows, stream);
+    gemm(pl->lt, long_pass ? pl->fc4_long : pl->fc4, pl->logits, pl->h3, rows, stream);
+    if (long_pass && pl->precision == PRECISION_BF16) {
+        launch(decoder_output_kernel<float, bf16>, rows, 4, 128, stream, bce, recon, (float*)NULL,
+               (const bf16*)pl->logits, pixels, rows, rows_per_image);
+        return;
+    }
     launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
            pixels, rows, rows_per_image);
 }
@@ -1112,7 +1128,7 @@ static void plain_iwae(Plain* pl, const uint8_t* pixels, const float* mulv, int 
         const int images = n - first < per_pass ? n - first : per_pass, rows = images * K;
         plain_sample(pl, rows, K, mulv + (size_t)first * MULV_DIM, eps ? eps + (size_t)first * K * LATENT_DIM : NULL,
                      first_image + first, seed, false, NULL, NULL, pl->log_ratio, stream);
-        plain_decode(pl, pixels + (size_t)first * INPUT_DIM, rows, K, pl->bce, NULL, stream);
+        plain_decode(pl, pixels + (size_t)first * INPUT_DIM, rows, K, pl->bce, NULL, true, stream);
         launch(iwae_logsumexp_kernel, images, 1, LSE_THREADS, stream, log_px + first, pl->bce, 1, pl->log_ratio, K);
     }
 }
@@ -1133,7 +1149,7 @@ static void plain_ais_gradient(Plain* pl, const AisIO& io, int rows, bool energy
         launch(decoder_output_kernel<B, float>, rows, 4, 128, stream, pl->chains.bce, (float*)NULL,
                (B*)pl->residual, (const float*)pl->ais_logits, io.pixels, rows, io.chains);
     } else {
-        gemm(pl->lt, pl->fc4_to_type, pl->ais_logits, pl->ais_h3, rows, stream);
+        gemm(pl->lt, pl->fc4_long, pl->ais_logits, pl->ais_h3, rows, stream);
         launch(decoder_output_kernel<B, T>, rows, 4, 128, stream, (float*)NULL, (float*)NULL, (B*)pl->residual,
                (const T*)pl->ais_logits, io.pixels, rows, io.chains);
     }
@@ -3633,7 +3649,7 @@ static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
 static void vae_decode(VAE* m, const float* z, int B) {
     if (!m->fused) {
         plain_set_z(&m->plain, z, B, m->stream);
-        return plain_decode(&m->plain, NULL, B, 1, NULL, m->recon, m->stream);
+        return plain_decode(&m->plain, NULL, B, 1, NULL, m->recon, false, m->stream);
     }
     if (m->precision == PRECISION_FP32) launch(z_rows_kernel<PRECISION_FP32>, B, 128, 128, m->stream, m->z_rows, z, B);
     else launch(z_rows_kernel<PRECISION_BF16>, B, 128, 128, m->stream, m->z_rows, z, B);
@@ -3661,7 +3677,7 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
         plain_encode(pl, pixels, B, m->stream);
         plain_sample(pl, B, 1, pl->mulv, opt->eps, first_image, opt->seed, opt->z_is_mu, keep ? pl->z : NULL, kl, NULL,
                      m->stream);
-        return plain_decode(pl, pixels, B, 1, bce, opt->want_recon ? m->recon : NULL, m->stream);
+        return plain_decode(pl, pixels, B, 1, bce, opt->want_recon ? m->recon : NULL, false, m->stream);
     }
     EncoderIO io = {};
     io.z_rows = m->z_rows, io.kl = kl, io.mulv_out = keep ? m->mulv : NULL, io.z_out = keep ? m->z : NULL;

@@ -52,7 +52,7 @@ int main() {
         // in = 0: fc3's input width, per precision
         {"fc3", HIDDEN_DIM, 0, false, true, false, false, CUBLASLT_EPILOGUE_DEFAULT},
         {"fc4", INPUT_DIM, HIDDEN_DIM, false, false, true, true, CUBLASLT_EPILOGUE_DEFAULT},
-        {"fc4 to T", INPUT_DIM, HIDDEN_DIM, false, false, true, false, CUBLASLT_EPILOGUE_DEFAULT},
+        {"fc4 long", INPUT_DIM, HIDDEN_DIM, false, false, true, false, CUBLASLT_EPILOGUE_DEFAULT},
         {"fc4 back", INPUT_DIM, HIDDEN_DIM, true, false, false, false, CUBLASLT_EPILOGUE_DEFAULT},
         {"fc3 back", HIDDEN_DIM, Z_PAD, true, false, false, true, CUBLASLT_EPILOGUE_DEFAULT},
         {"fc3 mask", HIDDEN_DIM, 0, false, true, false, false, CUBLASLT_EPILOGUE_RELU_AUX},
@@ -75,9 +75,10 @@ int main() {
             const int in = pr.in ? pr.in : z_width(precision);
             const cudaDataType_t out_type = pr.out_fp32 ? CUDA_R_32F : type;
             // the bias in the output's type, as cuBLASLt reads it: fp32 or bf16 (random bytes either way)
-            // vae.cu's picks (plain_init_weights): fp32 for 1,024 rows; bf16 for 4,096, AIS's products for 65,536
-            const bool ais_only = pr.backward || (!pr.out_fp32 && pr.out == INPUT_DIM);
-            const int vae_pick = p == 0 ? 1024 : ais_only ? 65536 : 4096;
+            // vae.cu's picks (plain_init_weights): fp32 for 1,024 rows, bf16 for 4,096; the long passes' products
+            // (fc4_long, the backward ones) fp32 for 4,096, bf16 for 65,536
+            const bool long_only = pr.backward || (!pr.out_fp32 && pr.out == INPUT_DIM);
+            const int vae_pick = long_only ? (p == 0 ? 4096 : 65536) : (p == 0 ? 1024 : 4096);
             Gemm g = gemm_init(lt, w, pr.out, in, in, pr.backward, pr.relu, pr.bias ? bias : NULL, type, out_type,
                                1.0f, vae_pick);
             if (pr.aux != CUBLASLT_EPILOGUE_DEFAULT) {
