@@ -52,7 +52,6 @@ static void cuda_check(cudaError_t status, const char* file, int line) {
     }
 }
 #define cudaCheck(call) cuda_check((call), __FILE__, __LINE__)
-
 // Errors from the file parsers and the CLI parser are returned, not fatal, so that the tests
 // can feed them broken input; the program prints the message and exits.
 typedef struct {
@@ -82,7 +81,6 @@ __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; 
 #define PREPARE_HINT                                                                                                   \
     "HINT: run 'make data' (python3 prepare_weights.py --src ../shared/data, or without --src to download)"
 #define MAX_FILE_BYTES (1ull << 30) // no input of this model comes near 1 GiB
-
 // Reads a whole regular file into a malloc'd buffer. `missing_hint` ends the message for a file that
 // is not there (the program's own data files are made by 'make data'; a user's image is not).
 static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err,
@@ -112,12 +110,10 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
     }
     return true;
 }
-
-// Output files are written under a temporary name beside their final one and renamed into place
-// together once the run has succeeded (outputs_commit), so a run that fails - no GPU, a bad input
-// found late, a full disk - leaves every existing file as it was and creates nothing. An exit
-// before the commit (fail(), cudaCheck) removes the temporary files, and the output folder if this
-// run made it, from an atexit handler.
+// Output files are written under a temporary name beside their final one and renamed into place together once the run
+// has succeeded (outputs_commit), so a run that fails - no GPU, a bad input found late, a full disk - leaves every
+// existing file as it was and creates nothing. An exit before the commit (fail(), cudaCheck) removes the temporary
+// files, and the output folder if this run made it, from an atexit handler.
 enum { MAX_OUTPUTS = 8, MAX_PATH = 4096 };
 static struct {
     char final_path[MAX_PATH], temp_path[MAX_PATH + 8], what[128];
@@ -136,7 +132,6 @@ static void discard_outputs_at_exit() {
     static bool registered = false;
     if (!registered) registered = atexit(outputs_discard) == 0;
 }
-
 // Makes the output folder if it is missing; an exit before the commit removes it again.
 static bool output_dir_make(const char* dir, Error* err) {
     discard_outputs_at_exit();
@@ -146,7 +141,6 @@ static bool output_dir_make(const char* dir, Error* err) {
                          strerror(errno));
     return true;
 }
-
 // A new temporary file beside `path` (path.XXXXXX, with the mode fopen would give), or NULL with
 // errno set. Its contents reach `path` at outputs_commit(); `what` describes it there.
 static FILE* output_open(const char* path, const char* what) {
@@ -168,7 +162,6 @@ static FILE* output_open(const char* path, const char* what) {
     if (f == NULL) close(fd);
     return f;
 }
-
 // Moves every file written since the last commit into place; names each on `report` (NULL: quiet).
 static bool outputs_commit(Error* err, FILE* report) {
     for (int i = 0; i < num_pending_outputs; i++) {
@@ -188,7 +181,6 @@ static bool outputs_commit(Error* err, FILE* report) {
 enum { INPUT_DIM = 784, HIDDEN_DIM = 400, LATENT_DIM = 20, IMAGE_SIDE = 28, MULV_DIM = 2 * LATENT_DIM };
 typedef enum { PRECISION_FP32, PRECISION_BF16 } Precision; // both run the tensor-core kernels (Path, below)
 enum { HEADER_INTS = 256, WEIGHTS_MAGIC = 0x31454156 /* "VAE1" */, WEIGHTS_VERSION = 1, DTYPE_FLOAT32 = 1 };
-
 // The tensors in file order, PyTorch layout (weight[out][in], bias[out]).
 enum { FC1_W, FC1_B, FC21_W, FC21_B, FC22_W, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B, NUM_TENSORS };
 static const size_t TENSOR_SIZES[NUM_TENSORS] = {
@@ -227,10 +219,8 @@ __host__ __device__ inline uint4 philox4x32(uint4 c, uint2 k) {
     }
     return c;
 }
-
 // Streams keep the noise of different uses apart.
 enum { STREAM_POSTERIOR = 0, STREAM_PRIOR = 1, STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4 };
-
 // Two independent N(0,1) draws from two 32-bit random words (Box-Muller: radius times the
 // cosine and the sine of one angle).
 __host__ __device__ inline float2 box_muller(uint32_t word1, uint32_t word2) {
@@ -245,7 +235,6 @@ __host__ __device__ inline float2 box_muller(uint32_t word1, uint32_t word2) {
 #endif
     return make_float2(radius * cosine, radius * sine);
 }
-
 // Four N(0,1) draws keyed by (seed, stream, image, sample, group): one Philox call gives four
 // words, two Box-Muller pairs. Group q holds latents 4q .. 4q+3.
 __host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
@@ -256,7 +245,6 @@ __host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint
     return make_float4(a.x, a.y, b.x, b.y);
 }
 static_assert(LATENT_DIM % 4 == 0, "latents come in groups of four draws");
-
 // One draw: latent j of (seed, stream, image, sample).
 __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
                                           uint32_t latent) {
@@ -264,7 +252,6 @@ __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32
     const uint32_t i = latent % 4;
     return i == 0 ? g.x : i == 1 ? g.y : i == 2 ? g.z : g.w;
 }
-
 // Two N(0, 1) draws (pair `pair` of a 20-vector) and one uniform in (0, 1] keyed by (seed, stream,
 // image, chain, counter): the counter carries the transition, so no draw depends on the batch.
 __host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
@@ -284,9 +271,8 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
 // ----------------------------------------------------------------------------
 // the plain path, part 1: the short kernels for what cuBLAS does not do
 //
-// The plain path runs every mode on any GPU from sm_75 on: the four Linear layers are cuBLASLt
-// matmuls (part 2, below), and these kernels do the rest: one thread a row, element or four elements (a
-// warp a row for the decoder's output).
+// The plain path runs every mode on any GPU from sm_75 on: the four Linear layers are cuBLASLt matmuls (part 2, below),
+// and these kernels do the rest: one thread a row, element or four elements (a warp a row for the decoder's output).
 // Its activations live in memory, row-major [row][feature] as in PyTorch, in the path's type T:
 //   fp32  T = float, and cuBLAS computes in true fp32 (CUBLAS_COMPUTE_32F, no TF32)
 //   bf16  T = bf16 for the matmuls' inputs (8 significant bits; AIS's backward: fp16, see Backward),
@@ -300,7 +286,6 @@ __device__ inline float latent_z(float mu, float logvar, float eps, float* kl_te
     *kl_term = 1.0f + logvar - mu * mu - expf(logvar);
     return mu + eps * expf(0.5f * logvar);
 }
-
 // eps of latents 4q .. 4q+3 of sample `sample` of an image: from `eps_row` when given (tests feed
 // PyTorch's), else from the counter-based generator keyed by the image's global index; zero for z = mu.
 __device__ inline float4 posterior_eps(const float* eps_row, int q, uint32_t image, uint32_t sample, uint64_t seed,
@@ -309,7 +294,6 @@ __device__ inline float4 posterior_eps(const float* eps_row, int q, uint32_t ima
     if (eps_row) return *reinterpret_cast<const float4*>(&eps_row[4 * q]);
     return gaussian4(seed, STREAM_POSTERIOR, image, sample, q);
 }
-
 // Latents on the straight line between two images' means: row r of the decoder's batch is step
 // r % steps of pair r / steps, z = (1 - t) mu_a + t mu_b with t = step / (steps - 1). The pairs
 // index rows of mulv ([mu | logvar] per image); rows count from first_row, so a long list of
@@ -327,7 +311,6 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 
 typedef __nv_bfloat16 bf16;
 typedef __half fp16;
-
 // Stores and loads in the path's type: the same names for float and bf16.
 __device__ inline void store_as(float* p, float v) { *p = v; }
 __device__ inline void store_as(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
@@ -335,12 +318,10 @@ __device__ inline void store_as(fp16* p, float v) { *p = __float2half_rn(v); }
 __device__ inline float as_float(float v) { return v; }
 __device__ inline float as_float(bf16 v) { return __bfloat162float(v); }
 __device__ inline float as_float(fp16 v) { return __half2float(v); }
-
 // Four consecutive values as one 4-, 8- or 16-byte access (the elementwise kernels' loads and stores).
 template <typename T> struct alignas(4 * sizeof(T)) Four {
     T v[4];
 };
-
 // fc3's input and weights, with the bias in K: the input row ends its latents with ones and fc3's rows hold
 // the bias there, so the product adds it (the epilogue only takes the ReLU). Blocks of Z_PAD = 24 keep each
 // row on a 16-byte boundary (cuBLAS's fast kernels want that):
@@ -355,13 +336,15 @@ static_assert(Z_PAD % 4 == 0 && Z_PAD >= LATENT_DIM + 3 && HIDDEN_DIM % 4 == 0,
               "fc3's input blocks hold z and three ones in whole groups of four; rows of 400 in groups of four");
 template <typename T> __host__ __device__ constexpr int z_parts() { return std::is_same<T, bf16>::value ? 3 : 1; }
 __host__ __device__ constexpr int z_width(Precision p) { return Z_PAD * (p == PRECISION_BF16 ? 3 : 1); }
-
-// Part p of v in bf16: 0 its bf16 value, 1 the bf16 of what that leaves, 2 of what both leave (each
-// remainder is exact in fp32).
-__device__ inline float bf16_part(float v, int p) {
-    for (int q = 0; q < p; q++) v -= __bfloat162float(__float2bfloat16_rn(v));
-    return __bfloat162float(__float2bfloat16_rn(v));
+// Part p of v in the 16-bit type T: 0 its T value, 1 that of what it leaves, 2 of what both leave (each remainder
+// is exact in fp32). bf16's parts here; the fused kernels' parts in their T (Path).
+template <typename T> __device__ inline T split_part(float v, int p) {
+    T part;
+    for (int q = 0; q < p; q++) store_as(&part, v), v -= as_float(part);
+    store_as(&part, v);
+    return part;
 }
+__device__ inline float bf16_part(float v, int p) { return as_float(split_part<bf16>(v, p)); }
 // fc3's input row of latents z, as above: built in registers, stored four values at a time.
 template <typename T> __device__ inline void store_z_input(T* row, const float (&z)[LATENT_DIM]) {
     constexpr int PARTS = z_parts<T>();
@@ -388,7 +371,6 @@ __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const f
     else if (block == 0 && k < LATENT_DIM + bias_parts) v = parts ? bf16_part(b3[n], k - LATENT_DIM) : b3[n];
     store_as(&dst[i], v);
 }
-
 // The type of AIS's backward pass (sigmoid - x, dh, and their copies of W4 and W3): T, except that bf16's
 // runs in fp16, as the fused kernels' does. sigmoid - x lies in [-1, 1] and dh well inside fp16's range, so
 // fp16's 11 significant bits cost nothing over bf16's 8: the gradient, a sum of terms of both signs
@@ -396,13 +378,11 @@ __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const f
 template <typename T> struct Backward { typedef T type; };
 template <> struct Backward<bf16> { typedef fp16 type; };
 static_assert(sizeof(Backward<bf16>::type) == sizeof(bf16), "the backward's buffers are sized in T");
-
 // The pixels as fc1's input: bytes 0..255 as T, exact in both types; fc1's alpha = 1/255 scales them.
 template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t* pixels, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) store_as(&x[i], (float)pixels[i]);
 }
-
 // z, the KL and log p(z) - log q(z|x) of one decoder row, sample `sample` of an image: z = mu + sigma
 // eps with eps keyed by (seed, image, sample), so sample 0 is the ELBO's draw. With z = mu + sigma eps the
 // Gaussian terms log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel.
@@ -415,7 +395,6 @@ __device__ inline void sample_latents(float (&z)[LATENT_DIM], float* kl, float* 
     for (int q = 0; q < LATENT_DIM / 4; q++) {
         const float4 e = posterior_eps(eps_row, q, image, sample, seed, z_is_mu);
         const float eps[4] = {e.x, e.y, e.z, e.w};
-        #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int j = 4 * q + i;
             float kl_term;
@@ -426,7 +405,6 @@ __device__ inline void sample_latents(float (&z)[LATENT_DIM], float* kl, float* 
     }
     *kl = -0.5f * kl_sum, *log_ratio = 0.5f * ratio;
 }
-
 // fc3's inputs for `rows` decoder rows from the images' [mu | logvar]: row r is sample r % K of image
 // r / K (K = 1 for the ELBO, --iwae's K importance samples otherwise). kl, log_ratio and z_out are NULL
 // when not wanted. One thread a row.
@@ -444,7 +422,6 @@ __global__ void sample_kernel(T* z_input, float* z_out, float* kl, float* log_ra
     if (kl) kl[r] = row_kl;
     if (log_ratio) log_ratio[r] = ratio;
 }
-
 // fc3's inputs from latents given in fp32 (prior samples, interpolations, the tests' z). One thread a row.
 template <typename T> __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
@@ -453,7 +430,6 @@ template <typename T> __global__ void z_input_kernel(T* z_input, const float* __
     for (int j = 0; j < LATENT_DIM; j++) row[j] = z[(size_t)r * LATENT_DIM + j];
     store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), row);
 }
-
 // What the decoder's logits give, per row r scored against image r / rows_per_image (NULL: not wanted):
 //   bce       BCE(x, sigmoid(l)) summed over the 784 pixels, as softplus(l) - x l = max(l, 0) - x l +
 //             log(1 + exp(-|l|)): no log of a rounded sigmoid, finite for any l
@@ -499,7 +475,6 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (bce && x_row && lane == 0) bce[r] = sum;
 }
-
 // The ReLU's backward: the gradient w.r.t. a hidden layer's input is zero where its output h is. Four
 // values a thread; n is a multiple of four (rows of 400).
 template <typename G, typename H>
@@ -512,7 +487,6 @@ __global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long
         if (!(as_float(hidden.v[k]) > 0.0f)) store_as(&g.v[k], 0.0f);
     reinterpret_cast<Four<G>*>(grad)[i] = g;
 }
-
 // The plain path's weights, once at load: rows x cols of W (fp32, PyTorch's W[out][in]) as T in rows of
 // `pitch`, the columns repeated every pitch / copies with zeros between (fc3's backward copy: [W3 | 0]; the
 // others one copy without padding).
@@ -523,7 +497,6 @@ __global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int ro
     const int r = (int)(i / pitch), c = (int)(i % pitch) % (pitch / copies);
     store_as(&dst[i], c < cols ? w[(size_t)r * cols + c] : 0.0f);
 }
-
 // The importance-weighted log-likelihood (--iwae K; Burda et al., "Importance Weighted Autoencoders"):
 //   log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
 // The K samples of an image are K decoder rows (sample_kernel); log p(x|z) = -BCE.
@@ -585,7 +558,6 @@ constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5
 constexpr float AIS_TARGET_ACCEPT = 0.65f;
 // FLOPs of one gradient evaluation: forward 20x400 + 400x784 multiply-adds, backward the same
 constexpr double AIS_FLOPS_PER_EVAL = 4.0 * (LATENT_DIM * HIDDEN_DIM + HIDDEN_DIM * INPUT_DIM);
-
 // What one AIS run over n images reads and writes. Row r is chain r % C of image r / C.
 struct AisIO {
     const uint8_t* pixels; // [n][784]
@@ -606,13 +578,11 @@ struct AisIO {
     const float* p_start; // tests, or NULL: [n * C][20] the first transition's momentum instead of a draw
     float* proposal;      // tests, or NULL: [n * C][40] the last leapfrog trajectory's end (z, p) before its test
 };
-
-// The plain path's chains, in memory between its kernels: per row z, p, the gradient of BCE (fc3's
-// backward writes it, row-major and Z_PAD wide), the BCE, and the transition's start (z, grad, BCE, H)
-// that a rejected proposal returns to. z, p and the start are stored latent by latent, [20][rows], so
-// that a warp's 32 rows of one latent are 128 adjacent bytes: row by row, a thread's 80 bytes, the
-// leapfrog kernel had taken 139 us a step for 80,000 chains. Each kernel below is one step of the
-// transition for every row at once, one thread a row.
+// The plain path's chains, in memory between its kernels: per row z, p, the gradient of BCE (fc3's backward writes it,
+// row-major and Z_PAD wide), the BCE, and the transition's start (z, grad, BCE, H) that a rejected proposal returns to.
+// z, p and the start are stored latent by latent, [20][rows], so that a warp's 32 rows of one latent are 128 adjacent
+// bytes: row by row, a thread's 80 bytes, the leapfrog kernel had taken 139 us a step for 80,000 chains. Each kernel
+// below is one step of the transition for every row at once, one thread a row.
 enum { PLAIN_AIS_ROWS = 1 << 17 }; // chains a launch at most: ~1.3 GB of activations and chains in fp32
 struct AisChains {
     float *z, *p, *z0, *grad0; // [20][PLAIN_AIS_ROWS]
@@ -631,7 +601,6 @@ struct AisChains {
             for (int k = 0; k < 4; k++) v[4 * q + k] = row[q].v[k];
     }
 };
-
 // A chain's view of its image: p0's mean, inverse variance and sum of log variances.
 struct AisPrior {
     float mu[LATENT_DIM], inv_var[LATENT_DIM], logvar_sum;
@@ -659,7 +628,6 @@ struct AisPrior {
         }
     }
 };
-
 // z += eps p, stored, and as fc3's input for the next gradient evaluation.
 template <typename T>
 __device__ inline void ais_drift(const AisChains& c, T* z_input, size_t r, float (&z)[LATENT_DIM],
@@ -668,7 +636,6 @@ __device__ inline void ais_drift(const AisChains& c, T* z_input, size_t r, float
     c.store(c.z, r, z);
     store_z_input(z_input + r * Z_PAD * z_parts<T>(), z);
 }
-
 // The chains' start: z ~ p0 (keyed like the ELBO's eps, chain c as sample c) or the given z_start; no
 // weight yet, nothing accepted, each image at the first step size.
 template <typename T> __global__ void ais_start_kernel(AisIO io, AisChains c, T* z_input) {
@@ -688,7 +655,6 @@ template <typename T> __global__ void ais_start_kernel(AisIO io, AisChains c, T*
     io.log_w[r] = 0.0, io.accepted[r] = 0;
     if (chain == 0) io.step_out[image] = io.step0;
 }
-
 // Step s = 1..T of the schedule, at the chain's z (the last transition's end): its term of the log weight.
 // Then, unless s = T, the next transition's start: momentum p, H0, the start kept for a rejection, half a
 // kick and the first drift. At s = T the chain's results.
@@ -731,7 +697,6 @@ template <typename T> __global__ void ais_begin_kernel(AisIO io, AisChains c, T*
     c.store(c.p, r, p);
     ais_drift(c, z_input, r, z, p, step);
 }
-
 // A leapfrog step between two gradient evaluations: a whole kick, then the next drift.
 template <typename T> __global__ void ais_leapfrog_kernel(AisIO io, AisChains c, T* z_input, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
@@ -745,7 +710,6 @@ template <typename T> __global__ void ais_leapfrog_kernel(AisIO io, AisChains c,
     c.store(c.p, r, p);
     ais_drift(c, z_input, r, z, p, step);
 }
-
 // A transition's end: the last half kick, H1, and the Metropolis test; a rejected proposal returns to the
 // start (z, grad, BCE).
 __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
@@ -776,7 +740,6 @@ __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
     }
     io.accepted[r] += accept, c.took[r] = accept;
 }
-
 // Each image's step size from its C chains' acceptance in this transition, counted in chain order.
 __global__ void ais_adapt_kernel(AisIO io, AisChains c) {
     const int image = blockIdx.x * blockDim.x + threadIdx.x;
@@ -787,11 +750,9 @@ __global__ void ais_adapt_kernel(AisIO io, AisChains c) {
     if (io.adapt)
         io.step_out[image] = fminf(fmaxf(old * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN), AIS_STEP_MAX);
 }
-
-// Per image, from its C chains in order, in float64: log p(x) ~ logsumexp log w - log C (for the
-// reverse run, whose weights ais_begin_kernel accumulates with -d_beta, the upper bound -(logsumexp log w
-// - log C)), the effective sample size (sum w)^2 / sum w^2 of the weights, and the acceptance rate over
-// the transitions.
+// Per image, from its C chains in order, in float64: log p(x) ~ logsumexp log w - log C (for the reverse run, whose
+// weights ais_begin_kernel accumulates with -d_beta, the upper bound -(logsumexp log w - log C)), the effective sample
+// size (sum w)^2 / sum w^2 of the weights, and the acceptance rate over the transitions.
 __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restrict__ ess,
                                     float* __restrict__ acceptance, const double* __restrict__ log_w,
                                     const int* __restrict__ accepted, int n, int C, int transitions, bool reverse) {
@@ -825,11 +786,10 @@ __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restri
 // anywhere. The backward through a layer, dX = dY W (AIS's gradient w.r.t. z), is
 //   dX^T (in x rows) = W^T (in x out: W's bytes as they are, CUBLAS_OP_N) dY^T (out x rows)
 //                                                       m = in, n = rows, k = out
-// Reproducible results: each product uses one algorithm, picked once by cuBLASLt's heuristic and kept
-// for every batch size, with no workspace and no split-K reduction scheme allowed: cuBLASLt's default
-// pick can change with the batch, and at larger K split K over blocks, adding the parts in another order
-// (bits that then depend on the batch size). With one algorithm without split-K, a row's sums are the
-// same whatever the batch.
+// Reproducible results: each product uses one algorithm, picked once by cuBLASLt's heuristic and kept for every batch
+// size, with no workspace and no split-K reduction scheme allowed: cuBLASLt's default pick can change with the batch,
+// and at larger K split K over blocks, adding the parts in another order (bits that then depend on the batch size).
+// With one algorithm without split-K, a row's sums are the same whatever the batch.
 
 static void cublas_check(cublasStatus_t status, const char* file, int line) {
     if (status != CUBLAS_STATUS_SUCCESS) {
@@ -838,7 +798,6 @@ static void cublas_check(cublasStatus_t status, const char* file, int line) {
     }
 }
 #define cublasCheck(call) cublas_check((call), __FILE__, __LINE__)
-
 // One product of the plain path: a layer's weights W (row-major, `pitch` values a row), its epilogue
 // and the algorithm picked for it.
 typedef struct {
@@ -856,7 +815,6 @@ static cublasLtMatrixLayout_t gemm_layout(cudaDataType_t type, int rows, int col
     cublasCheck(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld));
     return layout;
 }
-
 // What every pick asks of an algorithm: no workspace and no split-K.
 static cublasLtMatmulPreference_t gemm_preference() {
     cublasLtMatmulPreference_t pref;
@@ -869,7 +827,6 @@ static cublasLtMatmulPreference_t gemm_preference() {
                                                      sizeof(reduction)));
     return pref;
 }
-
 // A product over W[out][in] (pitch values a row, pitch >= in): forward Y[rows][out] = alpha X W^T (+ bias)
 // (ReLU), or with `backward` dX[rows][in] = dY[rows][out] W. The inputs in in_type, Y in out_type; the bias
 // (NULL: none) in out_type, as cuBLASLt reads it. Its algorithm is the heuristic's first for pick_rows rows.
@@ -914,7 +871,6 @@ static void gemm_free(Gemm* g) {
     if (g->w_layout) cublasCheck(cublasLtMatrixLayoutDestroy(g->w_layout));
     memset(g, 0, sizeof(*g));
 }
-
 // y[rows][m] = the product of x[rows][k], in the algorithm picked for it, on `stream`.
 static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int rows, cudaStream_t stream) {
     cublasLtMatrixLayout_t x_layout = gemm_layout(g.in_type, g.k, rows, g.k);
@@ -925,7 +881,6 @@ static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int
     cublasCheck(cublasLtMatrixLayoutDestroy(x_layout));
     cublasCheck(cublasLtMatrixLayoutDestroy(y_layout));
 }
-
 // The plain path's model: its weights in the path's type, its products, and its activations for up to
 // max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples). The buffers hold T
 // values where the path's type is used and fp32 where the text says so.
@@ -963,7 +918,6 @@ static void* device_alloc(size_t bytes, const char* what, int batch) {
     cudaCheck(status);
     return p;
 }
-
 // The small kernels: `items` rows (or elements), `per_block` of them to a block of `threads`
 // threads (one a thread, or one a warp), on `stream`; the launch is checked.
 template <typename... Params, typename... Args>
@@ -972,17 +926,14 @@ static void launch(void (*kernel)(Params...), long long items, int per_block, in
     kernel<<<(unsigned)((items + per_block - 1) / per_block), threads, 0, stream>>>(Params(args)...);
     cudaCheck(cudaGetLastError());
 }
-
 // W (fp32 on the device, rows x cols) in type U (plain_weights_kernel), on `stream`.
 template <typename U>
 static U* convert_weights(uint8_t* at, const float* w, int rows, int cols, int pitch, int copies, cudaStream_t stream) {
     launch(plain_weights_kernel<U>, (long long)rows * pitch, 256, 256, stream, (U*)at, w, rows, cols, pitch, copies);
     return (U*)at;
 }
-
-// The weights (fp32 tensors on the device, PyTorch's layout; fc21 and fc22 stacked as one [40][400]
-// layer) in the path's types, each at a 256-byte boundary, and the products of the four layers and of
-// AIS's backward pass.
+// The weights (fp32 tensors on the device, PyTorch's layout; fc21 and fc22 stacked as one [40][400] layer) in the
+// path's types, each at a 256-byte boundary, and the products of the four layers and of AIS's backward pass.
 template <typename T>
 static void plain_init_weights(Plain* pl, const float* const* t, const float* enc_w, const float* enc_b,
                                cudaStream_t stream) {
@@ -1003,13 +954,12 @@ static void plain_init_weights(Plain* pl, const float* const* t, const float* en
     uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights", pl->max_batch);
     pl->weights = base;
     const cudaDataType_t f32 = CUDA_R_32F, type = pl->type, back = pl->backward_type;
-    // The batch each algorithm is picked for. fp32 runs on the SIMT cores (TF32 is off), where the pick for
-    // 4,096 rows (128 x 128 tiles) leaves 100 of 132 SMs idle at 1,024; picked for 1,024, fc1 and fc4 take 29
-    // and 25 us there instead of 73 and 45, and 186 and 161 us instead of 262 and 220 at 10,000 rows. The
-    // products that run only on long passes (fc4_long for --iwae and AIS, the backward ones) are picked for
-    // 4,096 rows in fp32 (AIS 5% faster than for 1,024), 65,536 in bf16 (AIS's launches are 80,000 rows at
-    // n = 10,000): fc4's backward then takes 94 us instead of 132, fc4_long 102 instead of 122 (H200,
-    // dev/gemm_pick_v1).
+    // The batch each algorithm is picked for. fp32 runs on the SIMT cores (TF32 is off), where the pick for 4,096 rows
+    // (128 x 128 tiles) leaves 100 of 132 SMs idle at 1,024; picked for 1,024, fc1 and fc4 take 29 and 25 us there
+    // instead of 73 and 45, and 186 and 161 us instead of 262 and 220 at 10,000 rows. The products that run only on
+    // long passes (fc4_long for --iwae and AIS, the backward ones) are picked for 4,096 rows in fp32 (AIS 5% faster
+    // than for 1,024), 65,536 in bf16 (AIS's launches are 80,000 rows at n = 10,000): fc4's backward then takes 94 us
+    // instead of 132, fc4_long 102 instead of 122 (H200, dev/gemm_pick_v1).
     const int pick = type == f32 ? 1024 : 4096, long_pick = type == f32 ? 4096 : 65536;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
     pl->fc1 = gemm_init(pl->lt, convert_weights<T>(base + w1, t[FC1_W], HIDDEN_DIM, INPUT_DIM, INPUT_DIM, 1, stream),
@@ -1038,7 +988,6 @@ static void plain_init_weights(Plain* pl, const float* const* t, const float* en
         gemm_init(pl->lt, convert_weights<B>(base + w3_back, t[FC3_W], HIDDEN_DIM, LATENT_DIM, Z_PAD, 1, stream),
                   HIDDEN_DIM, Z_PAD, Z_PAD, true, false, NULL, back, f32, 1.0f, long_pick);
 }
-
 // The plain model for up to max_batch images a forward pass and `rows` decoder rows a pass.
 static void plain_init(Plain* pl, const float* const* tensors, const float* enc_w, const float* enc_b,
                        Precision precision, int max_batch, int rows, cudaStream_t stream) {
@@ -1048,8 +997,8 @@ static void plain_init(Plain* pl, const float* const* tensors, const float* enc_
     pl->type_size = precision == PRECISION_BF16 ? sizeof(bf16) : sizeof(float);
     pl->backward_type = precision == PRECISION_BF16 ? CUDA_R_16F : CUDA_R_32F;
     cublasCheck(cublasLtCreate(&pl->lt));
-    if (precision == PRECISION_BF16) plain_init_weights<bf16>(pl, tensors, enc_w, enc_b, stream);
-    else plain_init_weights<float>(pl, tensors, enc_w, enc_b, stream);
+    (precision == PRECISION_BF16 ? plain_init_weights<bf16> : plain_init_weights<float>)(pl, tensors, enc_w, enc_b,
+                                                                                         stream);
     const size_t B = (size_t)max_batch, R = (size_t)rows, t = pl->type_size;
     const int zk = z_width(precision);
     pl->x = device_alloc(B * INPUT_DIM * t, "the pixels as fc1's input", max_batch);
@@ -1074,7 +1023,6 @@ static void plain_free(Plain* pl) {
     if (pl->lt) cublasCheck(cublasLtDestroy(pl->lt));
     memset(pl, 0, sizeof(*pl));
 }
-
 // The encoder: [mu | logvar] of B images (device uint8 pixels) into pl->mulv, and h1.
 static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t stream) {
     const long long n = (long long)B * INPUT_DIM;
@@ -1084,7 +1032,6 @@ static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t s
     gemm(pl->lt, pl->fc1, pl->h1, pl->x, B, stream);
     gemm(pl->lt, pl->fc2, pl->mulv, pl->h1, B, stream);
 }
-
 // fc3's inputs for `rows` rows of K samples of images (sample_kernel; mulv: their [mu | logvar]).
 static void plain_sample(Plain* pl, int rows, int K, const float* mulv, const float* eps, uint32_t first_image,
                          uint64_t seed, bool z_is_mu, float* z_out, float* kl, float* log_ratio, cudaStream_t stream) {
@@ -1095,14 +1042,12 @@ static void plain_sample(Plain* pl, int rows, int K, const float* mulv, const fl
         launch(sample_kernel<float>, rows, 128, 128, stream, (float*)pl->z_input, z_out, kl, log_ratio, mulv, eps,
                rows, K, first_image, seed, z_is_mu);
 }
-
 // fc3's inputs from latents given in fp32 ([rows][20] on the device).
 static void plain_set_z(Plain* pl, const float* z, int rows, cudaStream_t stream) {
     if (pl->precision == PRECISION_BF16)
         launch(z_input_kernel<bf16>, rows, 128, 128, stream, (bf16*)pl->z_input, z, rows);
     else launch(z_input_kernel<float>, rows, 128, 128, stream, (float*)pl->z_input, z, rows);
 }
-
 // The decoder over `rows` rows of pl->z_input: logits, then each row's BCE against image r /
 // rows_per_image into bce (with pixels), recon when given. A long pass (--iwae's K rows an image) runs fc4_long:
 // its logits in bf16 on the bf16 path, half the bytes of the pass's largest buffer (3,136 a row in fp32).
@@ -1118,7 +1063,6 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
     launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
            pixels, rows, rows_per_image);
 }
-
 // --iwae over n images whose [mu | logvar] are `mulv`: K rows each, in passes of as many images as
 // pl->rows holds, log p(x) into log_px[n]. eps: device [n][K][20] noise instead of the generator (tests).
 static void plain_iwae(Plain* pl, const uint8_t* pixels, const float* mulv, int n, uint32_t first_image, int K,
@@ -1132,14 +1076,12 @@ static void plain_iwae(Plain* pl, const uint8_t* pixels, const float* mulv, int 
         launch(iwae_logsumexp_kernel, images, 1, LSE_THREADS, stream, log_px + first, pl->bce, 1, pl->log_ratio, K);
     }
 }
-
-// AIS: one gradient evaluation for `rows` chains at pl->ais_z_input, a row's pixels those of image r / C:
-// the decoder forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into
-// chains.grad, and the BCE into chains.bce when `energy` (a trajectory's start and end). The L - 1
-// evaluations between a trajectory's ends need only the gradient: their logits are in T, which halves
-// the bytes of bf16's logits (80,000 rows x 784: 251 MB in fp32). Each point's gradient is then the same
-// function of z in either direction along the trajectory (ends: fp32 logits; between: T), so the
-// leapfrog stays reversible.
+// AIS: one gradient evaluation for `rows` chains at pl->ais_z_input, a row's pixels those of image r / C: the decoder
+// forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into chains.grad, and the BCE into
+// chains.bce when `energy` (a trajectory's start and end). The L - 1 evaluations between a trajectory's ends need only
+// the gradient: their logits are in T, which halves the bytes of bf16's logits (80,000 rows x 784: 251 MB in fp32).
+// Each point's gradient is then the same function of z in either direction along the trajectory (ends: fp32 logits;
+// between: T), so the leapfrog stays reversible.
 template <typename T>
 static void plain_ais_gradient(Plain* pl, const AisIO& io, int rows, bool energy, cudaStream_t stream) {
     typedef typename Backward<T>::type B;
@@ -1158,7 +1100,6 @@ static void plain_ais_gradient(Plain* pl, const AisIO& io, int rows, bool energy
     launch(relu_backward_kernel<B, T>, hidden / 4, 256, 256, stream, (B*)pl->dh, (const T*)pl->ais_h3, hidden);
     gemm(pl->lt, pl->fc3_backward, pl->chains.grad, pl->dh, rows, stream);
 }
-
 // AIS over io.n images whose io.mulv is filled in, all T - 1 transitions of io.n * C chains at once:
 // a kernel for each step of a transition over every chain (part 1), the gradient between them.
 template <typename T> static void plain_ais_run(Plain* pl, const AisIO& io, cudaStream_t stream) {
@@ -1177,7 +1118,6 @@ template <typename T> static void plain_ais_run(Plain* pl, const AisIO& io, cuda
         launch(ais_adapt_kernel, io.n, 128, 128, stream, io, pl->chains);
     }
 }
-
 // The same run on n of io's images, from image `first`.
 static AisIO ais_slice(AisIO io, int first, int n) {
     const size_t rows = (size_t)first * io.chains;
@@ -1192,7 +1132,6 @@ static AisIO ais_slice(AisIO io, int first, int n) {
     if (io.proposal) io.proposal += rows * 2 * LATENT_DIM;
     return io;
 }
-
 // AIS on the plain path over io.n images (io.mulv filled in), in launches of at most PLAIN_AIS_ROWS
 // chains, of as many images each: a chain's results do not depend on which launch it ran in.
 static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
@@ -1216,8 +1155,7 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
     const int images = ceil_div(io.n, launches); // launches of even size
     for (int first = 0; first < io.n; first += images) {
         const AisIO part = ais_slice(io, first, io.n - first < images ? io.n - first : images);
-        if (pl->precision == PRECISION_BF16) plain_ais_run<bf16>(pl, part, stream);
-        else plain_ais_run<float>(pl, part, stream);
+        (pl->precision == PRECISION_BF16 ? plain_ais_run<bf16> : plain_ais_run<float>)(pl, part, stream);
     }
 }
 
@@ -1230,13 +1168,12 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
 //                    decoder's fragments load it)
 //   decoder          z rows -> fc3 + ReLU -> fc4 -> per-row BCE; logits and recon only when
 //                    asked for. h3 never leaves the registers, the logits never reach memory
-// Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from
-// sample_z_kernel), the pictures and --interp (rows of chosen latents, no pixels: recon).
-// Both run on Hopper's wgmma + TMA (encoder_wgmma_kernel, decoder_wgmma_kernel); the tests check them
-// against float64 and against the plain path. The same design on sm_80's mma.sync is dev/'s
-// (dev/encoder_v1.cu, dev/decoder_v1.cu), with its time beside these. Its interface is rows of z in,
-// per-row results out: a backward pass w.r.t. z fits the same shape (x - sigmoid(logits) formed in the
-// epilogue's registers).
+// Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from sample_z_kernel), the
+// pictures and --interp (rows of chosen latents, no pixels: recon). Both run on Hopper's wgmma + TMA
+// (encoder_wgmma_kernel, decoder_wgmma_kernel); the tests check them against float64 and against the plain path. The
+// same design on sm_80's mma.sync is dev/'s (dev/encoder_v1.cu, dev/decoder_v1.cu), with its time beside these. Its
+// interface is rows of z in, per-row results out: a backward pass w.r.t. z fits the same shape (x - sigmoid(logits)
+// formed in the epilogue's registers).
 //
 // Both precisions run the same kernels (template parameter P); Path<P> holds what differs.
 //   bf16  each weight and activation is one bf16 (8 significant bits): one product per multiply
@@ -1276,19 +1213,6 @@ template <> struct Path<PRECISION_FP32> {
     static constexpr int Z_K = 64;
     static constexpr int AIS_CLUSTER = 8, AIS_BN = 104;   // 8 of 104 in two copies of cores (AisFc4Cores)
 };
-
-// The 16-bit types' conversions, the same names for both (device code).
-__device__ inline float to_f32(bf16 v) { return __bfloat162float(v); }
-__device__ inline float to_f32(fp16 v) { return __half2float(v); }
-template <typename T> __device__ inline T from_f32(float v);
-template <> __device__ inline bf16 from_f32<bf16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ inline fp16 from_f32<fp16>(float v) { return __float2half_rn(v); }
-// Part `part` of v: 0 its 16-bit value, 1 what that leaves over, 2 what both leave (each remainder
-// is exact in fp32).
-template <typename T> __device__ inline T split_part(float v, int part) {
-    for (int p = 0; p < part; p++) v -= to_f32(from_f32<T>(v));
-    return from_f32<T>(v);
-}
 // Two values as the 16-bit pair of one mma operand register (lo in the low half): one instruction.
 template <typename T> __device__ inline uint32_t pack2(float lo, float hi);
 template <> __device__ inline uint32_t pack2<bf16>(float lo, float hi) {
@@ -1299,7 +1223,6 @@ template <> __device__ inline uint32_t pack2<fp16>(float lo, float hi) {
     const __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
 }
-
 // D += A (16x16, row-major) * B (16x8, column-major), bf16 or fp16 inputs, fp32 accumulators.
 // With g = lane / 4 and t = lane % 4, each register holds two consecutive k of one row:
 //   a[0] = A[g][2t..]  a[1] = A[g+8][2t..]  a[2] = A[g][2t+8..]  a[3] = A[g+8][2t+8..]
@@ -1321,7 +1244,6 @@ __device__ inline void mma_parts(float* d, const uint32_t (&a_hi)[4], const uint
     if constexpr (std::is_same<T, fp16>::value) mma_m16n8k16<T>(d, a_lo, b_hi), mma_m16n8k16<T>(d, a_hi, b_lo);
     mma_m16n8k16<T>(d, a_hi, b_hi);
 }
-
 // 16-byte asynchronous copy global -> shared (sm_80+). When !valid it writes 16 zero bytes and
 // reads nothing, so tiles hanging over the matrix edge hold zeros and the math needs no edge case.
 __device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -1333,7 +1255,6 @@ template <int PENDING>
 __device__ inline void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
-
 // A rows x cols block of 16-bit values (cols a multiple of 8) from global memory, row pitch src_pitch, into
 // shared memory with row pitch dst_pitch: 16-byte cp.async copies spread over the whole thread
 // block, committed as one group (the caller waits). How the kernels load their resident weights.
@@ -1346,7 +1267,6 @@ __device__ inline void copy_block_async(T* dst, int dst_pitch, const T* __restri
     }
     cp_async_commit();
 }
-
 // The cross-block merge of the encoder and the decoder: each of `arrivals` blocks stores its share
 // of a 16-row task, then its warp calls this; the warp that arrives last gets true (on every lane),
 // with all the shares visible to it, and resets the ticket for the next launch. The merge itself
@@ -1361,52 +1281,24 @@ __device__ inline bool last_to_arrive(unsigned* ticket, unsigned arrivals) {
     if (threadIdx.x % 32 == 0) *ticket = 0; // every share has arrived
     return true;
 }
-
 // Programmatic dependent launch (sm_90+): the decoder is launched while the encoder still runs
 // (each encoder block allows it as it starts), copies its weights into shared memory on the SMs
 // the encoder leaves free, and waits here for the encoder's grid to finish and its writes to be
 // visible before it reads a z row. Without the launch attribute (other GPUs) both are no-ops.
-__device__ inline void allow_dependent_launch() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-__device__ inline void wait_for_prior_grid() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
+__device__ inline void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ inline void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 // Two consecutive k of a 16-bit row in shared memory as one mma operand register.
 __device__ inline uint32_t pair_at(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-// ldmatrix: the warp loads four (x4) or two (x2) 8x8 16-bit matrices from shared memory, lane i
-// giving the address of one 16-byte row (lanes 0-7 matrix 0, 8-15 matrix 1, ...), and every
-// lane receives exactly the registers mma.sync expects. One instruction replaces 4 (or 2)
-// 32-bit shared loads per lane, and its address math is done once per fragment.
-__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ inline void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const void* row) {
-    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
-}
-
 // Byte b (0..3) of a word as an exact float: placed in the mantissa of 2^23 (0x4B000000) and
 // 2^23 subtracted, one byte permute and one add instead of an integer-to-float conversion.
 __device__ inline float byte_as_float(uint32_t word, int b) {
     return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440 + b)) - 8388608.0f;
 }
-
-// The decoder's shapes. fc4's 784 logits are cut into column blocks of DEC_BN (bf16: 4 of 200,
-// one m64n200 wgmma; the last block starts at 784 - DEC_BN and leaves its first DEC_OVERLAP columns
-// to the block before); fc3's 400 hidden units are taken in chunks of 80 = 5 k16 steps of fc4.
-// Both layers carry their bias in the K padding: 1 in z's K = 20..22 and in an extra k16 step of
-// fc4, the weights there hold the bias split into three 16-bit parts (~fp32 exact), so the tensor
-// cores add it and the epilogue does not.
+// The decoder's shapes. fc4's 784 logits are cut into column blocks of DEC_BN (bf16: 4 of 200, one m64n200 wgmma; the
+// last block starts at 784 - DEC_BN and leaves its first DEC_OVERLAP columns to the block before); fc3's 400 hidden
+// units are taken in chunks of 80 = 5 k16 steps of fc4. Both layers carry their bias in the K padding: 1 in z's K =
+// 20..22 and in an extra k16 step of fc4, the weights there hold the bias split into three 16-bit parts (~fp32 exact),
+// so the tensor cores add it and the epilogue does not.
 enum {
     DEC_CHUNK = 80,
     DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK,
@@ -1425,20 +1317,16 @@ static_assert(3 * LATENT_DIM + BIAS_PARTS <= Path<PRECISION_FP32>::Z_K, "fp32's 
 static_assert(HIDDEN_DIM % DEC_CHUNK == 0 && DEC_CHUNK % 16 == 0, "chunks are whole k16 steps");
 static_assert(dec_overlap<PRECISION_BF16>() % 8 == 0 && dec_overlap<PRECISION_FP32>() % 8 == 0 &&
                   dec_overlap<PRECISION_FP32>() >= 0 && INPUT_DIM % 2 == 0, "the overlaps are whole n8 blocks");
-
 // The encoder's shapes (encoder_wgmma_kernel, below).
 enum {
     ENC_BN = 80,               // fc1's rows a block keeps: one slice (bf16: 80 units; fp32: 40 units' hi and lo)
     MAX_ENC_SLICES = Path<PRECISION_FP32>::ENC_SLICES,
     FC1_K = 832,               // 13 blocks of 64 pixels: 784 and zeros
-    FC1_PITCH = FC1_K + 8,     // 1680-byte rows (105 x 16): the 8 rows an ldmatrix phase reads hit 8 bank groups
-    ENC_WARPS = 16,
     ENC_PREFETCH = 2,          // pixel blocks loaded ahead of the one multiplied (1, 4 or 6: the same time on an H200)
 };
 static_assert(Path<PRECISION_BF16>::ENC_UNITS == ENC_BN && 2 * Path<PRECISION_FP32>::ENC_UNITS == ENC_BN &&
                   FC1_K % 64 == 0 && (int)FC1_K >= (int)INPUT_DIM && INPUT_DIM % 16 == 0,
               "a slice is 80 rows of fc1 in both paths; pixels come in 16-byte loads");
-
 // The weights in the kernels' layouts, once at load: element i of layer `layer` from the fp32
 // tensors (w[rows][cols], b), in the path's 16-bit type (the layouts: the section's header).
 enum Layer { LAYER_FC1, LAYER_ENC, LAYER_FC3, LAYER_FC4, LAYER_AIS_FC3 };
@@ -1490,48 +1378,38 @@ __device__ inline float fast_log2(float x) {
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-
-// A z row: Z_K 16-bit values in pairs, in the order fc3's A fragments load them: uint4 4h + t
-// holds what thread t of a quad needs for k16 steps 2h and 2h + 1, the pairs at K = 32h + (2t,
-// 2t+1), (8+2t, ..), (16+2t, ..), (24+2t, ..). K = 0..19 are the latents, 20..22 hold 1 (times
-// fc3's bias parts); fp32 follows with zl and zh (the header above), zeros after. One or two
-// 16-byte loads a row give a thread both rows (g, g + 8) of its fragments.
+// A z row: Z_K 16-bit values in pairs, in the order fc3's A fragments load them: uint4 4h + t holds what thread t of a
+// quad needs for k16 steps 2h and 2h + 1, the pairs at K = 32h + (2t, 2t+1), (8+2t, ..), (16+2t, ..), (24+2t, ..). K =
+// 0..19 are the latents, 20..22 hold 1 (times fc3's bias parts); fp32 follows with zl and zh (the header above), zeros
+// after. One or two 16-byte loads a row give a thread both rows (g, g + 8) of its fragments.
 template <Precision P> __device__ inline void store_z_row(uint4* row, const float* z) {
     typedef typename Path<P>::T T;
     float k[Path<P>::Z_K];
-    #pragma unroll
     for (int i = 0; i < Path<P>::Z_K; i++) {
         const int zk = i - LATENT_DIM - BIAS_PARTS, j = zk % LATENT_DIM;
         k[i] = i < LATENT_DIM ? z[i] : i < LATENT_DIM + BIAS_PARTS ? 1.0f : 0.0f;
-        if (Path<P>::SPLIT && zk >= 0 && zk < 2 * LATENT_DIM) k[i] = to_f32(split_part<T>(z[j], 1 - zk / LATENT_DIM));
+        if (Path<P>::SPLIT && zk >= 0 && zk < 2 * LATENT_DIM) k[i] = as_float(split_part<T>(z[j], 1 - zk / LATENT_DIM));
     }
-    #pragma unroll
     for (int h = 0; h < Path<P>::Z_K / 32; h++)
-        #pragma unroll
         for (int t = 0; t < 4; t++) {
             const float* q = k + 32 * h + 2 * t;
             row[4 * h + t] = make_uint4(pack2<T>(q[0], q[1]), pack2<T>(q[8], q[9]), pack2<T>(q[16], q[17]),
                                         pack2<T>(q[24], q[25]));
         }
 }
-
 // z rows of B latents given in fp32 (prior samples, interpolations), one thread per row.
 template <Precision P> __global__ void z_rows_kernel(uint4* __restrict__ z_rows, const float* __restrict__ z, int B) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r < B) store_z_row<P>(z_rows + (size_t)r * Path<P>::Z_K / 8, z + (size_t)r * LATENT_DIM);
 }
-
-// ReLU of a warp's m16n8 accumulators (h[4j..4j+3] = n8 block j, rows g and g + 8), as the A
-// fragments of the next layer's k16 steps over them: that layout is already mma's A layout, a[s]
-// = blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..); steps past the accumulators are zeros. h1 ->
-// fc21/fc22 in the encoder and h3 -> fc4 in both decoders go through it without leaving the
-// registers. bf16 rounds first and takes the ReLU on bf16 pairs (the same values, half the
-// instructions); fp16 also gives the lo parts.
+// ReLU of a warp's m16n8 accumulators (h[4j..4j+3] = n8 block j, rows g and g + 8), as the A fragments of the next
+// layer's k16 steps over them: that layout is already mma's A layout, a[s] = blocks 2s (k 2t..) and 2s + 1 (k 8 +
+// 2t..); steps past the accumulators are zeros. h1 -> fc21/fc22 in the encoder and h3 -> fc4 in both decoders go
+// through it without leaving the registers. bf16 rounds first and takes the ReLU on bf16 pairs (the same values, half
+// the instructions); fp16 also gives the lo parts.
 template <typename T, int STEPS, int H>
 __device__ inline void relu_to_a(uint32_t (&hi)[STEPS][4], uint32_t (&lo)[STEPS][4], const float (&h)[H]) {
-    #pragma unroll
     for (int s = 0; s < STEPS; s++)
-        #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int j = 8 * s + 2 * i;
             if (j >= H) {
@@ -1548,20 +1426,16 @@ __device__ inline void relu_to_a(uint32_t (&hi)[STEPS][4], uint32_t (&lo)[STEPS]
             }
         }
 }
-
 // The tests' view of h1 and h3: a warp's accumulators h (layout as above) with the ReLU, as rows
 // row16 + g and + 8 (those below `rows`), columns col0 + 8j + 2t and + 1, of out[rows][400].
 template <int H> __device__ inline void store_hidden(float* out, const float (&h)[H], int row16, int rows, int col0) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    #pragma unroll
     for (int j = 0; j < H / 4; j++)
-        #pragma unroll
         for (int half = 0; half < 2; half++)
             if (row16 + g + 8 * half < rows)
                 *reinterpret_cast<float2*>(&out[(size_t)(row16 + g + 8 * half) * HIDDEN_DIM + col0 + 8 * j + 2 * t]) =
                     make_float2(fmaxf(h[4 * j + 2 * half], 0.0f), fmaxf(h[4 * j + 2 * half + 1], 0.0f));
 }
-
 // What an encoder pass reads and writes (both kernels, both paths).
 struct EncoderIO {
     uint4* z_rows;              // [M][Z_K / 8]
@@ -1578,7 +1452,6 @@ struct EncoderIO {
     uint64_t seed;
     bool z_is_mu;
 };
-
 // The 16-byte pixel loads of rows g and g + 8 of a warp's 16 (zeros past the rows and past pixel
 // 783), for pixel block u, and their widening into the A fragments of its 4 k16 steps.
 struct PixelRows {
@@ -1599,14 +1472,11 @@ struct PixelRows {
 };
 template <typename T> __device__ inline void pixel_fragments(uint32_t (&a)[4][4], const uint4 (&px)[2]) {
     const uint32_t words[2][4] = {{px[0].x, px[0].y, px[0].z, px[0].w}, {px[1].x, px[1].y, px[1].z, px[1].w}};
-    #pragma unroll
     for (int j = 0; j < 4; j++) // k16 step j: rows g, g + 8 at slots (2t, 2t+1) and (8+2t, 9+2t): bytes 4j .. 4j+3
-        #pragma unroll
         for (int i = 0; i < 4; i++)
             a[j][i] =
                 pack2<T>(byte_as_float(words[i % 2][j], (i / 2) * 2), byte_as_float(words[i % 2][j], (i / 2) * 2 + 1));
 }
-
 // Everything after fc1, for one warp's 16 images: h1 = ReLU(acc / 255 + b1) as A fragments, the
 // slice's partial [mu | logvar], the ticket, and for the last slice to arrive the merge, z and KL.
 // z_s, kl_s: this warp's [16][20] scratch in shared memory.
@@ -1623,7 +1493,6 @@ __device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
     float h[2 * UNITS / 4]; // the ReLU comes in relu_to_a
     #pragma unroll
     for (int nt = 0; nt < UNITS / 8; nt++)
-        #pragma unroll
         for (int i = 0; i < 4; i++) {
             float x_w = acc[4 * nt + i];
             if constexpr (Q::SPLIT) x_w += acc[4 * (nt + UNITS / 8) + i]; // x wh + x wl
@@ -1633,18 +1502,14 @@ __device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
     uint32_t h1[Q::ENC_STEPS][4], h1_lo[Q::ENC_STEPS][4];
     relu_to_a<T>(h1, h1_lo, h);
     float part[MULV_DIM / 8][4] = {};
-    #pragma unroll
     for (int s = 0; s < Q::ENC_STEPS; s++)
-        #pragma unroll
         for (int nt = 0; nt < MULV_DIM / 8; nt++) {
             const T* w = &w_enc[nt * 8 + g][s * 16 + 2 * t];
             const T* w_lo = w + 16 * Q::ENC_STEPS; // fp32: the lo parts follow the hi parts
             const uint32_t b[2] = {pair_at(w), pair_at(w + 8)}, b_lo[2] = {pair_at(w_lo), pair_at(w_lo + 8)};
             mma_parts<T>(part[nt], h1[s], h1_lo[s], b, b_lo);
         }
-    #pragma unroll
     for (int nt = 0; nt < MULV_DIM / 8; nt++)
-        #pragma unroll
         for (int half = 0; half < 2; half++) {
             const int row = row16 + g + 8 * half;
             if (row < M)
@@ -1660,11 +1525,9 @@ __device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
         const float4 eps = posterior_eps(io.eps ? io.eps + (size_t)row * LATENT_DIM : NULL, q, io.first_image + row,
                                          0, io.seed, io.z_is_mu);
         const float e[4] = {eps.x, eps.y, eps.z, eps.w};
-        #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int latent = 4 * q + j;
             float mu = __ldcg(&p[latent]), logvar = __ldcg(&p[LATENT_DIM + latent]); // L2: other SMs wrote them
-            #pragma unroll
             for (int s = 1; s < SLICES; s++)
                 mu += __ldcg(&p[s * MULV_DIM + latent]), logvar += __ldcg(&p[s * MULV_DIM + LATENT_DIM + latent]);
             mu += io.enc_b[latent], logvar += io.enc_b[LATENT_DIM + latent];
@@ -1683,7 +1546,6 @@ __device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
     }
     __syncwarp(); // z_s is rewritten by this warp's next finishing task
 }
-
 // A block's [fc21 | fc22] columns for its slice, copied into shared memory (both kernels).
 template <Precision P>
 __device__ inline void copy_enc_weights(typename Path<P>::T (*dst)[Path<P>::ENC_W_COLS + 8], const EncoderIO& io,
@@ -1692,14 +1554,12 @@ __device__ inline void copy_enc_weights(typename Path<P>::T (*dst)[Path<P>::ENC_
     const typename Path<P>::T* src = static_cast<const typename Path<P>::T*>(io.enc_w);
     copy_block_async(&dst[0][0], COLS + 8, src + slice * COLS, Path<P>::ENC_SLICES * COLS, MULV_DIM, COLS);
 }
-
 // fc3's A fragments (Z_K / 16 k16 steps) of rows row16 + g and + 8 (zeros past the rows): two
 // 16-byte loads per two steps.
 template <int STEPS>
 __device__ inline void load_z_fragments(uint32_t (&z_a)[STEPS][4], const uint4* __restrict__ z_rows, int row16,
                                         int rows) {
     const int lane = threadIdx.x % 32, row = row16 + lane / 4, t = lane % 4;
-    #pragma unroll
     for (int h = 0; h < STEPS / 2; h++) {
         const size_t at = (size_t)row * (STEPS / 2) * 4 + 4 * h + t, below = at + 8 * (STEPS / 2) * 4;
         const uint4 top = row < rows ? z_rows[at] : make_uint4(0, 0, 0, 0);
@@ -1709,7 +1569,6 @@ __device__ inline void load_z_fragments(uint32_t (&z_a)[STEPS][4], const uint4* 
         b[0] = top.z, b[1] = bottom.z, b[2] = top.w, b[3] = bottom.w;
     }
 }
-
 // What a decoder pass reads and writes. With pixels, row r is compared with image
 // r / rows_per_image (1 for the ELBO, K for --iwae) and its BCE lands in bce[r]; without, the
 // pass only decodes. logits and recon are written when given (tests, pictures).
@@ -1723,7 +1582,6 @@ struct DecoderIO {
     float *logits, *recon; // [rows][784] or NULL
     float* h3;             // [rows][400] or NULL (tests)
 };
-
 // The decoder's epilogue (also dev/decoder_v1.cu's mma.sync kernel's), for one warp's 16 rows x DEC_BN logits of column
 // block cb, held in the m16n8 layout (logit[4j..4j+3] = n8 block j, rows g and g + 8). A row's BCE terms max(l, 0) - x
 // l + log(1 + e^-|l|) are summed as (1/2 - x) l + |l| / 2 + log(1 + e^-|l|) with one log per row and thread: the
@@ -1744,7 +1602,6 @@ __device__ inline void decoder_epilogue(const float (&logit)[Path<P>::DEC_BN / 2
         const bool live = row < io.rows; // rows past the end run along (whole-warp shuffles), write nothing
         if (live && (io.logits || io.recon)) {
             const size_t at = (size_t)row * INPUT_DIM + col0;
-            #pragma unroll
             for (int j = 0; j < DEC_BN / 8; j++) {
                 if (j < skip) continue;
                 const int c = 8 * j + 2 * t;
@@ -1758,7 +1615,6 @@ __device__ inline void decoder_epilogue(const float (&logit)[Path<P>::DEC_BN / 2
         if (io.pixels == NULL) continue;
         const uint8_t* x = io.pixels + (size_t)((live ? row : 0) / io.rows_per_image) * INPUT_DIM + col0;
         float dot = 0.0f, abs_sum = 0.0f, prod0 = 1.0f, prod1 = 1.0f; // sum (1/2 - x) l; sum |l|; prod 1 + e^-|l|
-        #pragma unroll
         for (int j = 0; j < DEC_BN / 8; j++) {
             if (j < skip) continue;
             const int c = 8 * j + 2 * t;
@@ -1780,12 +1636,10 @@ __device__ inline void decoder_epilogue(const float (&logit)[Path<P>::DEC_BN / 2
     const int row = row16 + lane;
     if (lane < TASK_ROWS && row < io.rows) {
         float sum = __ldcg(&io.parts[(size_t)row * DEC_COL_BLOCKS]);
-        #pragma unroll
         for (int p = 1; p < DEC_COL_BLOCKS; p++) sum += __ldcg(&io.parts[(size_t)row * DEC_COL_BLOCKS + p]);
         io.bce[row] = sum;
     }
 }
-
 // bf16's or fp16's 1s at K = 400..402 (times fc4's bias parts), as thread t's A register pair.
 template <typename T> __device__ inline uint32_t bias_ones(int t) {
     return t == 0 ? pack2<T>(1.0f, 1.0f) : t == 1 ? pack2<T>(1.0f, 0.0f) : 0u;
@@ -1803,20 +1657,15 @@ template <typename T> __device__ inline uint32_t bias_ones(int t) {
 //   TMA               cp.async.bulk.tensor: one thread copies a block's weights global ->
 //                     shared in the swizzled layouts wgmma reads without bank conflicts
 //   mbarriers         the weights' arrival (and, in the wait, a trap instead of a hang)
-// A block owns one column block and keeps its slice of fc4 (179 KB) and all of fc3 (25 KB) in
-// shared memory for the whole pass, loaded once. Its two warpgroups take 64-row tiles in turns
-// at the tensor cores, handing over by named barriers: while one issues a tile's MMAs the other
-// runs its epilogue (decoder_epilogue), so the BCE and the
+// A block owns one column block and keeps its slice of fc4 (179 KB) and all of fc3 (25 KB) in shared memory for the
+// whole pass, loaded once. Its two warpgroups take 64-row tiles in turns at the tensor cores, handing over by named
+// barriers: while one issues a tile's MMAs the other runs its epilogue (decoder_epilogue), so the BCE and the
 // matrix work overlap. One block per SM (205 KB of shared memory, ~235 registers a thread).
 // --iwae's 50 million rows at K = 5000 run at 77-79% of the bf16 floor (dev/README.md, IWAE).
 
-// mbarriers: init, arrive, and a wait that cannot hang (a pipeline bug traps after ~1 s, so the
-// launch fails loudly).
+// mbarriers: init, arrive, and a wait that cannot hang (a pipeline bug traps after ~1 s, so the launch fails loudly).
 __device__ inline void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ inline void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // The producer's arrival: also sets how many bytes this phase waits for.
 __device__ inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -1838,7 +1687,6 @@ __device__ inline void mbar_wait(uint32_t bar, uint32_t parity) {
     while (!mbar_try_wait(bar, parity))
         if (clock64() - start > 2000000000ll) __trap();
 }
-
 // A load's mbarrier, by the one thread that issues the load: one arrival (its own, which also sets
 // the bytes to wait for), made visible to TMA (the async proxy) before the copies start.
 __device__ inline void mbar_expect_load(uint32_t bar, uint32_t bytes) {
@@ -1852,7 +1700,6 @@ template <typename S> __device__ inline S& smem_aligned_1024(uint8_t* raw) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(raw);
     return *reinterpret_cast<S*>(raw + ((addr + 1023) & ~1023u) - addr);
 }
-
 // One box of a 2-D tensor map -> shared memory at dst; the mbarrier counts its bytes.
 __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int col, int row) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
@@ -1860,7 +1707,6 @@ __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_
                  "l"(map), "r"(bar), "r"(col), "r"(row)
                  : "memory");
 }
-
 // wgmma descriptor of a K-major tile of 128-byte rows in the 128-byte swizzle layout (what TMA
 // writes with CU_TENSOR_MAP_SWIZZLE_128B): start address / 16, stride 1024 bytes between 8-row
 // groups, layout type 1 (128B swizzle); the leading offset is unused for this layout. The tile
@@ -1875,107 +1721,68 @@ template <int PENDING>
 __device__ inline void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
 }
-
 // The accumulators are written by asynchronous wgmmas that the compiler cannot see finish; this
 // empty asm "writes" each one, so no read or write of them moves across a wgmma.wait_group.
 // (pin_registers, below, does the same for A fragments held in registers.)
 template <int R>
 __device__ inline void fence_accumulators(float (&d)[R]) {
-    #pragma unroll
     for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
-
 // wgmma descriptor of a K-major tile of 64-byte rows in the 64-byte swizzle layout: stride 512
 // bytes between 8-row groups, layout type 2; the tile starts 512-byte aligned.
 __device__ inline uint64_t smem_desc_64b(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(512 >> 4) << 32 | (uint64_t)2 << 62;
 }
-
-// D[64 x N] (+)= A[64 x 16] B[16 x N] with A from registers: each warp's a[4] hold its 16 rows
-// in mma.sync's m16n8k16 A layout (a[0] = row g, k 2t..2t+1; a[1] = row g+8; a[2], a[3] = the
-// same at k + 8), which is also the layout of an m16n8 accumulator pair: fp32 results of one
-// wgmma become the A operand of the next without leaving the registers. accumulate = false
-// ignores D's old contents.
-__device__ inline void wgmma_m64n200k16_rs(float (&d)[100], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %105, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n200k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
-        "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
-        "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99"
-        "}, {%100, %101, %102, %103}, %104, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
-        : "memory");
-}
-
-#define WGMMA_M64N80K16_RS(TYPE)                                                                                       \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"                                                          \
-                 "wgmma.mma_async.sync.aligned.m64n80k16.f32." TYPE "." TYPE " {"                                      \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "          \
-                 "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39"  \
-                 "}, {%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"                                                      \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),            \
-                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),          \
-                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),          \
-                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),          \
-                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])                                                  \
+// D[64 x N] (+)= A[64 x 16] B[16 x N] with A from registers: each warp's a[4] hold its 16 rows in mma.sync's m16n8k16 A
+// layout (a[0] = row g, k 2t..2t+1; a[1] = row g+8; a[2], a[3] = the same at k + 8), which is also the layout of an
+// m16n8 accumulator pair: fp32 results of one wgmma become the A operand of the next without leaving the registers.
+// accumulate = false ignores D's old contents.
+// One wgmma with A from registers (the layout above), as asm: SHAPE (e.g. "m64n80k16.f32.bf16.bf16"); the R
+// accumulators as ACC ("%0, ..., %R-1", WG_ACC10 below) and the matching "+f" list (...); A_OPS, A and the
+// descriptor ("{%R, .., %R+3}, %R+4"); PRED, accumulate (%R+5); TRANS_B, imm-trans-b.
+#define WGMMA_RS(SHAPE, ACC, A_OPS, PRED, TRANS_B, ...)                                                               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\nwgmma.mma_async.sync.aligned." SHAPE " {" ACC "}, " \
+                 A_OPS ", p, 1, 1, " TRANS_B ";\n}\n"                                                                  \
+                 : __VA_ARGS__                                                                                         \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
                  : "memory")
+// Ten accumulators from %t0 (t: the tens digit, empty for 0..9): their operand text and their "+f" list.
+#define WG_ACC10(t) "%" #t "0, %" #t "1, %" #t "2, %" #t "3, %" #t "4, %" #t "5, %" #t "6, %" #t "7, %" #t "8, %" #t "9"
+#define WG_D10(t)                                                                                                      \
+    "+f"(d[t##0]), "+f"(d[t##1]), "+f"(d[t##2]), "+f"(d[t##3]), "+f"(d[t##4]), "+f"(d[t##5]), "+f"(d[t##6]),           \
+        "+f"(d[t##7]), "+f"(d[t##8]), "+f"(d[t##9])
+__device__ inline void wgmma_m64n200k16_rs(float (&d)[100], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    WGMMA_RS("m64n200k16.f32.bf16.bf16", WG_ACC10() ", " WG_ACC10(1) ", " WG_ACC10(2) ", " WG_ACC10(3) ", " WG_ACC10(4)
+             ", " WG_ACC10(5) ", " WG_ACC10(6) ", " WG_ACC10(7) ", " WG_ACC10(8) ", " WG_ACC10(9),
+             "{%100, %101, %102, %103}, %104", "%105", "0", WG_D10(), WG_D10(1), WG_D10(2), WG_D10(3), WG_D10(4),
+             WG_D10(5), WG_D10(6), WG_D10(7), WG_D10(8), WG_D10(9));
+}
 template <typename T>
 __device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-    if constexpr (std::is_same<T, bf16>::value) WGMMA_M64N80K16_RS("bf16");
-    else WGMMA_M64N80K16_RS("f16");
+#define WG_M64N80(TYPE)                                                                                                \
+    WGMMA_RS("m64n80k16.f32." TYPE "." TYPE, WG_ACC10() ", " WG_ACC10(1) ", " WG_ACC10(2) ", " WG_ACC10(3),            \
+             "{%40, %41, %42, %43}, %44", "%45", "0", WG_D10(), WG_D10(1), WG_D10(2), WG_D10(3))
+    if constexpr (std::is_same<T, bf16>::value) WG_M64N80("bf16");
+    else WG_M64N80("f16");
 }
-
 // fp32's fc4 (two fp16 copies of 88 rows: the column block that fits shared memory beside fc3).
 __device__ inline void wgmma_m64n88k16_rs(float (&d)[44], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %49, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n88k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
-        "%40, %41, %42, %43}, {%44, %45, %46, %47}, %48, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
-        : "memory");
+    WGMMA_RS("m64n88k16.f32.f16.f16", WG_ACC10() ", " WG_ACC10(1) ", " WG_ACC10(2) ", " WG_ACC10(3) ", %40, %41, %42, "
+             "%43", "{%44, %45, %46, %47}, %48", "%49", "0", WG_D10(), WG_D10(1), WG_D10(2), WG_D10(3), "+f"(d[40]),
+             "+f"(d[41]), "+f"(d[42]), "+f"(d[43]));
 }
-
 // fc4's product for a path: bf16 m64n200, fp32 m64n88.
 template <int R>
 __device__ inline void wgmma_fc4(float (&d)[R], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
     if constexpr (R == 100) wgmma_m64n200k16_rs(d, a, desc_b, accumulate);
     else wgmma_m64n88k16_rs(d, a, desc_b, accumulate);
 }
-
 // An empty asm "writes" each register: a constant A fragment is then materialised here, before a
 // wgmma.fence, rather than between wgmmas (where ptxas would have to add a fence of its own).
 template <int R>
 __device__ inline void pin_registers(uint32_t (&a)[R]) {
-    #pragma unroll
     for (int i = 0; i < R; i++) asm volatile("" : "+r"(a[i])::"memory");
 }
-
 
 // Named barriers (0 is __syncthreads): the two warpgroups' turns at the tensor cores.
 enum { BAR_TURN = 1 };
@@ -2028,10 +1835,9 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     mbar_wait(addr(&sm.loaded), 0);
     wait_for_prior_grid(); // the z rows
 
-    // The blocks of one column block (its `copies`) deal the 64-row tiles round-robin: warpgroup w
-    // of copy p takes tiles p + w copies, then + 2 copies, ..., so a small batch still spreads over
-    // all the copies. Both warpgroups run the same number of turns (a tile past the rows does no
-    // work) so their turn barriers stay matched.
+    // The blocks of one column block (its `copies`) deal the 64-row tiles round-robin: warpgroup w of copy p takes
+    // tiles p + w copies, then + 2 copies, ..., so a small batch still spreads over all the copies. Both warpgroups run
+    // the same number of turns (a tile past the rows does no work) so their turn barriers stay matched.
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, t = lane % 4;
     const int tiles = (io.rows + 63) / 64, copies = gridDim.x / DEC_COL_BLOCKS;
     const uint32_t w3_tile = addr(&sm.w3[0][0]), w4_tile = addr(&sm.w4[0][0][0][0]);
@@ -2045,7 +1851,6 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
         wgmma_fence();
         const uint32_t tile = w3_tile + c * DEC_CHUNK * Q::Z_K * sizeof(T);
         const uint64_t desc = Q::Z_K == 32 ? smem_desc_64b(tile) : smem_desc_128b(tile);
-        #pragma unroll
         for (int s = 0; s < Z_STEPS; s++) wgmma_m64n80k16_rs<T>(h, z_a[s], desc + 2 * s, s > 0);
         wgmma_commit();
     };
@@ -2067,9 +1872,8 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
         const int tile = first + wg * copies;
         const bool live_tile = tile < tiles;
 
-        // This warpgroup's turn: it issues the tile's MMAs while the other runs its epilogue.
-        // (A tile past the rows multiplies zeros and drops the result: a condition around the
-        // wgmmas would make ptxas serialise them.)
+        // This warpgroup's turn: it issues the tile's MMAs while the other runs its epilogue. (A tile past the rows
+        // multiplies zeros and drops the result: a condition around the wgmmas would make ptxas serialise them.)
         named_bar_sync(BAR_TURN + wg, 256);
         float logit[DEC_BN / 2];
         #pragma unroll
@@ -2077,7 +1881,6 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
             if (c + 1 < DEC_CHUNKS) fc3_chunk(c + 1); // this chunk's fc4 runs while its result is converted
             if (c + 1 == DEC_CHUNKS) pin_registers(a_bias); // materialised before the fence, not between wgmmas
             wgmma_fence();
-            #pragma unroll
             for (int s = 0; s < DEC_STEPS; s++) { // fc4's k16 step c * 5 + s: slice ks / 4, +32 bytes per step
                 const int ks = c * DEC_STEPS + s, at = (ks / 4) * DEC_BN * 128;
                 const uint64_t desc = smem_desc_128b(w4_tile + at) + 2 * (ks % 4);
@@ -2113,22 +1916,19 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     if (wg == 0) named_bar_sync(BAR_TURN + 0, 256); // warpgroup 1's last hand-over
 #endif
 }
-
-// encoder_wgmma_kernel: the decoder's design turned around. fc1's 400 hidden units are cut into slices
-// (bf16: 5 of 80 units; fp32: 10 of 40, their hi and lo rows); a block owns one slice, its 80 rows of
-// fc1, which arrive once by TMA (13 tiles of 80 x 64, the 128-byte swizzle wgmma reads), and its
-// columns of [fc21 | fc22]. Each warpgroup takes 64-image tasks: per 64 pixels its warps load 16 bytes
-// of each of their rows straight from global memory and widen them into A fragments in registers
-// (pixel_fragments; 0..255 are exact in 16 bits; weights_kernel stores fc1's K in the matching order),
-// and issue 4 m64n80k16 wgmmas from them, while the next block's pixels are loaded and widened into the
-// other register buffer. Each warp then finishes its 16 images with encoder_finish: the accumulators
-// (scale 1/255, bias, ReLU) are the A fragments of the slice's partial [mu | logvar] (h1 never leaves
-// the registers); the partial goes through L2 with a ticket per 16 images, and the last slice to arrive
-// adds them all in slice order (bitwise reproducible, batch invariant), draws eps and writes the z rows
-// and the KL. Four warpgroups a block (bf16: 124
-// registers a thread, 182 KB of shared memory): at B = 10000 the 157 tasks of a slice take 2
-// rounds of its 104 warpgroups, not 3 of 78, and the bf16 encoder runs in 39.2 us instead of 43.0;
-// five spread too thin at small batches.
+// encoder_wgmma_kernel: the decoder's design turned around. fc1's 400 hidden units are cut into slices (bf16: 5 of 80
+// units; fp32: 10 of 40, their hi and lo rows); a block owns one slice, its 80 rows of fc1, which arrive once by TMA
+// (13 tiles of 80 x 64, the 128-byte swizzle wgmma reads), and its columns of [fc21 | fc22]. Each warpgroup takes
+// 64-image tasks: per 64 pixels its warps load 16 bytes of each of their rows straight from global memory and widen
+// them into A fragments in registers (pixel_fragments; 0..255 are exact in 16 bits; weights_kernel stores fc1's K in
+// the matching order), and issue 4 m64n80k16 wgmmas from them, while the next block's pixels are loaded and widened
+// into the other register buffer. Each warp then finishes its 16 images with encoder_finish: the accumulators (scale
+// 1/255, bias, ReLU) are the A fragments of the slice's partial [mu | logvar] (h1 never leaves the registers); the
+// partial goes through L2 with a ticket per 16 images, and the last slice to arrive adds them all in slice order
+// (bitwise reproducible, batch invariant), draws eps and writes the z rows and the KL. Four warpgroups a block (bf16:
+// 124
+// registers a thread, 182 KB of shared memory): at B = 10000 the 157 tasks of a slice take 2 rounds of its 104
+// warpgroups, not 3 of 78, and the bf16 encoder runs in 39.2 us instead of 43.0; five spread too thin at small batches.
 enum { ENC_WG_GROUPS = 4, ENC_WG_SLICES = FC1_K / 64 };
 template <Precision P> struct EncoderWgmmaSmem {
     typename Path<P>::T w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
@@ -2169,14 +1969,12 @@ __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
         float acc[2 * ENC_BN / 4];
         uint4 px[ENC_WG_SLICES][2]; // registers (constant indices): ENC_PREFETCH + 1 pixel blocks live
         uint32_t a[2][4][4]; // the A fragments of two pixel blocks: one read by wgmmas in flight, one filling
-        #pragma unroll
         for (int u = 0; u < ENC_PREFETCH; u++) rows.load(px[u], u);
         #pragma unroll
         for (int u = 0; u < ENC_WG_SLICES; u++) {
             if (u + ENC_PREFETCH < ENC_WG_SLICES) rows.load(px[u + ENC_PREFETCH], u + ENC_PREFETCH);
             pixel_fragments<T>(a[u % 2], px[u]);
             wgmma_fence();
-            #pragma unroll
             for (int j = 0; j < 4; j++) // k16 step 4u + j: slice u, +32 bytes per step
                 wgmma_m64n80k16_rs<T>(acc, a[u % 2][j], smem_desc_128b(w1_tile + u * ENC_BN * 128) + 2 * j, u + j > 0);
             wgmma_commit();
@@ -2188,7 +1986,6 @@ __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
     }
 #endif
 }
-
 // Writes 1 when the code loaded for this GPU was built for sm_90a (wgmma and TMA available),
 // else 0: the host picks the decoder from what actually runs, not from what the GPU could run.
 __global__ void has_wgmma_kernel(int* out) {
@@ -2208,7 +2005,6 @@ struct SampleOut {
     float* kl;         // [rows]: KL(q(z|x) || N(0, I)) of the row's image, the ELBO's
     float* log_ratio;  // [rows]: log p(z) - log q(z|x), --iwae's
 };
-
 // z for `rows` rows from the images' [mu | logvar], as sample_kernel draws them (sample_latents): row r
 // is sample r % K of image r / K. One thread per row.
 template <Precision P>
@@ -2240,15 +2036,13 @@ enum {
     AIS_LATENTS = 6,                  // latents a thread holds per row
     AIS_SHARE = 24,                   // floats of a block's share of a row: grad, BCE, padding (ais_merge)
 };
-// A thread's chain state kept in memory, not registers (ais_chains): per row p0's mean and inverse
-// variance, read by each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when
-// the proposal is rejected. Slot s of thread i of block b: state[(b * AIS_STATE_SLOTS + s) *
-// AIS_THREADS + i], a warp's 32 values adjacent. In registers beside the gradient's accumulators they
-// were spilled (bf16: ptxas's 996 bytes of spill stores and 2,740 of loads a thread, 696 and 1,916 now;
-// fp32 on mma.sync then: 52 and 136, none after), the spill slots reloaded from L2 on the leapfrog's
-// path after the merge's fence, and with k24 (AisZFragments) and ais_release_shares the bf16 wgmmas
-// serialized for want of registers. The pointer is not __restrict__: with it nvcc keeps the values in
-// registers again.
+// A thread's chain state kept in memory, not registers (ais_chains): per row p0's mean and inverse variance, read by
+// each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when the proposal is rejected. Slot s of
+// thread i of block b: state[(b * AIS_STATE_SLOTS + s) * AIS_THREADS + i], a warp's 32 values adjacent. In registers
+// beside the gradient's accumulators they were spilled (bf16: ptxas's 996 bytes of spill stores and 2,740 of loads a
+// thread, 696 and 1,916 now; fp32 on mma.sync then: 52 and 136, none after), the spill slots reloaded from L2 on the
+// leapfrog's path after the merge's fence, and with k24 (AisZFragments) and ais_release_shares the bf16 wgmmas
+// serialized for want of registers. The pointer is not __restrict__: with it nvcc keeps the values in registers again.
 enum {
     AIS_THREADS = AIS_WARPS * 32,
     AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 2 * AIS_LATENTS, AIS_SLOT_Z0 = 4 * AIS_LATENTS,
@@ -2273,95 +2067,70 @@ struct AisMeet {
 // Thread block clusters (sm_90): the blocks of a cluster run together, reach each other's shared
 // memory (mapa + ld.shared::cluster) and meet at the cluster barrier (its arrive, then its wait).
 __device__ inline void cluster_sync() {
-#if __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
 }
 // This block's rank in its cluster, the cluster's index in the grid, and the grid's count of clusters.
 __device__ inline uint32_t cluster_rank() {
     uint32_t v = 0;
-#if __CUDA_ARCH__ >= 900
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(v));
-#endif
     return v;
 }
 __device__ inline uint32_t cluster_index() {
     uint32_t v = 0;
-#if __CUDA_ARCH__ >= 900
     asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(v));
-#endif
     return v;
 }
 __device__ inline uint32_t cluster_count() {
     uint32_t v = 1;
-#if __CUDA_ARCH__ >= 900
     asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(v));
-#endif
     return v;
 }
-
 // p's address in the shared memory of block `rank` of the cluster.
 __device__ inline uint32_t cluster_address(const float* p, uint32_t rank) {
     uint32_t remote = 0;
-#if __CUDA_ARCH__ >= 900
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"((uint32_t)__cvta_generic_to_shared(p)),
                  "r"(rank));
-#endif
     return remote;
 }
 // Two (four) floats at p in the shared memory of block `rank` of the cluster.
 __device__ inline float2 cluster_load2(const float* p, uint32_t rank) {
     float2 v = make_float2(0.0f, 0.0f);
-#if __CUDA_ARCH__ >= 900
     asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(cluster_address(p, rank))
                  : "memory");
-#endif
     return v;
 }
 __device__ inline float4 cluster_load4(const float* p, uint32_t rank) {
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#if __CUDA_ARCH__ >= 900
     asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
                  : "r"(cluster_address(p, rank)) : "memory");
-#endif
     return v;
 }
-
-// mbarriers across the cluster. A thread releases its accesses with one cluster fence, then arrives
-// (relaxed) at the barrier at the same address in each block that must see them; the wait acquires
-// what the arrivals released. The fences: fence_cluster orders all of the thread's accesses (its
-// reads of other blocks' shared memory among them); fence_shared_release only its stores to its own
-// block's shared memory, and the wait's acquire only accesses to shared memory: the full fence and a
-// full acquire also invalidate the L1 (CCTL.IVALL), where the spilled registers live (ncu: ~5% of the
-// stall samples on them and the fence; --ais 100 bf16 -2% without). The wait has no time limit, like
-// the cluster barrier: under compute-sanitizer one block may wait seconds for another.
+// mbarriers across the cluster. A thread releases its accesses with one cluster fence, then arrives (relaxed) at the
+// barrier at the same address in each block that must see them; the wait acquires what the arrivals released. The
+// fences: fence_cluster orders all of the thread's accesses (its reads of other blocks' shared memory among them);
+// fence_shared_release only its stores to its own block's shared memory, and the wait's acquire only accesses to shared
+// memory: the full fence and a full acquire also invalidate the L1 (CCTL.IVALL), where the spilled registers live (ncu:
+// ~5% of the stall samples on them and the fence; --ais 100 bf16 -2% without). The wait has no time limit, like the
+// cluster barrier: under compute-sanitizer one block may wait seconds for another.
 __device__ inline void fence_cluster() {
-#if __CUDA_ARCH__ >= 900
     asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
-#endif
 }
 __device__ inline void fence_shared_release() {
-#if __CUDA_ARCH__ >= 900
     asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
-#endif
 }
 __device__ inline void mbar_arrive_at(uint32_t bar, uint32_t rank) {
-#if __CUDA_ARCH__ >= 900
     asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
                  "mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
                  : "memory");
-#endif
 }
 // One arrival at the barrier at address bar in each other block of the cluster.
 template <int CLUSTER> __device__ inline void arrive_at_other_blocks(uint32_t bar) {
     const uint32_t own_rank = cluster_rank();
-    #pragma unroll
     for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++)
         if (rank != own_rank) mbar_arrive_at(bar, rank);
 }
 __device__ inline void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-#if __CUDA_ARCH__ >= 900
     uint32_t done = 0;
     while (!done)
         asm volatile("{\n.reg .pred p;\n"
@@ -2369,9 +2138,7 @@ __device__ inline void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
                      "selp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;\n" ::: "memory");
-#endif
 }
-
 // Two values as an A register pair and, for fp16, their lo parts.
 template <typename T> __device__ inline void pack_parts(uint32_t& hi, uint32_t& lo, float a, float b) {
     hi = pack2<T>(a, b);
@@ -2386,7 +2153,6 @@ __device__ inline float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
-
 // The pieces of one gradient evaluation (ais_gradient_wgmma, below) for a warp's 16 rows: the thread
 // holds rows g and g + 8 (half 0, 1) as described above.
 // fc3 in fp16 hi and lo parts in both paths (three products, ~fp32): near the posterior's mode grad
@@ -2407,7 +2173,6 @@ struct AisZFragments {
 __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]) {
     const int t = threadIdx.x % 4;
     AisZFragments f;
-    #pragma unroll
     for (int half = 0; half < 2; half++) {
         pack_parts<AisW3>(f.k16[half], f.k16_lo[half], z[half][0], z[half][1]);
         pack_parts<AisW3>(f.k16[2 + half], f.k16_lo[2 + half], z[half][2], z[half][3]);
@@ -2419,46 +2184,39 @@ __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]
     }
     return f;
 }
-// fc3's parts as the wgmmas read them: 8 x 8 core matrices of 128 contiguous bytes, [unit / 8][k /
-// 8][unit % 8][k % 8], no swizzle, the 38,400 bytes of the rows [2][400][24] (AIS_W3_K) as the k16
-// steps take them: the hi part K = 32, [W3 hi | bias parts | 0 | W3 lo 16..19, W3 hi 16..19] (k24's
-// B), the lo part K = 16. Forward (K-major, K = latents): a k16 step is two cores 128 bytes apart,
-// groups of 8 units 512 (hi) or 256 (lo) bytes apart. Backward (MN-major, K = units, N = 24 latents):
-// a k16 step is two groups 512 bytes apart, the three cores of a row of 8 units 128 bytes apart (the
-// hi part; fp32's lo part as N = 16 from the lo cores and N = 8 from the hi part's last core).
+// fc3's parts as the wgmmas read them: 8 x 8 core matrices of 128 contiguous bytes, [unit / 8][k / 8][unit % 8][k % 8],
+// no swizzle, the 38,400 bytes of the rows [2][400][24] (AIS_W3_K) as the k16 steps take them: the hi part K = 32, [W3
+// hi | bias parts | 0 | W3 lo 16..19, W3 hi 16..19] (k24's B), the lo part K = 16. Forward (K-major, K = latents): a
+// k16 step is two cores 128 bytes apart, groups of 8 units 512 (hi) or 256 (lo) bytes apart. Backward (MN-major, K =
+// units, N = 24 latents): a k16 step is two groups 512 bytes apart, the three cores of a row of 8 units 128 bytes apart
+// (the hi part; fp32's lo part as N = 16 from the lo cores and N = 8 from the hi part's last core).
 struct AisW3Cores {
     AisW3 hi[HIDDEN_DIM / 8][4][8][8];
     AisW3 lo[HIDDEN_DIM / 8][2][8][8];
 };
 [[maybe_unused]] constexpr uint32_t AIS_W3_CORE_BYTES = 128, AIS_W3_HI_GROUP_BYTES = 4 * 128,
                                     AIS_W3_LO_GROUP_BYTES = 2 * 128; // used by sm_90a code only
-// The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from
-// the block's first column): sigmoid(l) - x in place of each logit (zero in the skipped blocks), and
-// when ENERGY the row's BCE share (decoder_epilogue's sum; else zero). Only the trajectory's end needs
-// the energy, so 9 of L = 10 evaluations skip its sum (its own exp(-|l|) and x, 3 instructions more a
-// logit; --ais 100 bf16 -5%). sigmoid(l) - x = fmaf(byte, -1/255, 1 / (1 + exp(-l))): two MUFU
-// operations and three others a logit (exp(-l) overflows to infinity for l < -88 and the reciprocal to
-// 0, the limit); (l >= 0 ? 1 : e) / (1 + e) with e = exp(-|l|), x rounded apart, took about seven
-// others (--ais 100 bf16 -2%). The sum keeps exp(-|l|) and x as a product rounded as written
-// (__fmul_rn); sigmoid - x is the same fmaf in every gradient (dev/ais_gradient_v1.cu's too), so they
-// agree.
+// The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from the block's first
+// column): sigmoid(l) - x in place of each logit (zero in the skipped blocks), and when ENERGY the row's BCE share
+// (decoder_epilogue's sum; else zero). Only the trajectory's end needs the energy, so 9 of L = 10 evaluations skip its
+// sum (its own exp(-|l|) and x, 3 instructions more a logit; --ais 100 bf16 -5%). sigmoid(l) - x = fmaf(byte, -1/255, 1
+// / (1 + exp(-l))): two MUFU operations and three others a logit (exp(-l) overflows to infinity for l < -88 and the
+// reciprocal to 0, the limit); (l >= 0 ? 1 : e) / (1 + e) with e = exp(-|l|), x rounded apart, took about seven others
+// (--ais 100 bf16 -2%). The sum keeps exp(-|l|) and x as a product rounded as written (__fmul_rn); sigmoid - x is the
+// same fmaf in every gradient (dev/ais_gradient_v1.cu's too), so they agree.
 template <bool ENERGY, int N>
 __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
                                     float (&bce_share)[2]) {
     const int t = threadIdx.x % 4;
-    // all the pixel pairs first (from L2: the L1 beside 231 KB of shared memory keeps little), then
-    // the arithmetic: loaded where used, they had come in small batches, each a round trip to L2
-    // (bf16 --ais 100 -8%)
+    // all the pixel pairs first (from L2: the L1 beside 231 KB of shared memory keeps little), then the arithmetic:
+    // loaded where used, they had come in small batches, each a round trip to L2 (bf16 --ais 100 -8%)
     uint32_t pixels[2][N / 4];
-    #pragma unroll
     for (int half = 0; half < 2; half++)
-        #pragma unroll
         for (int j = 0; j < N / 4; j++)
             pixels[half][j] = *reinterpret_cast<const uint16_t*>(&x_row[half][8 * j + 2 * t]);
     #pragma unroll
     for (int half = 0; half < 2; half++) {
         float dot = 0.0f, abs_sum = 0.0f, prod0 = 1.0f, prod1 = 1.0f;
-        #pragma unroll
         for (int j = 0; j < N / 4; j++) {
             const uint32_t px = pixels[half][j];
             float* l = &logit[4 * j + 2 * half];
@@ -2490,7 +2248,6 @@ __device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const
         ais_epilogue<true>(logit, x_row, skip, bce_share);
     else
         ais_epilogue<false>(logit, x_row, skip, bce_share);
-    #pragma unroll
     for (int s = 0; s < K_STEPS; s++) {
         const bool full = 2 * s + 1 < N / 4;
         pack_parts<T>(ga[s][0], ga_lo[s][0], logit[8 * s], logit[8 * s + 1]);
@@ -2502,19 +2259,18 @@ __device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const
 // The cluster's merge: wait until the other blocks have read this one's last shares, store this one's
 // (dz, the BCE share) in share[row], meet, and add all CLUSTER blocks' in rank order, so every block
 // gets the same bits; the next evaluation tells the others this block has read theirs
-// (ais_release_shares). A lane reads, in each block, the values its counterpart lane there stored, so
-// each thread arrives itself at the other blocks' barriers ((CLUSTER - 1) x 128 arrivals a phase: a
-// named barrier and then one thread's arrival per block is 7% faster in bf16 and correct by the PTX
-// memory model, but compute-sanitizer's racecheck does not see the other threads' stores ordered by it).
-// `merges` counts the thread's merges: its parity is the barriers' phase. A row keeps each lane's values
-// together: latents 2t, 2t + 1, 8 + 2t, 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2), the BCE
-// (t = 2, a zero beside it) or zeros (t = 3) at 16 + 2t, so a lane reads a block's share of a row in one
-// 16-byte and one 8-byte load, not four 8-byte ones. A row's loads from all blocks are issued before its
-// first add: with a branch for the own block's, each load had waited for the add before it, 12 DSMEM
-// round trips in a row (bf16: 4,700 cycles of an evaluation's 32,800; 1,650 now). The own block's share
-// is read through the cluster window too, as the other blocks read it, ordered after its store by the
-// same release and acquire; adding the own share from the thread's registers instead (no load to wait
-// for) was 4% slower in bf16 (the registers it holds through the merge spill).
+// (ais_release_shares). A lane reads, in each block, the values its counterpart lane there stored, so each thread
+// arrives itself at the other blocks' barriers ((CLUSTER - 1) x 128 arrivals a phase: a named barrier and then one
+// thread's arrival per block is 7% faster in bf16 and correct by the PTX memory model, but compute-sanitizer's
+// racecheck does not see the other threads' stores ordered by it). `merges` counts the thread's merges: its parity is
+// the barriers' phase. A row keeps each lane's values together: latents 2t, 2t + 1, 8 + 2t, 9 + 2t at 4t .. 4t + 3,
+// then 16 + 2t, 17 + 2t (t < 2), the BCE (t = 2, a zero beside it) or zeros (t = 3) at 16 + 2t, so a lane reads a
+// block's share of a row in one 16-byte and one 8-byte load, not four 8-byte ones. A row's loads from all blocks are
+// issued before its first add: with a branch for the own block's, each load had waited for the add before it, 12 DSMEM
+// round trips in a row (bf16: 4,700 cycles of an evaluation's 32,800; 1,650 now). The own block's share is read through
+// the cluster window too, as the other blocks read it, ordered after its store by the same release and acquire; adding
+// the own share from the thread's registers instead (no load to wait for) was 4% slower in bf16 (the registers it holds
+// through the merge spill).
 template <int CLUSTER>
 __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint32_t& merges, const float (&dz)[3][4],
                                  const float (&bce_share)[2], float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
@@ -2523,7 +2279,6 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
     const uint32_t stored = (uint32_t)__cvta_generic_to_shared(&meet.stored[warp / 4]);
     const uint32_t added = (uint32_t)__cvta_generic_to_shared(&meet.added[warp / 4]);
     if (merges > 0) mbar_wait_cluster(added, (merges - 1) & 1);
-    #pragma unroll
     for (int half = 0; half < 2; half++) {
         float* own = share[warp * TASK_ROWS + g + 8 * half];
         *reinterpret_cast<float4*>(&own[4 * t]) =
@@ -2535,17 +2290,14 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
     fence_shared_release();
     arrive_at_other_blocks<CLUSTER>(stored);
     mbar_wait_cluster(stored, merges & 1);
-    #pragma unroll
     for (int half = 0; half < 2; half++) {
         const float* row = share[warp * TASK_ROWS + g + 8 * half];
         float4 v4[CLUSTER];
         float2 v2[CLUSTER];
-        #pragma unroll
         for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++)
             v4[rank] = cluster_load4(&row[4 * t], rank), v2[rank] = cluster_load2(&row[16 + 2 * t], rank);
         float4 sum4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         float2 sum2 = make_float2(0.0f, 0.0f);
-        #pragma unroll
         for (int rank = 0; rank < CLUSTER; rank++) {
             sum4.x += v4[rank].x, sum4.y += v4[rank].y, sum4.z += v4[rank].z, sum4.w += v4[rank].w;
             sum2.x += v2[rank].x, sum2.y += v2[rank].y;
@@ -2576,7 +2328,6 @@ template <int CLUSTER> __device__ inline void ais_meet_init(AisMeet& meet) {
     }
     cluster_sync();
 }
-
 // Block `rank`'s column block of the logits: its first column (the last block starts at 784 - AIS_BN)
 // and, in skip, how many of its n8 blocks belong to the block before.
 template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* skip) {
@@ -2584,10 +2335,8 @@ template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* ski
     *skip = rank < CLUSTER - 1 ? 0 : (CLUSTER * BN - INPUT_DIM) / 8;
     return rank < CLUSTER - 1 ? (int)rank * BN : INPUT_DIM - BN;
 }
-
-// All of fc3's hi and lo parts, the rows [2][400][24], into the block's AisW3Cores, a unit's six 16-byte
-// core rows: hi K 0..23 and lo K 0..15 by cp.async, the hi part's last (W3 lo 16..19, W3 hi 16..19)
-// from two 8-byte halves.
+// All of fc3's hi and lo parts, the rows [2][400][24], into the block's AisW3Cores, a unit's six 16-byte core rows: hi
+// K 0..23 and lo K 0..15 by cp.async, the hi part's last (W3 lo 16..19, W3 hi 16..19) from two 8-byte halves.
 __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais_w3) {
     for (int c = threadIdx.x; c < HIDDEN_DIM * 6; c += blockDim.x) {
         const int unit = c / 6, k8 = c % 6;
@@ -2604,15 +2353,14 @@ __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais
     }
     cp_async_commit();
 }
-// The chains of a cluster's tiles (ais_tile_rows: a warpgroup's 64 or the block's 128 chains, all C
-// chains of each of its images), run through all their T - 1 transitions on chip; `gradient(z, x_row,
-// grad, bce, energy)` evaluates the warp's 16 rows as ais_gradient_wgmma does (x_row: each row's pixels
-// from the block's first column col0; bce only when energy: a trajectory's start and end), and step and
-// accepted are the block's shared arrays of AIS_ROWS (a tile's step sizes, its images' acceptances in a
-// transition). Every block of the cluster runs the same arithmetic on the same bits, so each holds z;
-// the block of rank 0 writes the results. The energies in float32 (H ~ 100: the Metropolis test sees
-// differences of ~1e-5 nats), the weights in float64. A chain's p, u and start are keyed by (seed,
-// image, chain, transition).
+// The chains of a cluster's tiles (ais_tile_rows: a warpgroup's 64 or the block's 128 chains, all C chains of each of
+// its images), run through all their T - 1 transitions on chip; `gradient(z, x_row, grad, bce, energy)` evaluates the
+// warp's 16 rows as ais_gradient_wgmma does (x_row: each row's pixels from the block's first column col0; bce only when
+// energy: a trajectory's start and end), and step and accepted are the block's shared arrays of AIS_ROWS (a tile's step
+// sizes, its images' acceptances in a transition). Every block of the cluster runs the same arithmetic on the same
+// bits, so each holds z; the block of rank 0 writes the results. The energies in float32 (H ~ 100: the Metropolis test
+// sees differences of ~1e-5 nats), the weights in float64. A chain's p, u and start are keyed by (seed, image, chain,
+// transition).
 template <typename Gradient>
 __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, int col0, float* step_of,
                                   int* accepted_of, Gradient gradient) {
@@ -2663,9 +2411,7 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
         gradient(z, x_row, grad, bce, true);
         const size_t row0 = (size_t)tile * per_tile * C + (warp - first_warp) * TASK_ROWS + g; // launch's rows
         if (io.grad0 && rank == 0)
-            #pragma unroll
             for (int half = 0; half < 2; half++)
-                #pragma unroll
                 for (int i = 0; i < AIS_LATENTS; i++) {
                     const int j = 8 * (i / 2) + 2 * t + i % 2;
                     if (live[half] && j < LATENT_DIM) io.grad0[(row0 + 8 * half) * LATENT_DIM + j] = grad[half][i];
@@ -2675,10 +2421,8 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
         // 2 pi terms cancel): log p(x, z) = -BCE - |z|^2 / 2, log p0(z) = -sum (z - mu)^2 / var + logvar, / 2
         auto log_densities = [&](const float (&zz)[2][AIS_LATENTS], const float (&b)[2], float (&lpxz)[2],
                                  float (&lp0)[2]) {
-            #pragma unroll
             for (int half = 0; half < 2; half++) {
                 float sq = 0.0f, mahal = 0.0f;
-                #pragma unroll
                 for (int i = 0; i < AIS_LATENTS; i++) {
                     const float d = zz[half][i] - mu(half, i);
                     sq = fmaf(zz[half][i], zz[half][i], sq), mahal = fmaf(d * d, inv_var(half, i), mahal);
@@ -2694,7 +2438,6 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
             const double d_beta = io.beta[at] - io.beta[at - 1];
             float lpxz[2], lp0[2];
             log_densities(z, bce, lpxz, lp0);
-            #pragma unroll
             for (int half = 0; half < 2; half++)
                 log_w[half] += (io.reverse ? -d_beta : d_beta) * (double)(lpxz[half] - lp0[half]);
             if (s == io.T) break;
@@ -2719,16 +2462,13 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
                 h0[half] = -beta * lpxz[half] - (1.0f - beta) * lp0[half] + 0.5f * quad_sum(kinetic);
                 step[half] = step_of[local[half] < per_tile ? local[half] : 0];
                 slot(AIS_SLOT_BCE0 + half) = bce[half];
-                #pragma unroll
                 for (int i = 0; i < AIS_LATENTS; i++)
                     slot(AIS_SLOT_Z0 + AIS_LATENTS * half + i) = z[half][i],
                     slot(AIS_SLOT_GRAD0 + AIS_LATENTS * half + i) = grad[half][i];
             }
             // p -= eps/2 grad U first, then L times: z += eps p, the gradient, p -= eps grad U (eps/2 at the end)
             auto kick = [&](float scale) {
-                #pragma unroll
                 for (int half = 0; half < 2; half++)
-                    #pragma unroll
                     for (int i = 0; i < AIS_LATENTS; i++) {
                         const float grad_u = beta * (grad[half][i] + z[half][i]) +
                                              (1.0f - beta) * (z[half][i] - mu(half, i)) * inv_var(half, i);
@@ -2737,27 +2477,21 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
             };
             kick(0.5f);
             for (int l = 1; l <= io.leapfrog; l++) {
-                #pragma unroll
                 for (int half = 0; half < 2; half++)
-                    #pragma unroll
                     for (int i = 0; i < AIS_LATENTS; i++) z[half][i] = fmaf(step[half], p[half][i], z[half][i]);
                 gradient(z, x_row, grad, bce, l == io.leapfrog);
                 kick(l < io.leapfrog ? 1.0f : 0.5f);
             }
             log_densities(z, bce, lpxz, lp0);
             if (io.proposal && s == io.T - 1 && rank == 0)
-                #pragma unroll
                 for (int half = 0; half < 2; half++)
-                    #pragma unroll
                     for (int i = 0; i < AIS_LATENTS; i++) {
                         const int j = 8 * (i / 2) + 2 * t + i % 2;
                         float* out = io.proposal + (row0 + 8 * half) * 2 * LATENT_DIM + j;
                         if (live[half] && j < LATENT_DIM) out[0] = z[half][i], out[LATENT_DIM] = p[half][i];
                     }
-            #pragma unroll
             for (int half = 0; half < 2; half++) {
                 float kinetic = 0.0f;
-                #pragma unroll
                 for (int i = 0; i < AIS_LATENTS; i++) kinetic = fmaf(p[half][i], p[half][i], kinetic);
                 const float h1 = -beta * lpxz[half] - (1.0f - beta) * lp0[half] + 0.5f * quad_sum(kinetic);
                 const float u = uniform_open0(io.seed, STREAM_ACCEPT, io.first_image + image[half], chain[half], s);
@@ -2765,7 +2499,6 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
                 delta_h[half] = h0[half] - h1;
                 if (!accept) {
                     bce[half] = slot(AIS_SLOT_BCE0 + half);
-                    #pragma unroll
                     for (int i = 0; i < AIS_LATENTS; i++)
                         z[half][i] = slot(AIS_SLOT_Z0 + AIS_LATENTS * half + i),
                         grad[half][i] = slot(AIS_SLOT_GRAD0 + AIS_LATENTS * half + i);
@@ -2784,14 +2517,12 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
             group_sync();
         }
         if (rank == 0) {
-            #pragma unroll
             for (int half = 0; half < 2; half++) {
                 if (!live[half]) continue;
                 const size_t row = row0 + 8 * half;
                 if (t == 0) io.log_w[row] = log_w[half], io.accepted[row] = accepted[half];
                 if (t == 0 && io.delta_h) io.delta_h[row] = delta_h[half];
                 if (io.z_out)
-                    #pragma unroll
                     for (int i = 0; i < AIS_LATENTS; i++) {
                         const int j = 8 * (i / 2) + 2 * t + i % 2;
                         if (j < LATENT_DIM) io.z_out[row * LATENT_DIM + j] = z[half][i];
@@ -2802,12 +2533,10 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
         group_sync(); // the step sizes are the next tile's
     }
 }
-
-// The gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it: a bf16
-// transition 1.8x faster than with fc3 and its backward on mma.sync; the mma.sync gradient is
-// dev/ais_gradient_v1.cu's). In bf16, the cluster of 4 blocks, column block of 200 logits,
-// epilogue and merge of that gradient; all four products move to the warpgroup (fc3 with hi and lo
-// parts, three products, its backward with one):
+// The gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it: a bf16 transition 1.8x faster
+// than with fc3 and its backward on mma.sync; the mma.sync gradient is dev/ais_gradient_v1.cu's). In bf16, the cluster
+// of 4 blocks, column block of 200 logits, epilogue and merge of that gradient; all four products move to the warpgroup
+// (fc3 with hi and lo parts, three products, its backward with one):
 //   forward   per 64 hidden units, fc3 as 4 m64n64k16 wgmmas (z's parts as A from registers, fc3's
 //             parts as B in core matrices, AisW3Cores; the sums are the mma.sync gradient's to the bit),
 //             then 4 m64n200k16 wgmmas with its ReLU as A from registers and the block's fc4 as B
@@ -2826,24 +2555,21 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
 //             the order of the mma.sync gradient: the same sums). On mma.sync (12 products and
 //             4 ldmatrix a warp per 64 units) the backward had taken ~9,500 cycles of an evaluation
 //             (5,200 now; --ais 100 -15%)
-// Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares
-// (128 x 24 floats) and their 4 mbarriers + the tiles' step sizes and acceptances = 230,952 of the
-// 232,448 a block may have (less 1,024 to align): fc3's ReLU mask lives in registers (a 32-bit word
-// per 64 units).
-// fp32 runs the same steps with every product of fc4, and the backward through fc3, as three (lo hi,
-// hi lo, hi hi) on fp16 parts: a cluster of 8 blocks of 104 logits (AisFc4Cores; 221,480 bytes a
-// block), m64n104k16 forward and m64n64k16 backward. On mma.sync (a warp per 16 units of fc4: 14
-// ldmatrix and 39 products forward, 14 and 42 backward) it had been bound by their issue: --ais 100 is
-// 1.8x faster on wgmma.
+// Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares (128 x 24 floats) and
+// their 4 mbarriers + the tiles' step sizes and acceptances = 230,952 of the 232,448 a block may have (less 1,024 to
+// align): fc3's ReLU mask lives in registers (a 32-bit word per 64 units).
+// fp32 runs the same steps with every product of fc4, and the backward through fc3, as three (lo hi, hi lo, hi hi) on
+// fp16 parts: a cluster of 8 blocks of 104 logits (AisFc4Cores; 221,480 bytes a block), m64n104k16 forward and
+// m64n64k16 backward. On mma.sync (a warp per 16 units of fc4: 14 ldmatrix and 39 products forward, 14 and 42 backward)
+// it had been bound by their issue: --ais 100 is 1.8x faster on wgmma.
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
 static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
-// fc4's column block as each path's wgmmas read it. bf16: K in 64-wide slices of 200 rows, the
-// 128-byte swizzle TMA writes (the decoder's tensor map). fp32: the hi and lo copies of 104 rows as 8 x 8
-// core matrices without swizzle, [copy][column / 8][k / 8][column % 8][k % 8], K = 408 (the bias parts
-// at 400..402): 169,728 bytes, where two copies in 64-wide swizzle slices (186,368) do not fit beside
-// fc3 and the shares. Forward (K-major): a k16 step is two cores 128 bytes apart, 8 columns 6,528
-// apart; backward (MN-major, K = columns, N = units): a k16 step is two column groups 6,528 bytes
-// apart, 8 units 128. The bias step's K 408..415 (zero in A) read the next group's first core.
+// fc4's column block as each path's wgmmas read it. bf16: K in 64-wide slices of 200 rows, the 128-byte swizzle TMA
+// writes (the decoder's tensor map). fp32: the hi and lo copies of 104 rows as 8 x 8 core matrices without swizzle,
+// [copy][column / 8][k / 8][column % 8][k % 8], K = 408 (the bias parts at 400..402): 169,728 bytes, where two copies
+// in 64-wide swizzle slices (186,368) do not fit beside fc3 and the shares. Forward (K-major): a k16 step is two cores
+// 128 bytes apart, 8 columns 6,528 apart; backward (MN-major, K = columns, N = units): a k16 step is two column groups
+// 6,528 bytes apart, 8 units 128. The bias step's K 408..415 (zero in A) read the next group's first core.
 struct AisFc4Swizzled {
     bf16 w[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64];
 };
@@ -2870,7 +2596,6 @@ static_assert(sizeof(AisWgmmaSmem<PRECISION_BF16>) + 1024 <= 232448 &&
 static_assert(Path<PRECISION_FP32>::AIS_BN % 8 == 0 && FC4_K % 8 == 0, "fp32's fc4 in whole core matrices");
 static_assert(Path<PRECISION_BF16>::DEC_BN == Path<PRECISION_BF16>::AIS_BN,
               "ais_kernel loads its column block with the decoder's tensor map, whose box is DEC_BN rows");
-
 // wgmma descriptor of a 16-bit tile read MN-major in the 128-byte swizzle layout: rows of 64
 // values (128 bytes) along N, 8-row atoms along K 1024 bytes apart (the stride field); the
 // leading field, the step between 64-wide N atoms, is not used at N <= 64.
@@ -2878,34 +2603,23 @@ __device__ inline uint64_t smem_desc_128b_mn(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(1024 >> 4) << 16 | (uint64_t)(1024 >> 4) << 32 |
            (uint64_t)1 << 62;
 }
-#define WGMMA_M64N64K16_RS(TYPE, TRANS_B)                                                                      \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                          \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {"                                      \
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                              \
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                   \
-                 "{%32, %33, %34, %35}, %36, p, 1, 1, " TRANS_B ";\n}\n"                                              \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),            \
-                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),          \
-                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),          \
-                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                                               \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
-                 : "memory")
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers; B K-major (fc3's fp16 parts) or MN-major
 // (imm-trans-b = 1: the backward's fc4, bf16 or fp32's fp16 parts).
 template <typename T, bool MN_MAJOR>
 __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
     static_assert(std::is_same<T, fp16>::value || MN_MAJOR, "bf16 is read MN-major only");
-    if constexpr (std::is_same<T, bf16>::value) WGMMA_M64N64K16_RS("bf16", "1");
-    else if constexpr (MN_MAJOR) WGMMA_M64N64K16_RS("f16", "1");
-    else WGMMA_M64N64K16_RS("f16", "0");
+#define WG_M64N64(TYPE, TRANS_B)                                                                                       \
+    WGMMA_RS("m64n64k16.f32." TYPE "." TYPE, WG_ACC10() ", " WG_ACC10(1) ", " WG_ACC10(2) ", %30, %31",                \
+             "{%32, %33, %34, %35}, %36", "%37", TRANS_B, WG_D10(), WG_D10(1), WG_D10(2), "+f"(d[30]), "+f"(d[31]))
+    if constexpr (std::is_same<T, bf16>::value) WG_M64N64("bf16", "1");
+    else if constexpr (MN_MAJOR) WG_M64N64("f16", "1");
+    else WG_M64N64("f16", "0");
 }
-// The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward
-// products in a turn (its first fc3 group just before) and its backward ones in the next (W3's last
-// group just after), and runs its epilogue and merge while the other issues (--ais 100: -8% when
-// they came in; without them -10% now; a turn for the forward or the backward alone gains nothing).
-// Warpgroup 1 hands warpgroup 0 the first turn (ais_turns_first) and 0 takes 1's last hand-over
-// (ais_turns_last), so both must evaluate as often (ais_chains' tiles).
+// The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward products in a
+// turn (its first fc3 group just before) and its backward ones in the next (W3's last group just after), and runs its
+// epilogue and merge while the other issues (--ais 100: -8% when they came in; without them -10% now; a turn for the
+// forward or the backward alone gains nothing). Warpgroup 1 hands warpgroup 0 the first turn (ais_turns_first) and 0
+// takes 1's last hand-over (ais_turns_last), so both must evaluate as often (ais_chains' tiles).
 __device__ inline void ais_turn_wait() { named_bar_sync(AIS_BAR_TURN + threadIdx.x / 128, 256); }
 __device__ inline void ais_turn_pass() { named_bar_arrive(AIS_BAR_TURN + 1 - threadIdx.x / 128, 256); }
 __device__ inline void ais_turns_first() {
@@ -2919,79 +2633,44 @@ __device__ inline void ais_turns_last() {
 __device__ inline uint64_t smem_desc_cores(uint32_t addr, uint32_t leading, uint32_t stride) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(leading >> 4) << 16 | (uint64_t)(stride >> 4) << 32;
 }
-#define WGMMA_M64N8K16_F16_RS(TRANS_B)                                                                                 \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"                                                           \
-                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, "                                \
-                 "{%4, %5, %6, %7}, %8, p, 1, 1, " TRANS_B ";\n}\n"                                                    \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                      \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
-                 : "memory")
-#define WGMMA_M64N16K16_F16_RS(TRANS_B)                                                                                \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"                                                          \
-                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "               \
-                 "{%8, %9, %10, %11}, %12, p, 1, 1, " TRANS_B ";\n}\n"                                                 \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])      \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
-                 : "memory")
-#define WGMMA_M64N24K16_F16_RS(TRANS_B)                                                                                \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"                                                          \
-                 "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 "                                                 \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, "                                                \
-                 "{%12, %13, %14, %15}, %16, p, 1, 1, " TRANS_B ";\n}\n"                                               \
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])                                                    \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
-                 : "memory")
-// D[64 x N] (+)= A[64 x 16] B[16 x N] in fp16 for the narrow N: fc3's last group forward (N = 16,
-// K-major); MN-major (imm-trans-b = 1) the backward through fc3's hi part (N = 24: its core matrices
-// read as [unit][latent]) and in fp32 through its lo part (16 and 8), and fp32's fc4 backward for the
-// last group's 16 units.
+// D[64 x N] (+)= A[64 x 16] B[16 x N] in fp16 for the narrow N: fc3's last group forward (N = 16, K-major); MN-major
+// (imm-trans-b = 1) the backward through fc3's hi part (N = 24: its core matrices read as [unit][latent]) and in fp32
+// through its lo part (16 and 8), and fp32's fc4 backward for the last group's 16 units.
 template <int N, bool MN_MAJOR>
 __device__ inline void wgmma_f16_narrow_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,
                                            bool accumulate) {
     static_assert(N == 8 || N == 16 || N == 24, "the narrow N: 8, 16, 24");
-    if constexpr (N == 8) {
-        if constexpr (MN_MAJOR) WGMMA_M64N8K16_F16_RS("1");
-        else WGMMA_M64N8K16_F16_RS("0");
-    } else if constexpr (N == 16) {
-        if constexpr (MN_MAJOR) WGMMA_M64N16K16_F16_RS("1");
-        else WGMMA_M64N16K16_F16_RS("0");
-    } else {
-        if constexpr (MN_MAJOR) WGMMA_M64N24K16_F16_RS("1");
-        else WGMMA_M64N24K16_F16_RS("0");
-    }
+    constexpr bool T = MN_MAJOR; // imm-trans-b
+#define WG_D8 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+    if constexpr (N == 8 && T) WGMMA_RS("m64n8k16.f32.f16.f16", "%0, %1, %2, %3", "{%4, %5, %6, %7}, %8", "%9", "1",
+                                        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]));
+    else if constexpr (N == 8) WGMMA_RS("m64n8k16.f32.f16.f16", "%0, %1, %2, %3", "{%4, %5, %6, %7}, %8", "%9", "0",
+                                        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]));
+    else if constexpr (N == 16 && T) WGMMA_RS("m64n16k16.f32.f16.f16", "%0, %1, %2, %3, %4, %5, %6, %7",
+                                              "{%8, %9, %10, %11}, %12", "%13", "1", WG_D8);
+    else if constexpr (N == 16) WGMMA_RS("m64n16k16.f32.f16.f16", "%0, %1, %2, %3, %4, %5, %6, %7",
+                                         "{%8, %9, %10, %11}, %12", "%13", "0", WG_D8);
+    else if constexpr (T) WGMMA_RS("m64n24k16.f32.f16.f16", WG_ACC10() ", %10, %11", "{%12, %13, %14, %15}, %16", "%17",
+                                   "1", WG_D10(), "+f"(d[10]), "+f"(d[11]));
+    else WGMMA_RS("m64n24k16.f32.f16.f16", WG_ACC10() ", %10, %11", "{%12, %13, %14, %15}, %16", "%17", "0", WG_D10(),
+                  "+f"(d[10]), "+f"(d[11]));
 }
 // fp32's fc4 in ais_kernel: two fp16 copies of its 104 columns as core matrices (AisFc4Cores).
 __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&a)[4], uint64_t desc_b,
                                                bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %57, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n104k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-        "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
-        "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51"
-        "}, {%52, %53, %54, %55}, %56, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
-          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
-          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
-        : "memory");
+    WGMMA_RS("m64n104k16.f32.f16.f16", WG_ACC10() ", " WG_ACC10(1) ", " WG_ACC10(2) ", " WG_ACC10(3) ", " WG_ACC10(4)
+             ", %50, %51", "{%52, %53, %54, %55}, %56", "%57", "0", WG_D10(), WG_D10(1), WG_D10(2), WG_D10(3),
+             WG_D10(4), "+f"(d[50]), "+f"(d[51]));
 }
-
-// fc3's ReLU mask in the wgmma path, 32 bits per 64 hidden units, read off fc4's A fragments: a
-// register holds a pair of ReLU'd bf16 values (fp32: their fp16 hi parts), and min.relu.s16x2 with 1
-// takes each half as a 16-bit integer to 1 (a positive value) or 0 (+0, or -0 as the negative -32768).
-// Positive in bf16 is h > 0 to the bit: fc3's products of fp16 parts are multiples of 2^-48, so h is 0
-// or at least 2^-48, far above bf16's smallest 2^-133. In fp16 an h of at most 2^-25 rounds to +0, hi
-// and lo part alike: the unit then adds nothing to the forward, and the mask drops it. Pair j (register
-// r of k16 step i: j = 4i + r) keeps its two flags at bits j and 16 + j, so one shift places both. As
-// comparisons (h > 0) the bits had become predicates that ptxas kept by moving bits between registers,
-// three instructions a bit plus a repacking after the forward: 1,900 of the 17,500 SASS instructions in
-// the kernel's code (--ais 100 bf16 -14%).
+// fc3's ReLU mask in the wgmma path, 32 bits per 64 hidden units, read off fc4's A fragments: a register holds a pair
+// of ReLU'd bf16 values (fp32: their fp16 hi parts), and min.relu.s16x2 with 1 takes each half as a 16-bit integer to 1
+// (a positive value) or 0 (+0, or -0 as the negative -32768). Positive in bf16 is h > 0 to the bit: fc3's products of
+// fp16 parts are multiples of 2^-48, so h is 0 or at least 2^-48, far above bf16's smallest 2^-133. In fp16 an h of at
+// most 2^-25 rounds to +0, hi and lo part alike: the unit then adds nothing to the forward, and the mask drops it. Pair
+// j (register r of k16 step i: j = 4i + r) keeps its two flags at bits j and 16 + j, so one shift places both. As
+// comparisons (h > 0) the bits had become predicates that ptxas kept by moving bits between registers, three
+// instructions a bit plus a repacking after the forward: 1,900 of the 17,500 SASS instructions in the kernel's code
+// (--ais 100 bf16 -14%).
 __device__ inline uint32_t relu_pair_flags(uint32_t pair, int j) {
     uint32_t flags;
     asm("min.relu.s16x2 %0, %1, %2;\n" : "=r"(flags) : "r"(pair), "r"(0x00010001u));
@@ -3021,10 +2700,9 @@ __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, cons
     product(za.k24, hi + 2 * CORE, HI, true);
     wgmma_commit();
 }
-// BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as above); w4: the
-// shared-memory address of sm.w4; merges as in ais_merge. fp32 runs each product of fc4 and of the
-// backward through fc3 as three (mma_parts' order: lo hi, hi lo, hi hi), A's lo parts beside its hi
-// parts in registers.
+// BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as above); w4: the shared-memory address of
+// sm.w4; merges as in ais_merge. fp32 runs each product of fc4 and of the backward through fc3 as three (mma_parts'
+// order: lo hi, hi lo, hi hi), A's lo parts beside its hi parts in registers.
 template <Precision P>
 __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint32_t& merges,
                                           const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
@@ -3036,10 +2714,9 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     constexpr uint32_t CORE = AIS_W3_CORE_BYTES, GROUP = AIS_FC4_GROUP_BYTES, COPY = AIS_FC4_COPY_BYTES;
     const int t = threadIdx.x % 4;
     const AisZFragments za = ais_z_fragments(z);
-    // Buffers of fc4's A fragments and of the backward's dh: bf16 two, each group's wgmmas reading one
-    // while the warps write the other; fp32 one, the warps waiting for the wgmmas: with fp32's lo
-    // parts two had ptxas spill 2,272 / 2,752 bytes a thread, against 1,600 / 1,920 (--ais 100 4% slower
-    // with two)
+    // Buffers of fc4's A fragments and of the backward's dh: bf16 two, each group's wgmmas reading one while the warps
+    // write the other; fp32 one, the warps waiting for the wgmmas: with fp32's lo parts two had ptxas spill 2,272 /
+    // 2,752 bytes a thread, against 1,600 / 1,920 (--ais 100 4% slower with two)
     constexpr int BUFFERS = SPLIT ? 1 : 2;
     uint32_t mask[AIS_WG_GROUPS]; // fc3's ReLU: group q's pair j at bits j and 16 + j (relu_pair_flags)
     float logit[BN / 2];
@@ -3059,20 +2736,17 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
         // each k16 step's flags in a part of their own, the parts ORed at the end: set one by one into
         // mask[q], the bits were a chain of dependent operations on the forward's path (--ais 100 -2%)
         uint32_t mask_part[4] = {0u, 0u, 0u, 0u};
-        #pragma unroll
         for (int i = 0; i < 4; i++) {
             if (i < chunks) {
                 const float(&chunk)[8] = *reinterpret_cast<const float(*)[8]>(&h[8 * i]);
                 uint32_t hi[1][4], lo[1][4];
                 relu_to_a<T>(hi, lo, chunk);
-                #pragma unroll
                 for (int r = 0; r < 4; r++) {
                     mask_part[i] |= relu_pair_flags(hi[0][r], 4 * i + r);
                     a[q % BUFFERS][i][r] = hi[0][r];
                     if constexpr (SPLIT) a_lo[q % BUFFERS][i][r] = lo[0][r];
                 }
             } else if (i == chunks) { // the last group's next k16 step: K = 400..415, the bias parts
-                #pragma unroll
                 for (int r = 0; r < 4; r++) a[q % BUFFERS][i][r] = a_bias[r];
             }
         }
@@ -3102,7 +2776,6 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
         const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1;
         if (q + 1 < AIS_WG_GROUPS) fc3_group(q + 1);
         wgmma_fence();
-        #pragma unroll
         for (int i = 0; i < 4; i++)
             if (i < chunks + (q == AIS_WG_GROUPS - 1 ? 1 : 0)) fc4_step(q, i, i == chunks);
         wgmma_commit();
@@ -3130,7 +2803,6 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     auto backward_group = [&](int q) {
         wgmma_fence();
         if constexpr (SPLIT) { // units 64q.. are cores 8q.. of each column group; the last group's 16 on N = 16
-            #pragma unroll
             for (int s = 0; s < K_STEPS; s++) {
                 const uint32_t at = w4 + q * 8 * CORE + 2 * s * GROUP;
                 const uint64_t hi = smem_desc_cores(at, GROUP, CORE), lo = smem_desc_cores(at + COPY, GROUP, CORE);
@@ -3147,7 +2819,6 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
             }
         } else {
             const uint32_t slice = w4 + q * SLICE_BYTES;
-            #pragma unroll
             for (int s = 0; s < K_STEPS; s++)
                 wgmma_m64n64k16_rs<bf16, true>(dh[q % BUFFERS], ga[s], smem_desc_128b_mn(slice + 2048 * s), s > 0);
         }
@@ -3168,10 +2839,8 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
         // dev/ais_gradient_v1.cu, the same sums); its A registers are free again after the next wait
         fence_accumulators(dh[q % BUFFERS]);
         const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1;
-        #pragma unroll
         for (int i = 0; i < 4; i++)
             if (i < chunks)
-                #pragma unroll
                 for (int r = 0; r < 4; r++) {
                     const int v = 8 * i + 2 * r;
                     const uint32_t keep = relu_pair_keep(mask[q], 4 * i + r);
@@ -3180,7 +2849,6 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
                     masked[i][r] = hi & keep, masked_lo[i][r] = lo & keep;
                 }
         wgmma_fence();
-        #pragma unroll
         for (int i = 0; i < 4; i++)
             if (i < chunks) { // units 16 (4q + i) .. + 15: two core groups of fc3's hi part, K-adjacent
                 const uint32_t units = w3 + (4 * q + i) * 2 * AIS_W3_HI_GROUP_BYTES;
@@ -3208,7 +2876,6 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     fence_accumulators(dz_acc);
     if constexpr (SPLIT) {
         fence_accumulators(dz_lo), fence_accumulators(dz_lo16);
-        #pragma unroll
         for (int i = 0; i < 4; i++) dz[0][i] += dz_lo[i], dz[1][i] += dz_lo[4 + i], dz[2][i] += dz_lo16[i];
     }
     ais_merge<Q::AIS_CLUSTER>(sm.share, sm.meet, merges, dz, bce_share, grad, bce);
@@ -3242,16 +2909,13 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem<P>& sm, const CUtenso
     __syncthreads();
     if constexpr (P == PRECISION_BF16) mbar_wait(addr(&sm.loaded), 0);
 }
-
-// ais_kernel (sm_90a: thread block clusters): a cluster of AIS_CLUSTER blocks (bf16: 4, fp32: 8)
-// runs ais_chains. Block r keeps column block r of fc4 resident (bf16: 200 logits, 175 KB in
-// wgmma's swizzle layout; fp32: 104 in hi and lo copies, 166 KB of core matrices) and all of fc3;
-// each warpgroup evaluates its 64 chains' gradient over those columns (ais_gradient_wgmma), and the
-// blocks add their 84-byte shares per row through distributed shared memory: no weights move.
-// Streaming fc4 instead would move 627 KB (bf16) per block per evaluation. A block's two warpgroups
-// hold separate tiles when ais_tile_rows says so (C = 16) and meet only their counterparts in the
-// other blocks, so neither waits for the other's epilogue; they take turns at the tensor cores.
-// state: the threads' AIS_STATE_SLOTS (ais_state_bytes).
+// ais_kernel (sm_90a: thread block clusters): a cluster of AIS_CLUSTER blocks (bf16: 4, fp32: 8) runs ais_chains. Block
+// r keeps column block r of fc4 resident (bf16: 200 logits, 175 KB in wgmma's swizzle layout; fp32: 104 in hi and lo
+// copies, 166 KB of core matrices) and all of fc3; each warpgroup evaluates its 64 chains' gradient over those columns
+// (ais_gradient_wgmma), and the blocks add their 84-byte shares per row through distributed shared memory: no weights
+// move. Streaming fc4 instead would move 627 KB (bf16) per block per evaluation. A block's two warpgroups hold separate
+// tiles when ais_tile_rows says so (C = 16) and meet only their counterparts in the other blocks, so neither waits for
+// the other's epilogue; they take turns at the tensor cores. state: the threads' AIS_STATE_SLOTS (ais_state_bytes).
 template <Precision P>
 __global__ void __launch_bounds__(AIS_THREADS, 1)
     ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const __grid_constant__ CUtensorMap w4_map,
@@ -3280,8 +2944,7 @@ __global__ void __launch_bounds__(AIS_THREADS, 1)
 // ----------------------------------------------------------------------------
 // launchers (every launch goes to the model's stream, so a forward pass can be graph-captured)
 
-// cuTensorMapEncodeTiled is a driver API function; the runtime hands out its address, so the
-// program needs no -lcuda.
+// cuTensorMapEncodeTiled is a driver API function; the runtime hands out its address, so the program needs no -lcuda.
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
     if (encode == NULL) {
@@ -3294,11 +2957,9 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     }
     return encode;
 }
-
-// TMA descriptor of a row-major [rows][cols] matrix of 16-bit values read in boxes of box_rows x 64 columns
-// (one 128-byte swizzle row; box_cols = 32: 64-byte rows, 64-byte swizzle). Reads past `rows` or
-// `cols` return zeros. A host struct: encoding allocates nothing, and the kernel takes it by
-// value, so a captured CUDA graph keeps its copy.
+// TMA descriptor of a row-major [rows][cols] matrix of 16-bit values read in boxes of box_rows x 64 columns (one
+// 128-byte swizzle row; box_cols = 32: 64-byte rows, 64-byte swizzle). Reads past `rows` or `cols` return zeros. A host
+// struct: encoding allocates nothing, and the kernel takes it by value, so a captured CUDA graph keeps its copy.
 static CUtensorMap tensor_map_16bit(const void* base, int rows, int cols, int box_rows, int box_cols = 64) {
     CUtensorMap map;
     const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}; // innermost first
@@ -3313,7 +2974,6 @@ static CUtensorMap tensor_map_16bit(const void* base, int rows, int cols, int bo
         fail("internal: cuTensorMapEncodeTiled failed (%d) for a %d x %d matrix", (int)r, rows, cols);
     return map;
 }
-
 // The encoder over io.M images in precision P: one block per SM of `sms`, whole groups of the slices, no
 // more than there are 64-image tasks.
 template <Precision P>
@@ -3323,7 +2983,6 @@ static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int s
     encoder_wgmma_kernel<P><<<SLICES * copies, ENC_WG_GROUPS * 128, enc_wg_smem<P>(), stream>>>(w1_map, io);
     cudaCheck(cudaGetLastError());
 }
-
 // The decoder over io.rows z rows in precision P. Blocks come in groups of the column blocks, at most one
 // per SM of `sms` and no more than there are 64-row tiles. `overlap`: a programmatic dependent launch
 // (sm_90+), so the decoder loads its weights while the kernel before it finishes.
@@ -3341,7 +3000,6 @@ static void decoder_launch(const DecoderIO& io, const CUtensorMap& w4_map, const
     cfg.blockDim = dim3(DEC_WG_THREADS), cfg.dynamicSmemBytes = dec_wg_smem<P>();
     cudaCheck(cudaLaunchKernelEx(&cfg, decoder_wgmma_kernel<P>, w4_map, w3_map, io));
 }
-
 // ais_kernel over io.n images in precision P: a grid of clusters of AIS_CLUSTER blocks, `clusters`
 // of them (the most the GPU runs at once, ais_max_clusters) or one per tile when there are fewer.
 // state: ais_state_bytes(clusters) of scratch, AIS_STATE_SLOTS floats a thread.
@@ -3377,7 +3035,6 @@ template <Precision P> static int ais_max_clusters() {
     cudaCheck(cudaOccupancyMaxActiveClusters(&clusters, ais_kernel<P>, &cfg));
     return clusters;
 }
-
 // More than the default 48 KB of dynamic shared memory for precision P's kernels, allowed once.
 template <Precision P> static void allow_shared_memory() {
     cudaCheck(cudaFuncSetAttribute(ais_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, ais_smem<P>()));
@@ -3386,7 +3043,6 @@ template <Precision P> static void allow_shared_memory() {
     cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    dec_wg_smem<P>()));
 }
-
 // Whether the code loaded for the current GPU has decoder_wgmma_kernel's body (an sm_90a build
 // on an sm_90 GPU); asks the GPU once.
 static bool gpu_has_wgmma() {
@@ -3404,10 +3060,8 @@ static bool gpu_has_wgmma() {
 // the model
 
 static const char* PRECISION_NAMES[] = {"fp32", "bf16"};
-
-// Which engine runs the model: the plain path (cuBLASLt, every GPU) or the fused kernels (Hopper's
-// wgmma, TMA and clusters, where this binary has sm_90a code for the GPU); auto picks the fused ones
-// wherever they run.
+// Which engine runs the model: the plain path (cuBLASLt, every GPU) or the fused kernels (Hopper's wgmma, TMA and
+// clusters, where this binary has sm_90a code for the GPU); auto picks the fused ones wherever they run.
 typedef enum { KERNELS_AUTO, KERNELS_PLAIN, KERNELS_FUSED } Kernels;
 static const char* KERNELS_NAMES[] = {"auto", "plain", "fused"};
 
@@ -3441,7 +3095,6 @@ typedef struct {
     int sms;      // persistent blocks: at most one per SM
     CUtensorMap w1_map, w4_map, w3_map;
 } VAE;
-
 // How one forward pass draws z and what it keeps.
 typedef struct {
     uint64_t seed;
@@ -3450,7 +3103,6 @@ typedef struct {
     bool want_recon;       // also write recon = sigmoid(logits)
     bool keep_activations; // also write mulv, z and logits (and fp32's h1 and h3)
 } ForwardOptions;
-
 // The weights in precision P's layouts and the GPU-specific state (vae_init's second half).
 template <Precision P> static void vae_init_path(VAE* m) {
     typedef typename Path<P>::T T;
@@ -3483,7 +3135,6 @@ template <Precision P> static void vae_init_path(VAE* m) {
     m->w4_map = tensor_map_16bit(m->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
     m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
 }
-
 // The most shared memory a block of the fused kernels asks for (ais_kernel's, ~226 KB): they need a GPU
 // that gives a block that much.
 static size_t fused_smem_bytes() {
@@ -3491,7 +3142,6 @@ static size_t fused_smem_bytes() {
                      (size_t)dec_wg_smem<PRECISION_FP32>(), (size_t)dec_wg_smem<PRECISION_BF16>(),
                      (size_t)ais_smem<PRECISION_FP32>(), (size_t)ais_smem<PRECISION_BF16>()});
 }
-
 // The engine for a GPU of compute capability major.minor that gives a block smem_optin bytes of shared
 // memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels`
 // as asked, auto being the fused kernels wherever they can run and the plain path elsewhere. False, with
@@ -3506,7 +3156,6 @@ static bool pick_engine(Kernels kernels, int major, int minor, size_t smem_optin
     *fused = can && kernels != KERNELS_PLAIN;
     return true;
 }
-
 // The engine `kernels` names, resolved for this GPU: whether the fused kernels run (auto: whether they can).
 static bool use_fused(Kernels kernels) {
     int device, major, minor, smem;
@@ -3520,11 +3169,9 @@ static bool use_fused(Kernels kernels) {
         fail("%s", err.msg);
     return fused;
 }
-
 // The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a
 // row in fp32 (fc3's input, h3, the logits).
 enum { PLAIN_DECODER_ROWS = 1 << 18 };
-
 // max_batch: images per forward pass, and the most samples per image --iwae may take.
 // decoder_rows: rows per --iwae decoder pass (at least max_batch). A fused row costs at most 172 bytes
 // (fp32's z row, the BCE parts, the log ratio) and no activations, so its passes can be far longer; the
@@ -3532,8 +3179,7 @@ enum { PLAIN_DECODER_ROWS = 1 << 18 };
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
                      int decoder_rows = 0) {
     memset(m, 0, sizeof(*m));
-    m->max_batch = max_batch;
-    m->precision = precision;
+    m->max_batch = max_batch, m->precision = precision;
     cudaCheck(cudaStreamCreate(&m->stream));
     // device layout: fc1.w fc1.b | fc21.w fc22.w | fc21.b fc22.b | fc3.w fc3.b fc4.w fc4.b
     const int order[NUM_TENSORS] = {FC1_W, FC1_B, FC21_W, FC22_W, FC21_B, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B};
@@ -3569,8 +3215,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
         return;
     }
     m->overlap = major >= 9;
-    if (precision == PRECISION_FP32) vae_init_path<PRECISION_FP32>(m);
-    else vae_init_path<PRECISION_BF16>(m);
+    (precision == PRECISION_FP32 ? vae_init_path<PRECISION_FP32> : vae_init_path<PRECISION_BF16>)(m);
 
     const size_t B = (size_t)max_batch;
     m->decoder_rows = decoder_rows > max_batch ? decoder_rows : max_batch;
@@ -3597,46 +3242,32 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
 }
 
 static void vae_free(VAE* m) {
-    if (!m->fused) {
-        plain_free(&m->plain);
-        cudaCheck(cudaFree(m->params));
-        cudaCheck(cudaStreamDestroy(m->stream));
-        memset(m, 0, sizeof(*m));
-        return;
-    }
-    void* buffers[] = {m->params,      m->h1,        m->mulv,     m->z,          m->h3,         m->logits, m->recon,
-                       m->row_log_ratio, m->bce_parts, m->params16, m->z_rows, m->enc_partials, m->enc_tickets,
+    void* buffers[] = {m->h1,        m->mulv,     m->z,      m->h3,           m->logits,      m->recon,
+                       m->bce_parts, m->params16, m->z_rows, m->row_log_ratio, m->enc_partials, m->enc_tickets,
                        m->ais_state};
-    for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
+    if (m->fused) for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
+    else plain_free(&m->plain);                                   // the views above are its buffers
+    cudaCheck(cudaFree(m->params));
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
 }
-
 // The decoder over `rows` z rows in m->z_rows, in the model's precision. With pixels, row r is
 // scored against image r / rows_per_image: its BCE goes to bce[r], or with bce NULL stays in
 // m->bce_parts for the caller to add. logits, recon and h3 when given.
 static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,
                         float* recon, float* h3 = NULL) {
-    const DecoderIO io = {m->z_rows, pixels,   rows,   rows_per_image, bce, m->bce_parts, m->dec_tickets,
-                          logits,    recon,    h3};
-    if (m->precision == PRECISION_FP32)
-        decoder_launch<PRECISION_FP32>(io, m->w4_map, m->w3_map, m->sms, m->overlap,
-                                       m->stream);
-    else
-        decoder_launch<PRECISION_BF16>(io, m->w4_map, m->w3_map, m->sms, m->overlap,
-                                       m->stream);
+    const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits, recon,
+                          h3};
+    (m->precision == PRECISION_FP32 ? decoder_launch<PRECISION_FP32> : decoder_launch<PRECISION_BF16>)(
+        io, m->w4_map, m->w3_map, m->sms, m->overlap, m->stream);
 }
-
 // The encoder in the model's precision over io.M images (io's weights filled in here).
 static void vae_encoder(VAE* m, EncoderIO io) {
     io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.fc1_b = m->fc1_b, io.enc_w = m->enc_w16;
     io.enc_b = m->enc_b;
-    if (m->precision == PRECISION_FP32)
-        encoder_launch<PRECISION_FP32>(io, m->w1_map, m->sms, m->stream);
-    else
-        encoder_launch<PRECISION_BF16>(io, m->w1_map, m->sms, m->stream);
+    (m->precision == PRECISION_FP32 ? encoder_launch<PRECISION_FP32> : encoder_launch<PRECISION_BF16>)(
+        io, m->w1_map, m->sms, m->stream);
 }
-
 // mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
 static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
     if (!m->fused) return plain_encode(&m->plain, pixels, B, m->stream);
@@ -3644,27 +3275,23 @@ static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
     io.z_rows = m->z_rows, io.mulv_out = m->mulv, io.pixels = pixels, io.M = B, io.z_is_mu = true;
     vae_encoder(m, io);
 }
-
 // recon = the decoder's images of B latents given in fp32 (a device pointer), in the model's precision.
 static void vae_decode(VAE* m, const float* z, int B) {
     if (!m->fused) {
         plain_set_z(&m->plain, z, B, m->stream);
         return plain_decode(&m->plain, NULL, B, 1, NULL, m->recon, false, m->stream);
     }
-    if (m->precision == PRECISION_FP32) launch(z_rows_kernel<PRECISION_FP32>, B, 128, 128, m->stream, m->z_rows, z, B);
-    else launch(z_rows_kernel<PRECISION_BF16>, B, 128, 128, m->stream, m->z_rows, z, B);
+    launch(m->precision == PRECISION_FP32 ? z_rows_kernel<PRECISION_FP32> : z_rows_kernel<PRECISION_BF16>, B, 128, 128,
+           m->stream, m->z_rows, z, B);
     vae_decoder(m, NULL, B, 1, NULL, NULL, m->recon);
 }
-
-// Decodes rows first_row .. first_row + rows - 1 of the interpolations between pairs of images
-// (row r: step r % steps of pair r / steps; the pairs index the images' [mu | logvar] rows in
-// m->mulv) into m->recon.
+// Decodes rows first_row .. first_row + rows - 1 of the interpolations between pairs of images (row r: step r % steps
+// of pair r / steps; the pairs index the images' [mu | logvar] rows in m->mulv) into m->recon.
 static void vae_decode_interpolations(VAE* m, const int2* d_pairs, long long first_row, int rows, int steps) {
     launch(interp_latents_kernel, (long long)rows * LATENT_DIM, 256, 256, m->stream, m->z, m->mulv, d_pairs, first_row,
            rows, steps);
     vae_decode(m, m->z, rows);
 }
-
 // The whole forward pass and loss for images first_image .. first_image+B-1, whose pixels are
 // at `pixels` on the device, in the model's precision. Writes per-image BCE and KL to the device
 // arrays bce[B], kl[B]. Asynchronous on m->stream; nothing is allocated or copied.
@@ -3687,10 +3314,8 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
     vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL,
                 keep ? m->h3 : NULL);
 }
-
 // Images per --iwae pass at K samples each: as many as the decoder's rows hold.
 static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
-
 // Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels),
 // K samples each, into the device array log_px[n]. The encoder runs once per image, the n x K
 // decoder rows in passes of as many images as m->decoder_rows hold; all in the model's precision.
@@ -3726,7 +3351,6 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
         }
     }
 }
-
 // The AIS schedule b_0 .. b_T: Wu et al.'s sigmoid schedule, s(t) = sigmoid(4 (2t / T - 1)) scaled
 // to b_0 = 0, b_T = 1 (dense at both ends, where f_b changes fastest per step).
 static void ais_schedule(double* beta, int T) {
@@ -3734,7 +3358,6 @@ static void ais_schedule(double* beta, int T) {
     for (int t = 0; t <= T; t++) beta[t] = (1.0 / (1.0 + exp(-4.0 * (2.0 * t / T - 1.0))) - s0) / (s1 - s0);
     beta[0] = 0.0, beta[T] = 1.0;
 }
-
 // AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder,
 // or N(0, I) when from_prior; the caller fills in the rest of io (the schedule, the outputs, the
 // reverse run's z_start). Asynchronous on m->stream.
@@ -3749,11 +3372,9 @@ static void vae_ais(VAE* m, AisIO io, bool from_prior) {
     if (from_prior) cudaCheck(cudaMemsetAsync(m->mulv, 0, (size_t)io.n * MULV_DIM * sizeof(float), m->stream));
     else vae_encode(m, io.pixels, io.n);
     io.mulv = m->mulv;
-    if (!m->fused) plain_ais(&m->plain, io, m->stream);
-    else if (m->precision == PRECISION_FP32)
-        ais_launch<PRECISION_FP32>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, m->stream);
-    else
-        ais_launch<PRECISION_BF16>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, m->stream);
+    if (!m->fused) return plain_ais(&m->plain, io, m->stream);
+    (m->precision == PRECISION_FP32 ? ais_launch<PRECISION_FP32> : ais_launch<PRECISION_BF16>)(
+        io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, m->stream);
 }
 
 // ----------------------------------------------------------------------------
@@ -3761,7 +3382,6 @@ static void vae_ais(VAE* m, AisIO io, bool from_prior) {
 
 static int32_t read_le32(const uint8_t* p) { return (int32_t)(p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24); }
 static uint32_t read_be32(const uint8_t* p) { return (uint32_t)p[0] << 24 | p[1] << 16 | p[2] << 8 | p[3]; }
-
 // Validates a weights file held in memory and copies its tensors out. `name` is used in messages.
 static bool parse_weights(const uint8_t* buf, size_t size, const char* name, HostWeights* w, Error* err) {
     const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
@@ -3819,7 +3439,6 @@ typedef struct {
     int count;
     uint8_t* labels; // [count], 0..9
 } Labels;
-
 // idx format: big-endian magic 0x0000 08 NN (unsigned bytes, NN dims), NN big-endian sizes, data.
 static bool parse_idx_images(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
     if (size < 16)
@@ -3863,7 +3482,6 @@ static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, 
     memcpy(out->labels, buf + 8, count);
     return true;
 }
-
 // Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII),
 // then width, height and maxval (1..65535) as decimal numbers separated by whitespace, where '#'
 // starts a comment that runs to the end of its line; then width x height samples, row by row: in
@@ -3871,7 +3489,6 @@ static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, 
 // as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
 #define PGM_HINT \
     "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
-
 // The next header number at *pos, after whitespace and comments; at most `max`.
 static bool pgm_number(const uint8_t* buf, size_t size, size_t* pos, uint32_t max, uint32_t* out) {
     size_t p = *pos;
@@ -3929,7 +3546,6 @@ static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images*
     memcpy(out->pixels, pixels, INPUT_DIM);
     return true;
 }
-
 // Reads a whole file and hands it to one of the parsers above, which never touch the disk.
 template <typename T>
 static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, const char*, T*, Error*), T* out,
@@ -3981,7 +3597,6 @@ static bool write_ppm_grid(const char* path, const char* what, const float* tile
 #ifndef VAE_GIT_COMMIT // the Makefile passes the checkout's commit
 #define VAE_GIT_COMMIT "unknown"
 #endif
-
 // The GPUs vae.cu runs on: the plain path (cuBLASLt and kernels that need no more than 48 KB of shared
 // memory) from sm_75 on (T4, RTX 20xx and later); bf16 needs sm_80's bf16 tensor cores.
 static bool gpu_supported(const char* name, int major, int minor, Precision precision, Error* err) {
@@ -3996,7 +3611,6 @@ static bool gpu_supported(const char* name, int major, int minor, Precision prec
 
 typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP, MODE_AIS, MODE_BDMC } Mode;
 static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bdmc"};
-
 // Every option: long name, short letter (0: none), whether it takes a value.
 enum Option {
     OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
@@ -4114,7 +3728,6 @@ static const char* USAGE =
     "                       (a lower bound of log p(x)) and reverse AIS from the true z (an upper bound)\n"
     "      --version        version, commit, CUDA runtime and driver\n"
     "  -h, --help           this help\n";
-
 // A whole number in min..max. Digits only: "0x10", "1e3", " 5" and "+5" are refused.
 static bool parse_number(const char* flag, const char* text, unsigned long long min, unsigned long long max,
                          unsigned long long* out, Error* err) {
@@ -4149,7 +3762,11 @@ static bool parse_path(const char* flag, const char* value, const char** out, Er
     *out = value;
     return true;
 }
-
+// parse_number into an int.
+static bool parse_int(const char* flag, const char* text, int min, int max, int* out, Error* err) {
+    unsigned long long v = 0;
+    return parse_number(flag, text, min, max, &v, err) ? (*out = (int)v, true) : false;
+}
 // One option and its value (NULL for flags) into cfg.
 static bool apply_option(Config* cfg, int o, const char* flag, const char* value, Error* err) {
     unsigned long long v = 0;
@@ -4174,39 +3791,17 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
         else if (!strcmp(value, "bf16")) cfg->precision = PRECISION_BF16;
         else return set_error(err, "%s needs fp32 or bf16, got '%s'. HINT: vae -h lists the options", flag, value);
         return true;
-    case OPT_BATCH:
-        if (!parse_number(flag, value, 1, MAX_BATCH, &v, err)) return false;
-        cfg->batch = (int)v;
-        return true;
-    case OPT_COUNT:
-        if (!parse_number(flag, value, 1, INT32_MAX, &v, err)) return false;
-        cfg->count = (int)v;
-        return true;
+    case OPT_BATCH: return parse_int(flag, value, 1, MAX_BATCH, &cfg->batch, err);
+    case OPT_COUNT: return parse_int(flag, value, 1, INT32_MAX, &cfg->count, err);
     case OPT_SEED: return parse_number(flag, value, 0, UINT64_MAX, (unsigned long long*)&cfg->seed, err);
-    case OPT_IWAE:
-        if (!parse_number(flag, value, 1, IWAE_ROWS, &v, err)) return false;
-        cfg->iwae_k = (int)v, cfg->mode = MODE_IWAE;
-        return true;
-    case OPT_INTERP:
-        if (!parse_number(flag, value, 2, INTERP_MAX_IMAGES, &v, err)) return false;
-        cfg->interp_n = (int)v, cfg->mode = MODE_INTERP;
-        return true;
+    case OPT_IWAE: cfg->mode = MODE_IWAE; return parse_int(flag, value, 1, IWAE_ROWS, &cfg->iwae_k, err);
+    case OPT_INTERP: cfg->mode = MODE_INTERP; return parse_int(flag, value, 2, INTERP_MAX_IMAGES, &cfg->interp_n, err);
     case OPT_AIS:
-        if (!parse_number(flag, value, 1, AIS_MAX_T, &v, err)) return false;
-        cfg->ais_t = (int)v, cfg->mode = cfg->mode == MODE_BDMC ? MODE_BDMC : MODE_AIS;
-        return true;
-    case OPT_BDMC:
-        if (!parse_number(flag, value, 1, BDMC_MAX_IMAGES, &v, err)) return false;
-        cfg->bdmc_n = (int)v, cfg->mode = MODE_BDMC;
-        return true;
-    case OPT_CHAINS:
-        if (!parse_number(flag, value, 1, AIS_MAX_CHAINS, &v, err)) return false;
-        cfg->chains = (int)v;
-        return true;
-    case OPT_LEAPFROG:
-        if (!parse_number(flag, value, 1, AIS_MAX_LEAPFROG, &v, err)) return false;
-        cfg->leapfrog = (int)v;
-        return true;
+        if (cfg->mode != MODE_BDMC) cfg->mode = MODE_AIS;
+        return parse_int(flag, value, 1, AIS_MAX_T, &cfg->ais_t, err);
+    case OPT_BDMC: cfg->mode = MODE_BDMC; return parse_int(flag, value, 1, BDMC_MAX_IMAGES, &cfg->bdmc_n, err);
+    case OPT_CHAINS: return parse_int(flag, value, 1, AIS_MAX_CHAINS, &cfg->chains, err);
+    case OPT_LEAPFROG: return parse_int(flag, value, 1, AIS_MAX_LEAPFROG, &cfg->leapfrog, err);
     case OPT_KERNELS:
         for (int k = 0; k < 3; k++)
             if (!strcmp(value, KERNELS_NAMES[k])) {
@@ -4314,12 +3909,8 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
             if (a < b && (cfg->given & OPT_BIT(a)) && (cfg->given & OPT_BIT(b)))
                 return set_error(err, "%s and %s are separate runs. HINT: pass one of them", cfg->flag[a],
                                  cfg->flag[b]);
-    const char* mode_flag = cfg->mode == MODE_IWAE    ? cfg->flag[OPT_IWAE]
-                          : cfg->mode == MODE_BENCH   ? cfg->flag[OPT_BENCH]
-                          : cfg->mode == MODE_INTERP ? cfg->flag[OPT_INTERP]
-                          : cfg->mode == MODE_AIS    ? cfg->flag[OPT_AIS]
-                          : cfg->mode == MODE_BDMC   ? cfg->flag[OPT_BDMC]
-                                                      : "the evaluation";
+    const int mode_option[] = {-1, OPT_IWAE, OPT_BENCH, OPT_INTERP, OPT_AIS, OPT_BDMC}; // by Mode
+    const char* mode_flag = cfg->mode == MODE_ELBO ? "the evaluation" : cfg->flag[mode_option[cfg->mode]];
     if (cfg->mode == MODE_BDMC && !(cfg->given & OPT_BIT(OPT_AIS)))
         return set_error(err, "%s runs AIS both ways and needs its T. HINT: add --ais T (e.g. --ais 1000)",
                          cfg->flag[OPT_BDMC]);
@@ -4349,7 +3940,6 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
 }
 
 #ifndef TESTING
-
 // Informational lines (the start-up table, progress, 'wrote ...') go to the console unless -q;
 // results always do. The console is stdout, or stderr when the CSV takes stdout (--csv -).
 static FILE* console = stdout;
@@ -4381,7 +3971,6 @@ static void print_version() {
     printf("\n");
 #endif
 }
-
 // The folder a new file at `path` would go into, for the checks below.
 static void parent_folder(const char* path, char folder[MAX_PATH]) {
     snprintf(folder, MAX_PATH, "%s", path);
@@ -4395,7 +3984,6 @@ static bool writable_folder(const char* folder) {
     struct stat st;
     return stat(folder, &st) == 0 && S_ISDIR(st.st_mode) && access(folder, W_OK) == 0;
 }
-
 // Outputs are checked before any work and written only at its end: the folder -o names must be
 // a writable folder or one that can be made (it is made only when the outputs are written); a
 // --csv file must not be a folder, and its folder must be writable.
@@ -4425,7 +4013,6 @@ static void check_output_file(const char* flag, const char* path) {
         fail("%s %s: cannot write (%s). HINT: pass a writable path", flag, path,
              is_folder ? "a folder" : "its folder is missing or not writable");
 }
-
 // The start-up table: one "| key | value |" row each.
 static void print_separator() { say("+-----------+------------------------------------------------+\n"); }
 static void print_row(const char* key, const char* fmt, ...) {
@@ -4436,7 +4023,6 @@ static void print_row(const char* key, const char* fmt, ...) {
     va_end(args);
     say("| %-9s | %-46s |\n", key, value);
 }
-
 // Whether the GPU has bf16 tensor cores (sm_80 on).
 static bool gpu_has_bf16() {
     int device, major;
@@ -4444,7 +4030,6 @@ static bool gpu_has_bf16() {
     cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     return major >= 8;
 }
-
 // Which engine runs, and why, for the start-up table.
 // The engine AIS runs on: --chains above the fused kernel's AIS_ROWS run on the plain path.
 static Kernels ais_kernels(const Config* cfg) { return cfg->chains > AIS_ROWS ? KERNELS_PLAIN : cfg->kernels; }
@@ -4475,13 +4060,11 @@ static void init_cuda(cudaDeviceProp* prop, Precision precision) {
 }
 
 static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
-
 // The first image of each digit 0..9 among the first count (or -1), for the interpolation rows.
 static void first_of_each_digit(const Labels* labels, int count, int first[10]) {
     for (int d = 0; d < 10; d++) first[d] = -1;
     for (int i = count - 1; i >= 0 && labels->labels != NULL; i--) first[labels->labels[i]] = i;
 }
-
 // The three picture files: reconstructions, prior samples, latent interpolations.
 enum { RECON_COLS = 16, SAMPLE_SIDE = 8, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
 static_assert(SAMPLE_SIDE * SAMPLE_SIDE <= IMAGE_TILES_MAX && 2 * RECON_COLS <= IMAGE_TILES_MAX, "image batches fit");
@@ -4552,13 +4135,9 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
         if (!write_ppm_grid(path, what, tiles, rows, INTERP_STEPS, &err)) fail("%s", err.msg);
         cudaCheck(cudaFree(d_pairs));
     }
-    cudaCheck(cudaFree(d_pair_pixels));
-    free(tiles);
-    free(z);
-    cudaCheck(cudaFree(d_z));
-    cudaCheck(cudaFree(d_loss));
+    free(tiles), free(z);
+    cudaCheck(cudaFree(d_pair_pixels)), cudaCheck(cudaFree(d_z)), cudaCheck(cudaFree(d_loss));
 }
-
 // Progress of a long run on stderr, unless -q: a bar redrawn in place on a terminal, a line every
 // 10% otherwise (logs stay readable).
 static void report_progress(const char* what, long long done, long long total) {
@@ -4574,18 +4153,16 @@ static void report_progress(const char* what, long long done, long long total) {
         fprintf(stderr, "%s: %lld/%lld\n", what, done, total);
     }
 }
-
 // What produced a run's results, for the CSV's first line.
 typedef struct {
     const char* images; // where the images came from
     int count;
     const Labels* labels;
 } Inputs;
-
 // Per-image results as CSV after one '#' line naming what produced them; "-" is stdout. `columns`
 // names the float columns after index and label, `values` holds them.
-static void write_csv(const Config* cfg, const Inputs* in, const char* columns, const float* const* values,
-                      int num_values) {
+static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
+                      std::initializer_list<const float*> values) {
     const bool to_stdout = !strcmp(cfg->csv_path, "-");
     FILE* f = to_stdout ? stdout : output_open(cfg->csv_path, "per-image results");
     if (f == NULL) fail("--csv %s: cannot write (%s). HINT: pass a writable path", cfg->csv_path, strerror(errno));
@@ -4600,35 +4177,43 @@ static void write_csv(const Config* cfg, const Inputs* in, const char* columns, 
     ok = ok && fprintf(f, "index,label,%s\n", columns) > 0;
     for (int i = 0; i < in->count && ok; i++) {
         ok = fprintf(f, "%d,%d", i, label_of(in->labels, i)) > 0;
-        for (int v = 0; v < num_values && ok; v++) ok = fprintf(f, ",%.6f", values[v][i]) > 0;
+        for (const float* v : values) ok = ok && fprintf(f, ",%.6f", v[i]) > 0;
         ok = ok && fputc('\n', f) != EOF;
     }
     if (to_stdout ? fflush(f) != 0 : fclose(f) != 0) ok = false;
     if (!ok) fail("--csv %s: write failed (%s). HINT: check the disk", cfg->csv_path, strerror(errno));
 }
-
+// The time on `stream` from construction (or restart()) to elapsed_ms(), which waits for it.
+struct Timer {
+    cudaStream_t stream;
+    cudaEvent_t start, stop;
+    Timer(cudaStream_t s) : stream(s) {
+        cudaCheck(cudaEventCreate(&start)), cudaCheck(cudaEventCreate(&stop)), restart();
+    }
+    ~Timer() { cudaCheck(cudaEventDestroy(start)), cudaCheck(cudaEventDestroy(stop)); }
+    void restart() { cudaCheck(cudaEventRecord(start, stream)); }
+    float elapsed_ms() {
+        float ms;
+        cudaCheck(cudaEventRecord(stop, stream)), cudaCheck(cudaEventSynchronize(stop));
+        cudaCheck(cudaEventElapsedTime(&ms, start, stop));
+        return ms;
+    }
+};
 // Per-image BCE and KL of `count` images in batches of `batch`, copied to the host.
 static void evaluate(VAE* m, const uint8_t* d_pixels, int count, int batch, const Config* cfg, float* bce, float* kl,
                      float* ms) {
     float* d_losses = (float*)device_alloc((size_t)2 * count * sizeof(float), "the losses", batch);
     const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, false, false};
     vae_forward(m, d_pixels, batch, 0, &opt, d_losses, d_losses + count); // untimed: module loading stays out
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    cudaCheck(cudaEventRecord(start, m->stream));
+    Timer timer(m->stream);
     for (int first = 0; first < count; first += batch) {
         const int B = count - first < batch ? count - first : batch;
         vae_forward(m, d_pixels + (size_t)first * INPUT_DIM, B, first, &opt, d_losses + first,
                     d_losses + count + first);
     }
-    cudaCheck(cudaEventRecord(stop, m->stream));
-    cudaCheck(cudaEventSynchronize(stop));
-    cudaCheck(cudaEventElapsedTime(ms, start, stop));
+    *ms = timer.elapsed_ms();
     cudaCheck(cudaMemcpy(bce, d_losses, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
     cudaCheck(cudaMemcpy(kl, d_losses + count, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
     cudaCheck(cudaFree(d_losses));
 }
 
@@ -4637,7 +4222,6 @@ static double mean_of(const float* v, int n) {
     for (int i = 0; i < n; i++) sum += v[i];
     return sum / n;
 }
-
 // The default run: mean BCE, KL and loss; per image for --image files; CSV; the three pictures.
 static void run_elbo(const HostWeights* w, const Images* images, const Inputs* in, const uint8_t* d_pixels,
                      const Config* cfg) {
@@ -4656,15 +4240,10 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
     fprintf(console, "mean BCE   %10.4f\n", mean_bce);
     fprintf(console, "mean KL    %10.4f\n", mean_kl);
     fprintf(console, "mean loss  %10.4f   (BCE + KL = -ELBO)\n", mean_bce + mean_kl);
-    if (cfg->csv_path != NULL) {
-        const float* values[] = {bce, kl};
-        write_csv(cfg, in, "bce,kl", values, 2);
-    }
+    if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl", {bce, kl});
     write_images(&m, images, in->labels, count, d_pixels, cfg);
-    free(bce);
-    vae_free(&m);
+    free(bce), vae_free(&m);
 }
-
 // --iwae K: log p(x) of every evaluated image, K importance samples each, beside its ELBO.
 static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pixels, const Config* cfg) {
     const int K = cfg->iwae_k, count = in->count;
@@ -4676,20 +4255,15 @@ static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pi
     // slices of ~2% of the images between progress reports, each a whole number of passes
     const int per_pass = vae_iwae_images_per_pass(&m, K), passes = ceil_div(count, per_pass);
     const int slice = per_pass * ceil_div(passes, 50);
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    cudaCheck(cudaEventRecord(start, m.stream));
+    Timer timer(m.stream);
     for (int first = 0; first < count; first += slice) {
         const int n = count - first < slice ? count - first : slice;
         vae_iwae(&m, d_pixels + (size_t)first * INPUT_DIM, n, first, K, cfg->seed, NULL, d_log_px + first);
         cudaCheck(cudaStreamSynchronize(m.stream));
         report_progress("iwae", first + n, count);
     }
-    cudaCheck(cudaEventRecord(stop, m.stream));
-    cudaCheck(cudaEventSynchronize(stop));
-    float ms, elbo_ms;
-    cudaCheck(cudaEventElapsedTime(&ms, start, stop));
+    const float ms = timer.elapsed_ms();
+    float elbo_ms;
 
     float* results = (float*)malloc((size_t)3 * count * sizeof(float)); // log p(x), BCE, KL
     if (results == NULL) fail("out of host memory for %d results", count);
@@ -4713,17 +4287,9 @@ static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pi
         fprintf(console, "mean NLL   %10.4f   (-log p(x), nats; one image: no standard error)\n", -mean);
     fprintf(console, "time       %10.2f ms (%.3g decoder passes/s, progress reports included)\n", ms,
             (double)count * K / (ms * 1e-3));
-    if (cfg->csv_path != NULL) {
-        const float* values[] = {bce, kl, log_px};
-        write_csv(cfg, in, "bce,kl,log_px", values, 3);
-    }
-    free(results);
-    cudaCheck(cudaFree(d_log_px));
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
-    vae_free(&m);
+    if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl,log_px", {bce, kl, log_px});
+    free(results), cudaCheck(cudaFree(d_log_px)), vae_free(&m);
 }
-
 // The device buffers of an AIS run over n images of C chains: the schedule, per chain its log
 // weight and acceptances, per image the step size and the estimates.
 typedef struct {
@@ -4753,14 +4319,12 @@ static void ais_buffers_free(AisBuffers* b) {
     void* buffers[] = {b->beta, b->log_w, b->accepted, b->log_px, b->step};
     for (void* p : buffers) cudaCheck(cudaFree(p));
 }
-
 // Images one vae_ais call takes at a time (at most max_batch): a round of the fused kernel's clusters,
 // or a launch of the plain path's PLAIN_AIS_ROWS chains.
 static int vae_ais_round(const VAE* m, int C) {
     const int round = m->fused ? m->ais_clusters * ais_cluster_images(C) : PLAIN_AIS_ROWS / C;
     return round < m->max_batch ? round : m->max_batch;
 }
-
 // AIS over images 0 .. n-1 at d_pixels (forward, or reverse from d_z_start [n][20]) in calls of whole
 // rounds (fused: ~2% of the images each; plain: launches of even size), progress between them; then
 // each image's estimates. Returns the time in ms.
@@ -4772,10 +4336,7 @@ static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, 
     AisIO io = {};
     io.beta = b->beta, io.chains = C, io.T = cfg->ais_t, io.leapfrog = cfg->leapfrog, io.seed = cfg->seed;
     io.reverse = d_z_start != NULL, io.adapt = true, io.step0 = AIS_STEP_START;
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    cudaCheck(cudaEventRecord(start, m->stream));
+    Timer timer(m->stream);
     for (int first = 0; first < n; first += slice) {
         io.n = n - first < slice ? n - first : slice, io.first_image = (uint32_t)first;
         io.pixels = d_pixels + (size_t)first * INPUT_DIM;
@@ -4786,12 +4347,7 @@ static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, 
         cudaCheck(cudaStreamSynchronize(m->stream));
         report_progress(what, first + io.n, n);
     }
-    cudaCheck(cudaEventRecord(stop, m->stream));
-    cudaCheck(cudaEventSynchronize(stop));
-    float ms;
-    cudaCheck(cudaEventElapsedTime(&ms, start, stop));
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
+    const float ms = timer.elapsed_ms();
     launch(ais_estimate_kernel, n, 128, 128, m->stream, b->log_px, b->ess, b->acceptance, b->log_w, b->accepted, n, C,
            cfg->ais_t - 1, d_z_start != NULL);
     return ms;
@@ -4802,7 +4358,6 @@ static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decode
     vae_init(m, w, AIS_BATCH, cfg->precision, ais_kernels(cfg), decoder_rows);
     require_ais(m);
 }
-
 // --ais T: each image's log p(x) by AIS, beside the ELBO and IWAE with as many decoder evaluations.
 static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pixels, const Config* cfg) {
     const int count = in->count, C = cfg->chains, T = cfg->ais_t, L = cfg->leapfrog;
@@ -4861,16 +4416,9 @@ static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pix
     else
         fprintf(console, "inference gap: -ELBO %.4f > AIS %.4f nats (IWAE with %lld samples a image: over a decoder "
                 "pass, not run)\n", -elbo, -mean, evals_per_image);
-    if (cfg->csv_path != NULL) {
-        const float* values[] = {ais_px, ess, acceptance};
-        write_csv(cfg, in, "log_px,ess,acceptance", values, 3);
-    }
-    free(log_px);
-    free(results);
-    ais_buffers_free(&b);
-    vae_free(&m);
+    if (cfg->csv_path != NULL) write_csv(cfg, in, "log_px,ess,acceptance", {ais_px, ess, acceptance});
+    free(log_px), free(results), ais_buffers_free(&b), vae_free(&m);
 }
-
 // --bdmc N --ais T: N images simulated from the model (z ~ N(0, I) keyed by the image, x ~
 // Bernoulli(sigmoid(logits)), binary), AIS forward from p0 (a stochastic lower bound of log p(x))
 // and reverse from the true z (an upper bound); their gap is how far AIS at this T is from exact.
@@ -4920,15 +4468,9 @@ static void run_bdmc(const HostWeights* w, const Config* cfg) {
             ms[1] * 1e-3);
     fprintf(console, "gap         %10.4f   (nats, upper - lower; per image %.4f .. %.4f)\n", (upper - lower) / n,
             gap_min, gap_max);
-    free(z);
-    free(pixels);
-    free(bounds);
-    cudaCheck(cudaFree(d_z));
-    cudaCheck(cudaFree(d_pixels));
-    ais_buffers_free(&b);
-    vae_free(&m);
+    free(z), free(pixels), free(bounds);
+    cudaCheck(cudaFree(d_z)), cudaCheck(cudaFree(d_pixels)), ais_buffers_free(&b), vae_free(&m);
 }
-
 // --bench: one whole forward+loss (sampled z) per batch size and precision, captured once as a
 // CUDA graph and replayed: 20 replays warm up; latency is the median of 200 replays, each from an
 // idle GPU between two events (what one request waits for), throughput the time of 200
@@ -4948,8 +4490,7 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
     float* d_losses = (float*)device_alloc((size_t)2 * max_batch * sizeof(float), "the losses", max_batch);
     cudaEvent_t start[REPS], stop[REPS], burst_start, burst_stop;
     for (int i = 0; i < REPS; i++) cudaCheck(cudaEventCreate(&start[i])), cudaCheck(cudaEventCreate(&stop[i]));
-    cudaCheck(cudaEventCreate(&burst_start));
-    cudaCheck(cudaEventCreate(&burst_stop));
+    cudaCheck(cudaEventCreate(&burst_start)), cudaCheck(cudaEventCreate(&burst_stop));
     printf("forward + loss per batch, z %s: CUDA graph replays after %d warm-up; latency = median of %d single\n"
            "replays from an idle GPU, throughput = %d back-to-back replays / %d (images/s and TFLOP/s from it);\n"
            "floor = the FLOPs at 770 TFLOP/s or the bytes at 4.2 TB/s\n", cfg->z_is_mu ? "= mu" : "sampled", WARMUP,
@@ -5013,11 +4554,8 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
         vae_free(&m);
     }
     for (int i = 0; i < REPS; i++) cudaCheck(cudaEventDestroy(start[i])), cudaCheck(cudaEventDestroy(stop[i]));
-    cudaCheck(cudaEventDestroy(burst_start));
-    cudaCheck(cudaEventDestroy(burst_stop));
-    cudaCheck(cudaFree(d_losses));
+    cudaCheck(cudaEventDestroy(burst_start)), cudaCheck(cudaEventDestroy(burst_stop)), cudaCheck(cudaFree(d_losses));
 }
-
 // --interp N: every pair of the first N images, INTERP_STEPS decodes each on the line between
 // their latent means, first in passes of as many decodes as the model holds, then one pair per
 // call (a launch and a wait for 11 decodes, the way an interactive loop would ask). Both decode
@@ -5039,32 +4577,24 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     vae_encode(&m, d_pixels, n); // m.mulv holds the N means from here on; decoding leaves it alone
     vae_decode_interpolations(&m, d_pairs, 0, INTERP_STEPS, INTERP_STEPS); // untimed: module loading stays out
 
-    cudaEvent_t start, stop;
-    cudaCheck(cudaEventCreate(&start));
-    cudaCheck(cudaEventCreate(&stop));
-    cudaCheck(cudaEventRecord(start, m.stream));
+    Timer timer(m.stream);
     long long first = 0;
     for (; first + pass_rows < decodes; first += pass_rows)
         vae_decode_interpolations(&m, d_pairs, first, pass_rows, INTERP_STEPS);
     vae_decode_interpolations(&m, d_pairs, first, (int)(decodes - first), INTERP_STEPS);
-    cudaCheck(cudaEventRecord(stop, m.stream));
-    cudaCheck(cudaEventSynchronize(stop));
-    float batched_ms, single_ms;
-    cudaCheck(cudaEventElapsedTime(&batched_ms, start, stop));
+    const float batched_ms = timer.elapsed_ms();
     const size_t pair_floats = (size_t)INTERP_STEPS * INPUT_DIM;
     cudaCheck(cudaMemcpy(last, m.recon + (size_t)(decodes - first - INTERP_STEPS) * INPUT_DIM,
                          pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
 
     const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
-    cudaCheck(cudaEventRecord(start, m.stream));
+    timer.restart();
     for (int p = 0; p < num_pairs; p++) {
         vae_decode_interpolations(&m, d_pairs, (long long)p * INTERP_STEPS, INTERP_STEPS, INTERP_STEPS);
         cudaCheck(cudaStreamSynchronize(m.stream));
         if ((p + 1) % report_every == 0 || p + 1 == num_pairs) report_progress("one pair per call", p + 1, num_pairs);
     }
-    cudaCheck(cudaEventRecord(stop, m.stream));
-    cudaCheck(cudaEventSynchronize(stop));
-    cudaCheck(cudaEventElapsedTime(&single_ms, start, stop));
+    const float single_ms = timer.elapsed_ms();
     cudaCheck(cudaMemcpy(last + pair_floats, m.recon, pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
     const bool same = !memcmp(last, last + pair_floats, pair_floats * sizeof(float));
 
@@ -5087,15 +4617,9 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     snprintf(path, sizeof(path), "%s/interp.ppm", cfg->out_dir);
     snprintf(what, sizeof(what), "the first %d pairs, t = 0, 0.1, ..., 1", rows);
     if (!write_ppm_grid(path, what, tiles, rows, INTERP_STEPS, &err)) fail("%s", err.msg);
-    free(pairs);
-    free(tiles);
-    free(last);
-    cudaCheck(cudaFree(d_pairs));
-    cudaCheck(cudaEventDestroy(start));
-    cudaCheck(cudaEventDestroy(stop));
-    vae_free(&m);
+    free(pairs), free(tiles), free(last);
+    cudaCheck(cudaFree(d_pairs)), vae_free(&m);
 }
-
 // --image files: 28x28 greymaps, read in full and validated like every other input.
 static void load_image_files(const Config* cfg, Images* images) {
     images->count = cfg->num_image_files;
@@ -5212,9 +4736,7 @@ int main(int argc, char** argv) {
     if (!outputs_commit(&err, quiet ? NULL : console)) fail("%s", err.msg);
 
     cudaCheck(cudaFree(d_pixels));
-    free(weights.data);
-    free(images.pixels);
-    free(labels.labels);
+    free(weights.data), free(images.pixels), free(labels.labels);
     return 0;
 }
 #endif // TESTING

@@ -27,6 +27,22 @@
 
 // ---- Error checking: cudaCheck and cublasCheck come from vae.cu
 
+// ---- ldmatrix, for the mma.sync drivers (vae.cu's kernels are on wgmma, which reads shared memory itself)
+// The warp loads four (x4) or two (x2) 8x8 16-bit matrices from shared memory, lane i giving the address of
+// one 16-byte row (lanes 0-7 matrix 0, 8-15 matrix 1, ...), and every lane receives exactly the registers
+// mma.sync expects. One instruction replaces 4 (or 2) 32-bit shared loads per lane, and its address math is
+// done once per fragment.
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ inline void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const void* row) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
 inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // ---- The problem: the VAE's four Linear layers at batch M = 4096

@@ -54,6 +54,11 @@
 //            image's global index) and writes the z rows and KL
 // Tasks are dealt round-robin over the blocks first, so a batch of 1024 (64 tasks a slice) runs
 // on 130 SMs, a task per warp, not on 40 with 8 each.
+// This design's shapes beside vae.cu's (FC1_K, ENC_BN): fc1's rows padded for ldmatrix, the warps of a block.
+enum {
+    FC1_PITCH = FC1_K + 8, // 1680-byte rows (105 x 16): the 8 rows an ldmatrix phase reads hit 8 bank groups
+    ENC_WARPS = 16,
+};
 template <Precision P> struct EncoderSmem {
     typename Path<P>::T w1[ENC_BN][FC1_PITCH];
     typename Path<P>::T w_enc[MULV_DIM][Path<P>::ENC_W_COLS + 8]; // rows of 176 or 208 bytes: conflict-free loads

@@ -25,7 +25,7 @@
 #include <cstring>
 #include <string>
 
-#include "common.h"  // and through it vae.cu's PTX helpers: cp_async16, ldmatrix_x4/x2, mma_bf16_m16n8k16
+#include "common.h"  // ldmatrix_x4/x2; through it vae.cu's PTX helpers: cp_async16, mma_bf16_m16n8k16
 
 // ---------------------------------------------------------------------------
 // Kernel

@@ -61,7 +61,7 @@
 #include <string>
 
 // vae.cu (through common.h) brings CUtensorMap, tensor_map_encoder and the Hopper helpers this
-// file shares with its decoder: mbar_init / arrive / arrive_expect_tx / wait, tma_load_2d,
+// file shares with its decoder: mbar_init / arrive_expect_tx / wait, tma_load_2d,
 // smem_desc_128b, wgmma_fence / commit / wait, fence_accumulators.
 #include "common.h"
 
@@ -184,6 +184,11 @@ void launch_gemm_v7(const GemmArgs<bf16>& g) {
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// A consumer's arrival on its own CTA's barrier.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
 // Arrives on the barrier at the same offset in CTA `cta` of this cluster.
