@@ -20,8 +20,9 @@ fake=$(mktemp -d)
 trap 'rm -rf "$fake"' EXIT
 # nvidia-smi as a machine without a GPU has it: absent (no output), or failing with an error on stdout
 fake_smi() { printf '#!/bin/sh\n%s\n' "$1" > "$fake/nvidia-smi" && chmod +x "$fake/nvidia-smi"; }
-# the nvcc command make would run for vae, and what make printed besides
-plan() { PATH="$fake:$PATH" make -s -n -B -f Makefile vae "$@" 2>&1; }
+# the nvcc command make would run for vae, and what make printed besides; without the calling make's variables
+# (make test GPU_ARCH=80 passes GPU_ARCH down in MAKEFLAGS), so each case gets only what it names
+plan() { PATH="$fake:$PATH" MAKEFLAGS= MAKELEVEL= make -s -n -B -f Makefile vae "$@" 2>&1; }
 portable='-gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=\[sm_80,compute_80\] -gencode arch=compute_90a,code=sm_90a'
 
 echo "Makefile: GPU code for the GPU a user has"
@@ -66,7 +67,8 @@ for target in vae test_vae; do
 done
 if [ -x vae ] && command -v cuobjdump > /dev/null; then
     ! ldd vae | grep -q 'libcublas\.'; check "./vae loads libcublasLt, not libcublas" $?
-    # the code the Makefile's nvcc line for this machine promises, against what the binary holds
+    # the code the Makefile's nvcc line for this machine (and this make's GPU_ARCH) promises, against what the
+    # binary holds
     line=$(make -s -n -B vae 2>/dev/null | grep 'nvcc .* -o vae')
     want=$(echo "$line" | grep -oE 'code=\[?sm_[0-9]+a?|-arch=sm_[0-9]+a?' | grep -oE 'sm_[0-9]+a?' | sort -u)
     have=$(cuobjdump --list-elf vae 2>&1 | grep -oE 'sm_[0-9]+a?' | sort -u)

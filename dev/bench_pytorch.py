@@ -430,7 +430,8 @@ NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
 def parse_vae_bench(lines):
-    """{(precision, batch): (latency us, throughput us or None)} from ./vae --bench's output.
+    """{(precision, batch): (latency us, throughput us or None)} from ./vae --bench's output; the precision
+    is prefixed with the engine ("plain bf16") where the table has a kernels column.
     Columns are found by name in the header row of the table (one containing "latency", or the
     old format's "us/batch", which is read as latency)."""
     rows, cols = {}, None
@@ -446,6 +447,8 @@ def parse_vae_bench(lines):
             for i, c in enumerate(low):
                 if "precision" in c:
                     cols.setdefault("precision", i)
+                elif c == "kernels":
+                    cols.setdefault("kernels", i)
                 elif "latency" in c:
                     cols.setdefault("latency", i)
                 elif "throughput" in c:
@@ -469,8 +472,9 @@ def parse_vae_bench(lines):
                 thr = float(m.group()) if m else None
         except (IndexError, AttributeError, ValueError):
             continue
-        if words:
-            rows[(words[0], batch)] = (lat, thr)
+        if words:  # "plain bf16", "fused fp32" where the table names the engine
+            engine = cells[cols["kernels"]].strip("*` ").lower() + " " if "kernels" in cols else ""
+            rows[(engine + words[0], batch)] = (lat, thr)
     return rows
 
 
@@ -479,7 +483,8 @@ def vae_table(results, ours, batches):
     rows = ["| batch | measure | vae.cu | vae.cu us | PyTorch fastest | PyTorch us | speedup "
             "| PyTorch fastest, same precision | PyTorch us | speedup |",
             "|---:|---|---|---:|---|---:|---:|---|---:|---:|"]
-    precisions = sorted({p for p, _ in ours}, key=lambda p: (p not in ("bf16", "fp32"), p != "bf16", p))
+    precisions = sorted({p for p, _ in ours}, key=lambda p: (p.split()[-1] not in ("bf16", "fp32"),
+                                                             p.split()[-1] != "bf16", p))
     for b in batches:
         for measure, label in ((0, "latency"), (1, "throughput")):
             for prec in precisions:
@@ -487,7 +492,7 @@ def vae_table(results, ours, batches):
                     continue
                 us = ours[(prec, b)][measure]
                 cells = [str(b), label, prec, f"{us:.1f}"]
-                for best in (fastest(results, b, measure), fastest(results, b, measure, prec)):
+                for best in (fastest(results, b, measure), fastest(results, b, measure, prec.split()[-1])):
                     cells += ["—"] * 3 if best is None else [MODE_NAME[best[0]], f"{best[1]:.1f}",
                                                              f"{best[1] / us:.2f}x"]
                 rows.append("| " + " | ".join(cells) + " |")
