@@ -93,8 +93,7 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
         return set_error(err, "%s: %lld bytes is far larger than any input of this model. HINT: check the path",
                          path, (long long)st.st_size);
     FILE* f = fopen(path, "rb");
-    if (f == NULL)
-        return set_error(err, "%s: %s. HINT: check the file's permissions", path, strerror(errno));
+    if (f == NULL) return set_error(err, "%s: %s. HINT: check the file's permissions", path, strerror(errno));
     *size = (size_t)st.st_size;
     *data = (uint8_t*)malloc(*size > 0 ? *size : 1);
     if (*data == NULL) {
@@ -435,12 +434,11 @@ template <typename T> __global__ void z_input_kernel(T* z_input, const float* __
 //             log(1 + exp(-|l|)): no log of a rounded sigmoid, finite for any l
 //   recon     sigmoid(l)
 //   residual  sigmoid(l) - x in R: d BCE / d logits, the start of AIS's backward pass
-// x = byte / 255; the logits in L (fp32, or T for --iwae and AIS's gradient-only evaluations). One exp a logit
-// serves all three: e = exp(-|l|) gives softplus's log(1 + e) and sigmoid(l) = 1 / (1 + e) for l >= 0, e / (1 +
-// e) below, and the sigmoid is computed only where wanted (with two exps and an IEEE division a logit, bf16's
-// --iwae 5000 took 15% longer: this kernel is most of a pass). One warp a row, four pixels a lane at a time (196
-// groups of four): lane i takes groups i, i + 32, ..., then a fixed shuffle tree adds the 32 sums, so a row's
-// BCE has the same bits in any batch.
+// x = byte / 255; the logits in L (fp32, or T for --iwae and AIS's gradient-only evaluations). One exp a logit serves
+// all three (this kernel is most of an --iwae pass): e = exp(-|l|) gives softplus's log(1 + e) and sigmoid(l) = 1 / (1
+// + e) for l >= 0, e / (1 + e) below, and the sigmoid is computed only where wanted. One warp a row, four pixels a lane
+// at a time (196 groups of four): lane i takes groups i, i + 32, ..., then a fixed shuffle tree adds the 32 sums, so a
+// row's BCE has the same bits in any batch.
 template <typename R, typename L = float>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
@@ -556,7 +554,6 @@ __global__ void __launch_bounds__(LSE_THREADS)
 // the step size per image: its start, its bounds, and the acceptance it is adapted toward
 constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
 constexpr float AIS_TARGET_ACCEPT = 0.65f;
-// FLOPs of one gradient evaluation: forward 20x400 + 400x784 multiply-adds, backward the same
 constexpr double AIS_FLOPS_PER_EVAL = 4.0 * (LATENT_DIM * HIDDEN_DIM + HIDDEN_DIM * INPUT_DIM);
 // What one AIS run over n images reads and writes. Row r is chain r % C of image r / C.
 struct AisIO {
@@ -581,8 +578,8 @@ struct AisIO {
 // The plain path's chains, in memory between its kernels: per row z, p, the gradient of BCE (fc3's backward writes it,
 // row-major and Z_PAD wide), the BCE, and the transition's start (z, grad, BCE, H) that a rejected proposal returns to.
 // z, p and the start are stored latent by latent, [20][rows], so that a warp's 32 rows of one latent are 128 adjacent
-// bytes: row by row, a thread's 80 bytes, the leapfrog kernel had taken 139 us a step for 80,000 chains. Each kernel
-// below is one step of the transition for every row at once, one thread a row.
+// bytes (row by row, a thread's 80 bytes would not coalesce). Each kernel below is one step of the transition for every
+// row at once, one thread a row.
 enum { PLAIN_AIS_ROWS = 1 << 17 }; // chains a launch at most: ~1.3 GB of activations and chains in fp32
 struct AisChains {
     float *z, *p, *z0, *grad0; // [20][PLAIN_AIS_ROWS]
@@ -934,9 +931,7 @@ static U* convert_weights(uint8_t* at, const float* w, int rows, int cols, int p
 }
 // The weights (fp32 tensors on the device, PyTorch's layout; fc21 and fc22 stacked as one [40][400] layer) in the
 // path's types, each at a 256-byte boundary, and the products of the four layers and of AIS's backward pass.
-template <typename T>
-static void plain_init_weights(Plain* pl, const float* const* t, const float* enc_w, const float* enc_b,
-                               cudaStream_t stream) {
+template <typename T> static void plain_init_weights(Plain* pl, const float* const* t, cudaStream_t stream) {
     typedef typename Backward<T>::type B;
     const int zk = Z_PAD * z_parts<T>();
     size_t bytes = 0;
@@ -954,22 +949,20 @@ static void plain_init_weights(Plain* pl, const float* const* t, const float* en
     uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights", pl->max_batch);
     pl->weights = base;
     const cudaDataType_t f32 = CUDA_R_32F, type = pl->type, back = pl->backward_type;
-    // The batch each algorithm is picked for. fp32 runs on the SIMT cores (TF32 is off), where the pick for 4,096 rows
-    // (128 x 128 tiles) leaves 100 of 132 SMs idle at 1,024; picked for 1,024, fc1 and fc4 take 29 and 25 us there
-    // instead of 73 and 45, and 186 and 161 us instead of 262 and 220 at 10,000 rows. The products that run only on
-    // long passes (fc4_long for --iwae and AIS, the backward ones) are picked for 4,096 rows in fp32 (AIS 5% faster
-    // than for 1,024), 65,536 in bf16 (AIS's launches are 80,000 rows at n = 10,000): fc4's backward then takes 94 us
-    // instead of 132, fc4_long 102 instead of 122 (H200, dev/gemm_pick_v1).
+    // The batch each algorithm is picked for (dev/gemm_pick_v1 times the candidates). fp32 runs on the SIMT cores (TF32
+    // is off), where the pick for 4,096 rows (128 x 128 tiles) leaves 100 of 132 SMs idle at 1,024. The products that
+    // run only on long passes (fc4_long for --iwae and AIS, the backward ones) are picked for 4,096 rows in fp32,
+    // 65,536 in bf16 (AIS's launches are 80,000 rows at n = 10,000).
     const int pick = type == f32 ? 1024 : 4096, long_pick = type == f32 ? 4096 : 65536;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
     pl->fc1 = gemm_init(pl->lt, convert_weights<T>(base + w1, t[FC1_W], HIDDEN_DIM, INPUT_DIM, INPUT_DIM, 1, stream),
                         HIDDEN_DIM, INPUT_DIM, INPUT_DIM, false, true,
                         convert_weights<T>(base + b1, t[FC1_B], 1, HIDDEN_DIM, HIDDEN_DIM, 1, stream), type, type,
                         1.0f / 255.0f, pick);
-    pl->fc2 = gemm_init(pl->lt, convert_weights<T>(base + w2, enc_w, MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
+    pl->fc2 = gemm_init(pl->lt, convert_weights<T>(base + w2, t[FC21_W], MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
                         MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
-                        convert_weights<float>(base + b2, enc_b, 1, MULV_DIM, MULV_DIM, 1, stream), type, f32, 1.0f,
-                        pick);
+                        convert_weights<float>(base + b2, t[FC21_B], 1, MULV_DIM, MULV_DIM, 1, stream), type, f32,
+                        1.0f, pick);
     // fc3: h3 = ReLU([z | 1] [W3 | b3]^T) in T (the bias in K; bf16 in parts); fc4: logits = h3 W4^T + b4 in fp32
     launch(fc3_weights_kernel<T>, HIDDEN_DIM * zk, 256, 256, stream, (T*)(base + w3), t[FC3_W], t[FC3_B]);
     pl->fc3 = gemm_init(pl->lt, base + w3, HIDDEN_DIM, zk, zk, false, true, NULL, type, type, 1.0f, pick);
@@ -989,16 +982,15 @@ static void plain_init_weights(Plain* pl, const float* const* t, const float* en
                   HIDDEN_DIM, Z_PAD, Z_PAD, true, false, NULL, back, f32, 1.0f, long_pick);
 }
 // The plain model for up to max_batch images a forward pass and `rows` decoder rows a pass.
-static void plain_init(Plain* pl, const float* const* tensors, const float* enc_w, const float* enc_b,
-                       Precision precision, int max_batch, int rows, cudaStream_t stream) {
+static void plain_init(Plain* pl, const float* const* tensors, Precision precision, int max_batch, int rows,
+                       cudaStream_t stream) {
     memset(pl, 0, sizeof(*pl));
     pl->precision = precision, pl->max_batch = max_batch, pl->rows = rows;
     pl->type = precision == PRECISION_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     pl->type_size = precision == PRECISION_BF16 ? sizeof(bf16) : sizeof(float);
     pl->backward_type = precision == PRECISION_BF16 ? CUDA_R_16F : CUDA_R_32F;
     cublasCheck(cublasLtCreate(&pl->lt));
-    (precision == PRECISION_BF16 ? plain_init_weights<bf16> : plain_init_weights<float>)(pl, tensors, enc_w, enc_b,
-                                                                                         stream);
+    (precision == PRECISION_BF16 ? plain_init_weights<bf16> : plain_init_weights<float>)(pl, tensors, stream);
     const size_t B = (size_t)max_batch, R = (size_t)rows, t = pl->type_size;
     const int zk = z_width(precision);
     pl->x = device_alloc(B * INPUT_DIM * t, "the pixels as fc1's input", max_batch);
@@ -1062,19 +1054,6 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
     }
     launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
            pixels, rows, rows_per_image);
-}
-// --iwae over n images whose [mu | logvar] are `mulv`: K rows each, in passes of as many images as
-// pl->rows holds, log p(x) into log_px[n]. eps: device [n][K][20] noise instead of the generator (tests).
-static void plain_iwae(Plain* pl, const uint8_t* pixels, const float* mulv, int n, uint32_t first_image, int K,
-                       uint64_t seed, const float* eps, float* log_px, cudaStream_t stream) {
-    const int per_pass = pl->rows / K;
-    for (int first = 0; first < n; first += per_pass) {
-        const int images = n - first < per_pass ? n - first : per_pass, rows = images * K;
-        plain_sample(pl, rows, K, mulv + (size_t)first * MULV_DIM, eps ? eps + (size_t)first * K * LATENT_DIM : NULL,
-                     first_image + first, seed, false, NULL, NULL, pl->log_ratio, stream);
-        plain_decode(pl, pixels + (size_t)first * INPUT_DIM, rows, K, pl->bce, NULL, true, stream);
-        launch(iwae_logsumexp_kernel, images, 1, LSE_THREADS, stream, log_px + first, pl->bce, 1, pl->log_ratio, K);
-    }
 }
 // AIS: one gradient evaluation for `rows` chains at pl->ais_z_input, a row's pixels those of image r / C: the decoder
 // forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into chains.grad, and the BCE into
@@ -1244,10 +1223,12 @@ __device__ inline void mma_parts(float* d, const uint32_t (&a_hi)[4], const uint
     if constexpr (std::is_same<T, fp16>::value) mma_m16n8k16<T>(d, a_lo, b_hi), mma_m16n8k16<T>(d, a_hi, b_lo);
     mma_m16n8k16<T>(d, a_hi, b_hi);
 }
+// The shared-memory address of p, as the PTX instructions take it.
+__device__ inline uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 // 16-byte asynchronous copy global -> shared (sm_80+). When !valid it writes 16 zero bytes and
 // reads nothing, so tiles hanging over the matrix edge hold zeros and the math needs no edge case.
 __device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
-    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
+    const uint32_t dst = smem_addr(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
 }
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -1661,7 +1642,6 @@ template <typename T> __device__ inline uint32_t bias_ones(int t) {
 // whole pass, loaded once. Its two warpgroups take 64-row tiles in turns at the tensor cores, handing over by named
 // barriers: while one issues a tile's MMAs the other runs its epilogue (decoder_epilogue), so the BCE and the
 // matrix work overlap. One block per SM (205 KB of shared memory, ~235 registers a thread).
-// --iwae's 50 million rows at K = 5000 run at 77-79% of the bf16 floor (dev/README.md, IWAE).
 
 // mbarriers: init, arrive, and a wait that cannot hang (a pipeline bug traps after ~1 s, so the launch fails loudly).
 __device__ inline void mbar_init(uint32_t bar, uint32_t count) {
@@ -1676,9 +1656,7 @@ __device__ inline bool mbar_try_wait(uint32_t bar, uint32_t parity) {
     asm volatile("{\n.reg .pred p;\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
                  "selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     return done != 0;
 }
 __device__ inline void mbar_wait(uint32_t bar, uint32_t parity) {
@@ -1703,9 +1681,7 @@ template <typename S> __device__ inline S& smem_aligned_1024(uint8_t* raw) {
 // One box of a 2-D tensor map -> shared memory at dst; the mbarrier counts its bytes.
 __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int col, int row) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
-                 "[%2];\n" ::"r"(dst),
-                 "l"(map), "r"(bar), "r"(col), "r"(row)
-                 : "memory");
+                 "[%2];\n" ::"r"(dst), "l"(map), "r"(bar), "r"(col), "r"(row) : "memory");
 }
 // wgmma descriptor of a K-major tile of 128-byte rows in the 128-byte swizzle layout (what TMA
 // writes with CU_TENSOR_MAP_SWIZZLE_128B): start address / 16, stride 1024 bytes between 8-row
@@ -1818,21 +1794,20 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     constexpr int DEC_BN = Q::DEC_BN, DEC_COL_BLOCKS = Q::DEC_COL_BLOCKS, Z_STEPS = Q::Z_K / 16;
     extern __shared__ uint8_t smem_raw[];
     DecoderWgmmaSmem<P>& sm = smem_aligned_1024<DecoderWgmmaSmem<P>>(smem_raw);
-    auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
     const int cb = blockIdx.x % DEC_COL_BLOCKS;
     const int col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
 
     if (threadIdx.x == 0) {
-        const uint32_t bar = addr(&sm.loaded);
+        const uint32_t bar = smem_addr(&sm.loaded);
         mbar_expect_load(bar, sizeof(sm.w4) + sizeof(sm.w3));
         for (int copy = 0; copy < (Q::SPLIT ? 2 : 1); copy++)
             for (int s = 0; s < DEC_WG_SLICES; s++)
-                tma_load_2d(addr(&sm.w4[copy][s][0][0]), &w4_map, bar, 64 * s, copy * INPUT_DIM + col0);
-        tma_load_2d(addr(&sm.w3[0][0]), &w3_map, bar, 0, 0);
-        tma_load_2d(addr(&sm.w3[HIDDEN_DIM / 2][0]), &w3_map, bar, 0, HIDDEN_DIM / 2);
+                tma_load_2d(smem_addr(&sm.w4[copy][s][0][0]), &w4_map, bar, 64 * s, copy * INPUT_DIM + col0);
+        tma_load_2d(smem_addr(&sm.w3[0][0]), &w3_map, bar, 0, 0);
+        tma_load_2d(smem_addr(&sm.w3[HIDDEN_DIM / 2][0]), &w3_map, bar, 0, HIDDEN_DIM / 2);
     }
     __syncthreads();
-    mbar_wait(addr(&sm.loaded), 0);
+    mbar_wait(smem_addr(&sm.loaded), 0);
     wait_for_prior_grid(); // the z rows
 
     // The blocks of one column block (its `copies`) deal the 64-row tiles round-robin: warpgroup w of copy p takes
@@ -1840,7 +1815,7 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     // the same number of turns (a tile past the rows does no work) so their turn barriers stay matched.
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, t = lane % 4;
     const int tiles = (io.rows + 63) / 64, copies = gridDim.x / DEC_COL_BLOCKS;
-    const uint32_t w3_tile = addr(&sm.w3[0][0]), w4_tile = addr(&sm.w4[0][0][0][0]);
+    const uint32_t w3_tile = smem_addr(&sm.w3[0][0]), w4_tile = smem_addr(&sm.w4[0][0][0][0]);
     const uint32_t w4_lo_tile = w4_tile + DEC_WG_SLICES * DEC_BN * 128; // fp32's lo copy
     uint32_t z_a[Z_STEPS][4]; // fc3's A fragments: z rows g and g + 8 of this warp's 16 in a tile
     auto load_z = [&](int tile) { load_z_fragments(z_a, io.z_rows, tile * 64 + warp * 16, io.rows); };
@@ -1926,9 +1901,8 @@ __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
 // 1/255, bias, ReLU) are the A fragments of the slice's partial [mu | logvar] (h1 never leaves the registers); the
 // partial goes through L2 with a ticket per 16 images, and the last slice to arrive adds them all in slice order
 // (bitwise reproducible, batch invariant), draws eps and writes the z rows and the KL. Four warpgroups a block (bf16:
-// 124
-// registers a thread, 182 KB of shared memory): at B = 10000 the 157 tasks of a slice take 2 rounds of its 104
-// warpgroups, not 3 of 78, and the bf16 encoder runs in 39.2 us instead of 43.0; five spread too thin at small batches.
+// 124 registers a thread, 182 KB of shared memory): at B = 10000 the 157 tasks of a slice take 2 rounds of its 104
+// warpgroups, not 3 of 78; five spread too thin at small batches.
 enum { ENC_WG_GROUPS = 4, ENC_WG_SLICES = FC1_K / 64 };
 template <Precision P> struct EncoderWgmmaSmem {
     typename Path<P>::T w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
@@ -1946,22 +1920,21 @@ __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
     typedef typename Path<P>::T T;
     extern __shared__ uint8_t smem_raw[];
     EncoderWgmmaSmem<P>& sm = smem_aligned_1024<EncoderWgmmaSmem<P>>(smem_raw);
-    auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
     allow_dependent_launch();
     const int slice = blockIdx.x % Path<P>::ENC_SLICES, copies = gridDim.x / Path<P>::ENC_SLICES;
     const int row0 = slice * ENC_BN; // of fc1's rows in the kernels' layout
     if (threadIdx.x == 0) {
-        const uint32_t bar = addr(&sm.loaded);
+        const uint32_t bar = smem_addr(&sm.loaded);
         mbar_expect_load(bar, sizeof(sm.w1));
-        for (int s = 0; s < ENC_WG_SLICES; s++) tma_load_2d(addr(&sm.w1[s][0][0]), &w1_map, bar, 64 * s, row0);
+        for (int s = 0; s < ENC_WG_SLICES; s++) tma_load_2d(smem_addr(&sm.w1[s][0][0]), &w1_map, bar, 64 * s, row0);
     }
     copy_enc_weights<P>(sm.w_enc, io, slice);
     cp_async_wait<0>();
     __syncthreads();
-    mbar_wait(addr(&sm.loaded), 0);
+    mbar_wait(smem_addr(&sm.loaded), 0);
 
     const int wg = threadIdx.x / 128, warp = threadIdx.x / 32;
-    const uint32_t w1_tile = addr(&sm.w1[0][0][0]);
+    const uint32_t w1_tile = smem_addr(&sm.w1[0][0][0]);
     const int tasks = ceil_div(io.M, 64); // whole warpgroups: a task past the rows is never dealt
     for (int task = blockIdx.x / Path<P>::ENC_SLICES + copies * wg; task < tasks; task += copies * ENC_WG_GROUPS) {
         const int row16 = task * 64 + (warp % 4) * 16;
@@ -2039,10 +2012,9 @@ enum {
 // A thread's chain state kept in memory, not registers (ais_chains): per row p0's mean and inverse variance, read by
 // each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when the proposal is rejected. Slot s of
 // thread i of block b: state[(b * AIS_STATE_SLOTS + s) * AIS_THREADS + i], a warp's 32 values adjacent. In registers
-// beside the gradient's accumulators they were spilled (bf16: ptxas's 996 bytes of spill stores and 2,740 of loads a
-// thread, 696 and 1,916 now; fp32 on mma.sync then: 52 and 136, none after), the spill slots reloaded from L2 on the
-// leapfrog's path after the merge's fence, and with k24 (AisZFragments) and ais_release_shares the bf16 wgmmas
-// serialized for want of registers. The pointer is not __restrict__: with it nvcc keeps the values in registers again.
+// beside the gradient's accumulators they spill (the spill slots reloaded from L2 on the leapfrog's path after the
+// merge's fence) and the bf16 wgmmas serialize for want of registers. The pointer is not __restrict__: with it nvcc
+// keeps the values in registers again.
 enum {
     AIS_THREADS = AIS_WARPS * 32,
     AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 2 * AIS_LATENTS, AIS_SLOT_Z0 = 4 * AIS_LATENTS,
@@ -2089,8 +2061,7 @@ __device__ inline uint32_t cluster_count() {
 // p's address in the shared memory of block `rank` of the cluster.
 __device__ inline uint32_t cluster_address(const float* p, uint32_t rank) {
     uint32_t remote = 0;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"((uint32_t)__cvta_generic_to_shared(p)),
-                 "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
     return remote;
 }
 // Two (four) floats at p in the shared memory of block `rank` of the cluster.
@@ -2110,9 +2081,8 @@ __device__ inline float4 cluster_load4(const float* p, uint32_t rank) {
 // barrier at the same address in each block that must see them; the wait acquires what the arrivals released. The
 // fences: fence_cluster orders all of the thread's accesses (its reads of other blocks' shared memory among them);
 // fence_shared_release only its stores to its own block's shared memory, and the wait's acquire only accesses to shared
-// memory: the full fence and a full acquire also invalidate the L1 (CCTL.IVALL), where the spilled registers live (ncu:
-// ~5% of the stall samples on them and the fence; --ais 100 bf16 -2% without). The wait has no time limit, like the
-// cluster barrier: under compute-sanitizer one block may wait seconds for another.
+// memory: the full fence and a full acquire also invalidate the L1 (CCTL.IVALL), where the spilled registers live. The
+// wait has no time limit, like the cluster barrier: under compute-sanitizer one block may wait seconds for another.
 __device__ inline void fence_cluster() {
     asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
 }
@@ -2164,9 +2134,8 @@ typedef fp16 AisW3;
 //   K  0..7   z hi 16..19, 1, 1, 1, 0   times  W3 hi 16..19, the bias parts, 0
 //   K  8..11  z hi 16..19               times  W3 lo 16..19
 //   K 12..15  z lo 16..19               times  W3 hi 16..19
-// 15 of its 16 products used: K = 24 of each part in k8 steps took six products a 16 units, or wgmma
-// (no k8) six k16 steps, half of them zeros; four now (--ais 100 -1%). Thread t holds K 2t, 2t + 1 and
-// 8 + 2t, 9 + 2t: lanes t = 2, 3 take z lo 16..19 from lanes 0, 1.
+// 15 of its 16 products used: four k16 steps, where K = 24 of each part takes six on wgmma (no k8), half of them zeros.
+// Thread t holds K 2t, 2t + 1 and 8 + 2t, 9 + 2t: lanes t = 2, 3 take z lo 16..19 from lanes 0, 1.
 struct AisZFragments {
     uint32_t k16[4], k16_lo[4], k24[4];
 };
@@ -2199,17 +2168,15 @@ struct AisW3Cores {
 // The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from the block's first
 // column): sigmoid(l) - x in place of each logit (zero in the skipped blocks), and when ENERGY the row's BCE share
 // (decoder_epilogue's sum; else zero). Only the trajectory's end needs the energy, so 9 of L = 10 evaluations skip its
-// sum (its own exp(-|l|) and x, 3 instructions more a logit; --ais 100 bf16 -5%). sigmoid(l) - x = fmaf(byte, -1/255, 1
-// / (1 + exp(-l))): two MUFU operations and three others a logit (exp(-l) overflows to infinity for l < -88 and the
-// reciprocal to 0, the limit); (l >= 0 ? 1 : e) / (1 + e) with e = exp(-|l|), x rounded apart, took about seven others
-// (--ais 100 bf16 -2%). The sum keeps exp(-|l|) and x as a product rounded as written (__fmul_rn); sigmoid - x is the
-// same fmaf in every gradient (dev/ais_gradient_v1.cu's too), so they agree.
+// sum (its own exp(-|l|) and x, 3 instructions more a logit). sigmoid(l) - x = fmaf(byte, -1/255, 1 / (1 + exp(-l))):
+// two MUFU operations and three others a logit (exp(-l) overflows to infinity for l < -88 and the reciprocal to 0, the
+// limit). The sum keeps exp(-|l|) and x as a product rounded as written (__fmul_rn); sigmoid - x is the same fmaf in
+// every gradient (dev/ais_gradient_v1.cu's too), so they agree.
 template <bool ENERGY, int N>
 __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
                                     float (&bce_share)[2]) {
     const int t = threadIdx.x % 4;
-    // all the pixel pairs first (from L2: the L1 beside 231 KB of shared memory keeps little), then the arithmetic:
-    // loaded where used, they had come in small batches, each a round trip to L2 (bf16 --ais 100 -8%)
+    // all the pixel pairs first: loaded where used, they come in small batches, each an L2 round trip
     uint32_t pixels[2][N / 4];
     for (int half = 0; half < 2; half++)
         for (int j = 0; j < N / 4; j++)
@@ -2244,10 +2211,8 @@ __device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const
                                          float (&bce_share)[2], uint32_t (&ga)[K_STEPS][4],
                                          uint32_t (&ga_lo)[K_STEPS][4]) {
     static_assert(K_STEPS == (N / 4 + 1) / 2, "a k16 step per two n8 blocks of logits");
-    if (energy)
-        ais_epilogue<true>(logit, x_row, skip, bce_share);
-    else
-        ais_epilogue<false>(logit, x_row, skip, bce_share);
+    if (energy) ais_epilogue<true>(logit, x_row, skip, bce_share);
+    else ais_epilogue<false>(logit, x_row, skip, bce_share);
     for (int s = 0; s < K_STEPS; s++) {
         const bool full = 2 * s + 1 < N / 4;
         pack_parts<T>(ga[s][0], ga_lo[s][0], logit[8 * s], logit[8 * s + 1]);
@@ -2256,28 +2221,25 @@ __device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const
         pack_parts<T>(ga[s][3], ga_lo[s][3], full ? logit[8 * s + 6] : 0.0f, full ? logit[8 * s + 7] : 0.0f);
     }
 }
-// The cluster's merge: wait until the other blocks have read this one's last shares, store this one's
-// (dz, the BCE share) in share[row], meet, and add all CLUSTER blocks' in rank order, so every block
-// gets the same bits; the next evaluation tells the others this block has read theirs
-// (ais_release_shares). A lane reads, in each block, the values its counterpart lane there stored, so each thread
-// arrives itself at the other blocks' barriers ((CLUSTER - 1) x 128 arrivals a phase: a named barrier and then one
-// thread's arrival per block is 7% faster in bf16 and correct by the PTX memory model, but compute-sanitizer's
-// racecheck does not see the other threads' stores ordered by it). `merges` counts the thread's merges: its parity is
-// the barriers' phase. A row keeps each lane's values together: latents 2t, 2t + 1, 8 + 2t, 9 + 2t at 4t .. 4t + 3,
-// then 16 + 2t, 17 + 2t (t < 2), the BCE (t = 2, a zero beside it) or zeros (t = 3) at 16 + 2t, so a lane reads a
-// block's share of a row in one 16-byte and one 8-byte load, not four 8-byte ones. A row's loads from all blocks are
-// issued before its first add: with a branch for the own block's, each load had waited for the add before it, 12 DSMEM
-// round trips in a row (bf16: 4,700 cycles of an evaluation's 32,800; 1,650 now). The own block's share is read through
-// the cluster window too, as the other blocks read it, ordered after its store by the same release and acquire; adding
-// the own share from the thread's registers instead (no load to wait for) was 4% slower in bf16 (the registers it holds
-// through the merge spill).
+// The cluster's merge: wait until the other blocks have read this one's last shares, store this one's (dz, the BCE
+// share) in share[row], meet, and add all CLUSTER blocks' in rank order, so every block gets the same bits; the next
+// evaluation tells the others this block has read theirs (ais_release_shares). A lane reads, in each block, the values
+// its counterpart lane there stored, so each thread arrives itself at the other blocks' barriers ((CLUSTER - 1) x 128
+// arrivals a phase: a named barrier and then one thread's arrival per block is correct by the PTX memory model, but
+// compute-sanitizer's racecheck does not see the other threads' stores ordered by it). `merges` counts the thread's
+// merges: its parity is the barriers' phase. A row keeps each lane's values together: latents 2t, 2t + 1, 8 + 2t, 9 +
+// 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2), the BCE (t = 2, a zero beside it) or zeros (t = 3) at 16 + 2t, so
+// a lane reads a block's share of a row in one 16-byte and one 8-byte load, not four 8-byte ones. A row's loads from
+// all blocks are issued before its first add (with a branch for the own block's, each load waits for the add before it:
+// 12 DSMEM round trips in a row). The own block's share is read through the cluster window too, as the other blocks
+// read it, ordered after its store by the same release and acquire (adding it from the thread's registers instead would
+// spill the registers it holds through the merge).
 template <int CLUSTER>
 __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint32_t& merges, const float (&dz)[3][4],
                                  const float (&bce_share)[2], float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
     static_assert(AIS_SHARE >= 24, "a row holds the four lanes' 16-byte groups, then their 8-byte pairs");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const uint32_t stored = (uint32_t)__cvta_generic_to_shared(&meet.stored[warp / 4]);
-    const uint32_t added = (uint32_t)__cvta_generic_to_shared(&meet.added[warp / 4]);
+    const uint32_t stored = smem_addr(&meet.stored[warp / 4]), added = smem_addr(&meet.added[warp / 4]);
     if (merges > 0) mbar_wait_cluster(added, (merges - 1) & 1);
     for (int half = 0; half < 2; half++) {
         float* own = share[warp * TASK_ROWS + g + 8 * half];
@@ -2309,21 +2271,20 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
     }
     merges++;
 }
-// After a merge: tell the other blocks this one has read their shares (the `added` arrivals, which
-// they wait for at their next merge), its reads ordered before them by the full fence. Not at the
-// merge's end but in the next evaluation, once its forward products are issued, where the thread
-// would wait for them: the fence (MEMBAR.GPU, then CCTL.IVALL) had held up the transition's
-// arithmetic after the merge (with the chain state in memory, AIS_STATE_SLOTS: --ais 100 bf16 -2%).
+// After a merge: tell the other blocks this one has read their shares (the `added` arrivals, which they wait for at
+// their next merge), its reads ordered before them by the full fence. Not at the merge's end but in the next
+// evaluation, once its forward products are issued, where the thread would wait for them: at the merge's end the fence
+// (MEMBAR.GPU, then CCTL.IVALL) holds up the transition's arithmetic after it.
 template <int CLUSTER> __device__ inline void ais_release_shares(AisMeet& meet, uint32_t merges) {
     if (merges == 0) return;
     fence_cluster(); // after reads of other blocks' shared memory
-    arrive_at_other_blocks<CLUSTER>((uint32_t)__cvta_generic_to_shared(&meet.added[threadIdx.x / 128]));
+    arrive_at_other_blocks<CLUSTER>(smem_addr(&meet.added[threadIdx.x / 128]));
 }
 // The merge's barriers, before any block's first arrival (the cluster barrier holds those back).
 template <int CLUSTER> __device__ inline void ais_meet_init(AisMeet& meet) {
     if (threadIdx.x < 2) {
-        mbar_init((uint32_t)__cvta_generic_to_shared(&meet.stored[threadIdx.x]), (CLUSTER - 1) * 128);
-        mbar_init((uint32_t)__cvta_generic_to_shared(&meet.added[threadIdx.x]), (CLUSTER - 1) * 128);
+        mbar_init(smem_addr(&meet.stored[threadIdx.x]), (CLUSTER - 1) * 128);
+        mbar_init(smem_addr(&meet.added[threadIdx.x]), (CLUSTER - 1) * 128);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     cluster_sync();
@@ -2358,9 +2319,7 @@ __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais
 // warp's 16 rows as ais_gradient_wgmma does (x_row: each row's pixels from the block's first column col0; bce only when
 // energy: a trajectory's start and end), and step and accepted are the block's shared arrays of AIS_ROWS (a tile's step
 // sizes, its images' acceptances in a transition). Every block of the cluster runs the same arithmetic on the same
-// bits, so each holds z; the block of rank 0 writes the results. The energies in float32 (H ~ 100: the Metropolis test
-// sees differences of ~1e-5 nats), the weights in float64. A chain's p, u and start are keyed by (seed, image, chain,
-// transition).
+// bits, so each holds z; the block of rank 0 writes the results.
 template <typename Gradient>
 __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, int col0, float* step_of,
                                   int* accepted_of, Gradient gradient) {
@@ -2417,8 +2376,7 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
                     if (live[half] && j < LATENT_DIM) io.grad0[(row0 + 8 * half) * LATENT_DIM + j] = grad[half][i];
                     if (live[half] && j == 0) io.bce0[row0 + 8 * half] = bce[half];
                 }
-        // log p(x, z) - log p0(z) and U_b(z) = -b log p(x, z) - (1 - b) log p0(z), per row (the log
-        // 2 pi terms cancel): log p(x, z) = -BCE - |z|^2 / 2, log p0(z) = -sum (z - mu)^2 / var + logvar, / 2
+        // log p(x, z) and log p0(z) per row, as AisPrior::log_densities (a row's four lanes added by shuffles)
         auto log_densities = [&](const float (&zz)[2][AIS_LATENTS], const float (&b)[2], float (&lpxz)[2],
                                  float (&lp0)[2]) {
             for (int half = 0; half < 2; half++) {
@@ -2533,17 +2491,14 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
         group_sync(); // the step sizes are the next tile's
     }
 }
-// The gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it: a bf16 transition 1.8x faster
-// than with fc3 and its backward on mma.sync; the mma.sync gradient is dev/ais_gradient_v1.cu's). In bf16, the cluster
-// of 4 blocks, column block of 200 logits, epilogue and merge of that gradient; all four products move to the warpgroup
-// (fc3 with hi and lo parts, three products, its backward with one):
+// The gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it; the mma.sync gradient is
+// dev/ais_gradient_v1.cu's). In bf16, the cluster of 4 blocks, column block of 200 logits, epilogue and merge of that
+// gradient; all four products move to the warpgroup (fc3 with hi and lo parts, three products, its backward with one):
 //   forward   per 64 hidden units, fc3 as 4 m64n64k16 wgmmas (z's parts as A from registers, fc3's
 //             parts as B in core matrices, AisW3Cores; the sums are the mma.sync gradient's to the bit),
 //             then 4 m64n200k16 wgmmas with its ReLU as A from registers and the block's fc4 as B
 //             from shared memory (K-major, the 128-byte swizzle TMA writes: the decoder's layout);
-//             fc3 of the next group runs before them and its ReLU is taken while they run. fc3 on
-//             mma.sync had been a chain of 9 products per 16 units a warp: the forward took ~9,000
-//             cycles of an evaluation's ~31,000 (--ais 100 -6%)
+//             fc3 of the next group runs before them and its ReLU is taken while they run
 //   backward  dh[64 x 64 hidden] = (sigmoid - x)[64 x 200] W4[200 x 64]: A = the epilogue's values
 //             (13 k16 steps, in registers), B = the same shared memory read MN-major (wgmma's
 //             transpose bit, 16-bit types only): a k16 step of pixels is 16 rows of 128 bytes, two
@@ -2552,16 +2507,13 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
 //             than the 64-wide swizzle atom is not a layout the PTX ISA describes). Group q + 1's
 //             wgmmas run while the warps mask group q's dh by the ReLU into fp16 A fragments, and
 //             dz += those W3 follows as 4 m64n24k16 (fc3's hi part read MN-major from its cores, in
-//             the order of the mma.sync gradient: the same sums). On mma.sync (12 products and
-//             4 ldmatrix a warp per 64 units) the backward had taken ~9,500 cycles of an evaluation
-//             (5,200 now; --ais 100 -15%)
+//             the order of the mma.sync gradient: the same sums)
 // Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares (128 x 24 floats) and
 // their 4 mbarriers + the tiles' step sizes and acceptances = 230,952 of the 232,448 a block may have (less 1,024 to
 // align): fc3's ReLU mask lives in registers (a 32-bit word per 64 units).
 // fp32 runs the same steps with every product of fc4, and the backward through fc3, as three (lo hi, hi lo, hi hi) on
 // fp16 parts: a cluster of 8 blocks of 104 logits (AisFc4Cores; 221,480 bytes a block), m64n104k16 forward and
-// m64n64k16 backward. On mma.sync (a warp per 16 units of fc4: 14 ldmatrix and 39 products forward, 14 and 42 backward)
-// it had been bound by their issue: --ais 100 is 1.8x faster on wgmma.
+// m64n64k16 backward (on mma.sync they are bound by their issue).
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
 static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
 // fc4's column block as each path's wgmmas read it. bf16: K in 64-wide slices of 200 rows, the 128-byte swizzle TMA
@@ -2617,9 +2569,9 @@ __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4]
 }
 // The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward products in a
 // turn (its first fc3 group just before) and its backward ones in the next (W3's last group just after), and runs its
-// epilogue and merge while the other issues (--ais 100: -8% when they came in; without them -10% now; a turn for the
-// forward or the backward alone gains nothing). Warpgroup 1 hands warpgroup 0 the first turn (ais_turns_first) and 0
-// takes 1's last hand-over (ais_turns_last), so both must evaluate as often (ais_chains' tiles).
+// epilogue and merge while the other issues (a turn for the forward or the backward alone gains nothing). Warpgroup 1
+// hands warpgroup 0 the first turn (ais_turns_first) and 0 takes 1's last hand-over (ais_turns_last), so both must
+// evaluate as often (ais_chains' tiles).
 __device__ inline void ais_turn_wait() { named_bar_sync(AIS_BAR_TURN + threadIdx.x / 128, 256); }
 __device__ inline void ais_turn_pass() { named_bar_arrive(AIS_BAR_TURN + 1 - threadIdx.x / 128, 256); }
 __device__ inline void ais_turns_first() {
@@ -2668,9 +2620,8 @@ __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&
 // fp16 parts are multiples of 2^-48, so h is 0 or at least 2^-48, far above bf16's smallest 2^-133. In fp16 an h of at
 // most 2^-25 rounds to +0, hi and lo part alike: the unit then adds nothing to the forward, and the mask drops it. Pair
 // j (register r of k16 step i: j = 4i + r) keeps its two flags at bits j and 16 + j, so one shift places both. As
-// comparisons (h > 0) the bits had become predicates that ptxas kept by moving bits between registers, three
-// instructions a bit plus a repacking after the forward: 1,900 of the 17,500 SASS instructions in the kernel's code
-// (--ais 100 bf16 -14%).
+// comparisons (h > 0) the bits become predicates that ptxas keeps by moving bits between registers, three instructions
+// a bit plus a repacking after the forward.
 __device__ inline uint32_t relu_pair_flags(uint32_t pair, int j) {
     uint32_t flags;
     asm("min.relu.s16x2 %0, %1, %2;\n" : "=r"(flags) : "r"(pair), "r"(0x00010001u));
@@ -2701,8 +2652,7 @@ __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, cons
     wgmma_commit();
 }
 // BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as above); w4: the shared-memory address of
-// sm.w4; merges as in ais_merge. fp32 runs each product of fc4 and of the backward through fc3 as three (mma_parts'
-// order: lo hi, hi lo, hi hi), A's lo parts beside its hi parts in registers.
+// sm.w4; merges as in ais_merge. fp32's A lo parts sit beside its hi parts in registers.
 template <Precision P>
 __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint32_t& merges,
                                           const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
@@ -2715,8 +2665,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     const int t = threadIdx.x % 4;
     const AisZFragments za = ais_z_fragments(z);
     // Buffers of fc4's A fragments and of the backward's dh: bf16 two, each group's wgmmas reading one while the warps
-    // write the other; fp32 one, the warps waiting for the wgmmas: with fp32's lo parts two had ptxas spill 2,272 /
-    // 2,752 bytes a thread, against 1,600 / 1,920 (--ais 100 4% slower with two)
+    // write the other; fp32 one, the warps waiting for the wgmmas (with its lo parts two spill more)
     constexpr int BUFFERS = SPLIT ? 1 : 2;
     uint32_t mask[AIS_WG_GROUPS]; // fc3's ReLU: group q's pair j at bits j and 16 + j (relu_pair_flags)
     float logit[BN / 2];
@@ -2724,7 +2673,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     const uint32_t a_bias[4] = {bias_ones<T>(t), bias_ones<T>(t), 0u, 0u};
     // fc3 of group q + 1 runs on the tensor cores before fc4 of group q, and in bf16 its ReLU is taken
     // while fc4 runs (the wait leaves fc4's group pending; fp32 waits for it: BUFFERS)
-    const uint32_t w3 = (uint32_t)__cvta_generic_to_shared(&sm.w3);
+    const uint32_t w3 = smem_addr(&sm.w3);
     float h[32];
     auto fc3_group = [&](int q) {
         if (q < AIS_WG_GROUPS - 1) ais_fc3_wgmma<64>(h, w3, q, za);
@@ -2733,8 +2682,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     auto to_a = [&](int q) { // group q's ReLU as fc4's A fragments, and its mask
         const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1; // 400 = 6 x 64 + 16
         fence_accumulators(h);
-        // each k16 step's flags in a part of their own, the parts ORed at the end: set one by one into
-        // mask[q], the bits were a chain of dependent operations on the forward's path (--ais 100 -2%)
+        // a part per k16 step, ORed at the end (one by one into mask[q]: a dependent chain on the forward's path)
         uint32_t mask_part[4] = {0u, 0u, 0u, 0u};
         for (int i = 0; i < 4; i++) {
             if (i < chunks) {
@@ -2796,7 +2744,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
         for (int i = 0; i < 12; i++) dz[i / 4][i % 4] = 0.0f;
     float(&dz_acc)[12] = *reinterpret_cast<float(*)[12]>(&dz[0][0]); // W3's m64n24 accumulators: n8 block j at 4j
     // fp32's hi lo products, latents 0..15 and 16..23, in accumulators of their own, added at the end:
-    // m64n16 and m64n8 wgmmas on dz_acc's registers had ptxas serialize all the kernel's wgmmas
+    // m64n16 and m64n8 wgmmas on dz_acc's registers make ptxas serialize all the kernel's wgmmas
     float dz_lo[8], dz_lo16[4];
     // group q's dh through fc3's ReLU as W3's A fragments (fp16; fp32 with lo parts), a k16 step per 16 units
     uint32_t masked[4][4], masked_lo[4][4];
@@ -2886,12 +2834,12 @@ template <Precision P>
 __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem<P>& sm, const CUtensorMap& w4_map,
                                               const typename Path<P>::T* __restrict__ fc4_wb,
                                               const fp16* __restrict__ ais_w3, int col0) {
-    auto addr = [](const void* p) { return (uint32_t)__cvta_generic_to_shared(p); };
     if constexpr (P == PRECISION_BF16) {
         if (threadIdx.x == 0) {
-            const uint32_t bar = addr(&sm.loaded);
+            const uint32_t bar = smem_addr(&sm.loaded);
             mbar_expect_load(bar, sizeof(sm.w4));
-            for (int s = 0; s < AIS_WG_GROUPS; s++) tma_load_2d(addr(&sm.w4.w[s][0][0]), &w4_map, bar, 64 * s, col0);
+            for (int s = 0; s < AIS_WG_GROUPS; s++)
+                tma_load_2d(smem_addr(&sm.w4.w[s][0][0]), &w4_map, bar, 64 * s, col0);
         }
     } else {
         constexpr int BN = Path<P>::AIS_BN, K8 = FC4_K / 8;
@@ -2907,7 +2855,7 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem<P>& sm, const CUtenso
     // wgmma (the async proxy): this fence makes the writes visible to it
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
-    if constexpr (P == PRECISION_BF16) mbar_wait(addr(&sm.loaded), 0);
+    if constexpr (P == PRECISION_BF16) mbar_wait(smem_addr(&sm.loaded), 0);
 }
 // ais_kernel (sm_90a: thread block clusters): a cluster of AIS_CLUSTER blocks (bf16: 4, fp32: 8) runs ais_chains. Block
 // r keeps column block r of fc4 resident (bf16: 200 logits, 175 KB in wgmma's swizzle layout; fp32: 104 in hi and lo
@@ -2930,7 +2878,7 @@ __global__ void __launch_bounds__(AIS_THREADS, 1)
     ais_load_weights_wgmma(sm, w4_map, fc4_wb, ais_w3, col0);
     ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
     ais_turns_first();
-    const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4);
+    const uint32_t w4 = smem_addr(&sm.w4);
     ais_chains(io, state, rank, col0, sm.step, sm.accepted,
                [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2], float (&grad)[2][AIS_LATENTS],
                    float (&bce)[2], bool energy) {
@@ -2984,11 +2932,11 @@ static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int s
     cudaCheck(cudaGetLastError());
 }
 // The decoder over io.rows z rows in precision P. Blocks come in groups of the column blocks, at most one
-// per SM of `sms` and no more than there are 64-row tiles. `overlap`: a programmatic dependent launch
-// (sm_90+), so the decoder loads its weights while the kernel before it finishes.
+// per SM of `sms` and no more than there are 64-row tiles. A programmatic dependent launch, so the decoder
+// loads its weights while the kernel before it finishes.
 template <Precision P>
 static void decoder_launch(const DecoderIO& io, const CUtensorMap& w4_map, const CUtensorMap& w3_map, int sms,
-                           bool overlap, cudaStream_t stream) {
+                           cudaStream_t stream) {
     constexpr int BLOCKS = Path<P>::DEC_COL_BLOCKS;
     const int copies_needed = ceil_div(io.rows, 64);
     const int copies = sms / BLOCKS < copies_needed ? sms / BLOCKS : copies_needed;
@@ -2996,16 +2944,11 @@ static void decoder_launch(const DecoderIO& io, const CUtensorMap& w4_map, const
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(BLOCKS * copies), cfg.stream = stream, cfg.attrs = &attr, cfg.numAttrs = overlap;
+    cfg.gridDim = dim3(BLOCKS * copies), cfg.stream = stream, cfg.attrs = &attr, cfg.numAttrs = 1;
     cfg.blockDim = dim3(DEC_WG_THREADS), cfg.dynamicSmemBytes = dec_wg_smem<P>();
     cudaCheck(cudaLaunchKernelEx(&cfg, decoder_wgmma_kernel<P>, w4_map, w3_map, io));
 }
-// ais_kernel over io.n images in precision P: a grid of clusters of AIS_CLUSTER blocks, `clusters`
-// of them (the most the GPU runs at once, ais_max_clusters) or one per tile when there are fewer.
-// state: ais_state_bytes(clusters) of scratch, AIS_STATE_SLOTS floats a thread.
-template <Precision P> static int ais_smem() {
-    return (int)sizeof(AisWgmmaSmem<P>) + 1024; // + room to align
-}
+template <Precision P> static int ais_smem() { return (int)sizeof(AisWgmmaSmem<P>) + 1024; } // + room to align
 template <Precision P>
 static cudaLaunchConfig_t ais_config(cudaLaunchAttribute* attr, int clusters, cudaStream_t stream) {
     attr->id = cudaLaunchAttributeClusterDimension;
@@ -3018,6 +2961,9 @@ static cudaLaunchConfig_t ais_config(cudaLaunchAttribute* attr, int clusters, cu
 template <Precision P> static size_t ais_state_bytes(int clusters) {
     return (size_t)clusters * Path<P>::AIS_CLUSTER * AIS_STATE_SLOTS * AIS_THREADS * sizeof(float);
 }
+// ais_kernel over io.n images in precision P: a grid of clusters of AIS_CLUSTER blocks, `clusters`
+// of them (the most the GPU runs at once, ais_max_clusters) or one per tile when there are fewer.
+// state: ais_state_bytes(clusters) of scratch, AIS_STATE_SLOTS floats a thread.
 template <Precision P>
 static void ais_launch(const AisIO& io, const void* fc4_wb, const CUtensorMap& w4_map, const void* ais_w3,
                        float* state, int clusters, cudaStream_t stream) {
@@ -3071,10 +3017,8 @@ typedef struct {
     bool fused;   // the fused kernels; else the plain path (m->plain), and none of the fused state below
     Plain plain;
     cudaStream_t stream;
-    float* params; // one device allocation holding the fp32 tensors below
-    const float *fc1_w, *fc1_b;
-    const float *enc_w, *enc_b; // fc21 then fc22 stacked: one layer yields [mu | logvar]
-    const float *fc3_w, *fc3_b, *fc4_w, *fc4_b;
+    float* params;                   // one device allocation holding the fp32 tensors below
+    const float* tensor[NUM_TENSORS]; // file order; fc22's rows and bias follow fc21's: one layer yields [mu | logvar]
     // fp32 activations for up to max_batch images, row-major [image][feature], written only when
     // asked for (h1 and h3 stay on chip; the fp32 path has them for the tests)
     float *h1, *mulv, *z, *h3, *logits, *recon;
@@ -3091,8 +3035,7 @@ typedef struct {
     const void* ais_w3;                  // fc3 for ais_kernel: [parts][400][24]
     int ais_clusters;                    // ais_kernel's clusters at once; 0 without sm_90a code (--ais needs it)
     float* ais_state;                    // ais_kernel's chain state for ais_clusters (ais_state_bytes)
-    bool overlap; // the decoder launched while the kernel before it runs (sm_90+)
-    int sms;      // persistent blocks: at most one per SM
+    int sms; // persistent blocks: at most one per SM
     CUtensorMap w1_map, w4_map, w3_map;
 } VAE;
 // How one forward pass draws z and what it keeps.
@@ -3119,13 +3062,13 @@ template <Precision P> static void vae_init_path(VAE* m) {
         launch(weights_kernel<P>, count, 256, 256, m->stream, dst, layer, w, b, (long long)count);
         return dst;
     };
-    m->fc1_wp = convert(LAYER_FC1, m->fc1_w, NULL, fc1);
-    m->enc_w16 = convert(LAYER_ENC, m->enc_w, NULL, enc);
-    m->fc3_wb = convert(LAYER_FC3, m->fc3_w, m->fc3_b, fc3);
-    m->fc4_wb = convert(LAYER_FC4, m->fc4_w, m->fc4_b, fc4);
+    m->fc1_wp = convert(LAYER_FC1, m->tensor[FC1_W], NULL, fc1);
+    m->enc_w16 = convert(LAYER_ENC, m->tensor[FC21_W], NULL, enc);
+    m->fc3_wb = convert(LAYER_FC3, m->tensor[FC3_W], m->tensor[FC3_B], fc3);
+    m->fc4_wb = convert(LAYER_FC4, m->tensor[FC4_W], m->tensor[FC4_B], fc4);
     m->ais_w3 = p;
-    launch(weights_kernel<PRECISION_FP32>, ais_fc3, 256, 256, m->stream, (fp16*)p, LAYER_AIS_FC3, m->fc3_w, m->fc3_b,
-           (long long)ais_fc3);
+    launch(weights_kernel<PRECISION_FP32>, ais_fc3, 256, 256, m->stream, (fp16*)p, LAYER_AIS_FC3, m->tensor[FC3_W],
+           m->tensor[FC3_B], (long long)ais_fc3);
     m->bce_parts_per_row = Path<P>::DEC_COL_BLOCKS;
     allow_shared_memory<P>();
     m->ais_clusters = ais_max_clusters<P>();
@@ -3184,29 +3127,21 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     // device layout: fc1.w fc1.b | fc21.w fc22.w | fc21.b fc22.b | fc3.w fc3.b fc4.w fc4.b
     const int order[NUM_TENSORS] = {FC1_W, FC1_B, FC21_W, FC22_W, FC21_B, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B};
     m->params = (float*)device_alloc(w->count * sizeof(float), "the weights", max_batch);
-    const float* dst[NUM_TENSORS];
     size_t offset = 0;
-    for (int i = 0; i < NUM_TENSORS; i++) {
-        const int t = order[i];
-        cudaCheck(
-            cudaMemcpy(m->params + offset, w->tensor[t], TENSOR_SIZES[t] * sizeof(float), cudaMemcpyHostToDevice));
-        dst[t] = m->params + offset;
-        offset += TENSOR_SIZES[t];
+    for (int t : order) {
+        float* at = m->params + offset;
+        cudaCheck(cudaMemcpy(at, w->tensor[t], TENSOR_SIZES[t] * sizeof(float), cudaMemcpyHostToDevice));
+        m->tensor[t] = at, offset += TENSOR_SIZES[t];
     }
-    m->fc1_w = dst[FC1_W], m->fc1_b = dst[FC1_B];
-    m->enc_w = dst[FC21_W], m->enc_b = dst[FC21_B]; // the fc22 rows follow directly
-    m->fc3_w = dst[FC3_W], m->fc3_b = dst[FC3_B];
-    m->fc4_w = dst[FC4_W], m->fc4_b = dst[FC4_B];
 
-    int device, major;
+    int device;
     cudaCheck(cudaGetDevice(&device));
     cudaCheck(cudaDeviceGetAttribute(&m->sms, cudaDevAttrMultiProcessorCount, device));
-    cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     m->fused = use_fused(kernels);
     if (!m->fused) {
         int rows = decoder_rows < PLAIN_DECODER_ROWS ? decoder_rows : PLAIN_DECODER_ROWS;
         rows = rows > max_batch ? rows : max_batch;
-        plain_init(&m->plain, dst, m->enc_w, m->enc_b, precision, max_batch, rows, m->stream);
+        plain_init(&m->plain, m->tensor, precision, max_batch, rows, m->stream);
         Plain* pl = &m->plain; // the model's views are the plain path's buffers (h1, h3: fp32's only)
         m->mulv = pl->mulv, m->z = pl->z, m->logits = pl->logits, m->recon = pl->recon;
         m->decoder_rows = rows, m->bce_parts = pl->bce, m->bce_parts_per_row = 1, m->row_log_ratio = pl->log_ratio;
@@ -3214,7 +3149,6 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
         cudaCheck(cudaStreamSynchronize(m->stream));
         return;
     }
-    m->overlap = major >= 9;
     (precision == PRECISION_FP32 ? vae_init_path<PRECISION_FP32> : vae_init_path<PRECISION_BF16>)(m);
 
     const size_t B = (size_t)max_batch;
@@ -3259,12 +3193,12 @@ static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_im
     const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits, recon,
                           h3};
     (m->precision == PRECISION_FP32 ? decoder_launch<PRECISION_FP32> : decoder_launch<PRECISION_BF16>)(
-        io, m->w4_map, m->w3_map, m->sms, m->overlap, m->stream);
+        io, m->w4_map, m->w3_map, m->sms, m->stream);
 }
 // The encoder in the model's precision over io.M images (io's weights filled in here).
 static void vae_encoder(VAE* m, EncoderIO io) {
-    io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.fc1_b = m->fc1_b, io.enc_w = m->enc_w16;
-    io.enc_b = m->enc_b;
+    io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.enc_w = m->enc_w16;
+    io.fc1_b = m->tensor[FC1_B], io.enc_b = m->tensor[FC21_B];
     (m->precision == PRECISION_FP32 ? encoder_launch<PRECISION_FP32> : encoder_launch<PRECISION_BF16>)(
         io, m->w1_map, m->sms, m->stream);
 }
@@ -3311,8 +3245,7 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
     io.h1 = keep ? m->h1 : NULL, io.pixels = pixels, io.eps = opt->eps, io.M = B, io.first_image = first_image;
     io.seed = opt->seed, io.z_is_mu = opt->z_is_mu;
     vae_encoder(m, io);
-    vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL,
-                keep ? m->h3 : NULL);
+    vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL, keep ? m->h3 : NULL);
 }
 // Images per --iwae pass at K samples each: as many as the decoder's rows hold.
 static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
@@ -3325,27 +3258,27 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
     const int images_per_pass = vae_iwae_images_per_pass(m, K);
+    const SampleOut out = {m->z_rows, NULL, m->row_log_ratio};
+    auto sample = m->precision == PRECISION_FP32 ? sample_z_kernel<PRECISION_FP32> : sample_z_kernel<PRECISION_BF16>;
     // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
     // holds few images (13 at K = 5000), far too few to fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
         const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
         vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
-        if (!m->fused) {
-            plain_iwae(&m->plain, pixels + (size_t)group * INPUT_DIM, m->mulv, group_size, first_image + group, K, seed,
-                       eps ? eps + (size_t)group * K * LATENT_DIM : NULL, log_px + group, m->stream);
-            continue;
-        }
-        const SampleOut out = {m->z_rows, NULL, m->row_log_ratio};
-        auto sample =
-            m->precision == PRECISION_FP32 ? sample_z_kernel<PRECISION_FP32> : sample_z_kernel<PRECISION_BF16>;
         for (int first = group; first < group + group_size; first += images_per_pass) {
             const int left = group + group_size - first, images = left < images_per_pass ? left : images_per_pass;
             const int rows = images * K;
-            launch(sample, rows, 128, 128, m->stream, out, m->mulv + (size_t)(first - group) * MULV_DIM,
-                   eps ? eps + (size_t)first * K * LATENT_DIM : NULL, rows, K, first_image + (uint32_t)first, seed,
-                   false);
-            // no tickets: the logsumexp adds each row's parts in the order they would
-            vae_decoder(m, pixels + (size_t)first * INPUT_DIM, rows, K, NULL, NULL, NULL);
+            const uint32_t image = first_image + (uint32_t)first;
+            const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
+            const float* mulv = m->mulv + (size_t)(first - group) * MULV_DIM;
+            const float* e = eps ? eps + (size_t)first * K * LATENT_DIM : NULL;
+            if (m->fused) { // no tickets: the logsumexp adds each row's parts in the order they would
+                launch(sample, rows, 128, 128, m->stream, out, mulv, e, rows, K, image, seed, false);
+                vae_decoder(m, x, rows, K, NULL, NULL, NULL);
+            } else {
+                plain_sample(&m->plain, rows, K, mulv, e, image, seed, false, NULL, NULL, m->row_log_ratio, m->stream);
+                plain_decode(&m->plain, x, rows, K, m->bce_parts, NULL, true, m->stream);
+            }
             launch(iwae_logsumexp_kernel, images, 1, LSE_THREADS, m->stream, log_px + first, m->bce_parts,
                    m->bce_parts_per_row, m->row_log_ratio, K);
         }
@@ -3358,14 +3291,14 @@ static void ais_schedule(double* beta, int T) {
     for (int t = 0; t <= T; t++) beta[t] = (1.0 / (1.0 + exp(-4.0 * (2.0 * t / T - 1.0))) - s0) / (s1 - s0);
     beta[0] = 0.0, beta[T] = 1.0;
 }
-// AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder,
-// or N(0, I) when from_prior; the caller fills in the rest of io (the schedule, the outputs, the
-// reverse run's z_start). Asynchronous on m->stream.
 static void require_ais(const VAE* m) {
     if (m->fused && m->ais_clusters == 0)
         fail("AIS runs on Hopper GPUs (sm_90) only: its kernel uses thread block clusters. HINT: run --ais on an "
              "H100 or H200 with a binary built for sm_90a (make vae does that there)");
 }
+// AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder,
+// or N(0, I) when from_prior; the caller fills in the rest of io (the schedule, the outputs, the
+// reverse run's z_start). Asynchronous on m->stream.
 static void vae_ais(VAE* m, AisIO io, bool from_prior) {
     require_ais(m);
     if (io.n < 1 || io.n > m->max_batch) fail("internal: %d AIS images outside 1..%d", io.n, m->max_batch);
@@ -3402,10 +3335,9 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
     size_t expected = 0;
     for (int i = 0; i < NUM_TENSORS; i++) expected += TENSOR_SIZES[i];
     if (dtype != DTYPE_FLOAT32 || num_tensors != NUM_TENSORS || total < 0 || (size_t)total != expected)
-        return set_error(
-            err,
-            "%s: header says dtype %d, %d tensors, %d floats; expected dtype %d, %d tensors, %zu floats. " PREPARE_HINT,
-            name, dtype, num_tensors, total, DTYPE_FLOAT32, NUM_TENSORS, expected);
+        return set_error(err, "%s: header says dtype %d, %d tensors, %d floats; expected dtype %d, %d tensors, %zu "
+                         "floats. " PREPARE_HINT, name, dtype, num_tensors, total, DTYPE_FLOAT32, NUM_TENSORS,
+                         expected);
     if (size != header_bytes + expected * sizeof(float))
         return set_error(err, "%s: %zu bytes, the header promises %zu (truncated or padded). " PREPARE_HINT, name, size,
                          header_bytes + expected * sizeof(float));
@@ -3630,29 +3562,23 @@ static const struct {
     {"bdmc", 0, true},      {"kernels", 0, true},        {"version", 0, false},       {"help", 'h', false},
 };
 #define OPT_BIT(o) (1u << (o))
-// The options each mode reads; any other one given with it is refused rather than ignored.
-static const unsigned MODE_OPTIONS[] = { // and every mode reads --kernels (parse_args)
-    // elbo: the evaluation, images and CSV
-    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_IMAGE) | OPT_BIT(OPT_INVERT) | OPT_BIT(OPT_COUNT) |
-        OPT_BIT(OPT_BATCH) | OPT_BIT(OPT_SEED) | OPT_BIT(OPT_ZMU) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_OUT) |
-        OPT_BIT(OPT_CSV) | OPT_BIT(OPT_QUIET),
+// The options each mode reads; any other one given with it is refused rather than ignored. O(X) is OPT_X's bit; every
+// mode reads the weights, --precision and -q (and --kernels: parse_args).
+#define O(name) OPT_BIT(OPT_##name)
+constexpr unsigned COMMON = O(WEIGHTS) | O(PRECISION) | O(QUIET), IMAGES = O(DATA) | O(IMAGE) | O(INVERT) | O(COUNT);
+constexpr unsigned AIS_RUN = O(AIS) | O(CHAINS) | O(LEAPFROG) | O(AIS_INIT) | O(SEED);
+static const unsigned MODE_OPTIONS[] = {
+    COMMON | IMAGES | O(BATCH) | O(SEED) | O(ZMU) | O(OUT) | O(CSV), // elbo: the evaluation, images and CSV
     // iwae: sizes its own passes (no -b), writes no images (no -o), samples z (no --zmu)
-    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_IMAGE) | OPT_BIT(OPT_INVERT) | OPT_BIT(OPT_COUNT) |
-        OPT_BIT(OPT_SEED) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_CSV) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_IWAE),
+    COMMON | IMAGES | O(SEED) | O(CSV) | O(IWAE),
     // bench: times the test set's first images; prints its table, writes nothing
-    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_COUNT) | OPT_BIT(OPT_SEED) | OPT_BIT(OPT_ZMU) |
-        OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_BENCH) | OPT_BIT(OPT_BENCH_BATCHES),
-    // interp: decodes latent means (no noise) in the chosen precision, writes interp.ppm
-    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_OUT) | OPT_BIT(OPT_QUIET) |
-        OPT_BIT(OPT_INTERP),
+    COMMON | O(DATA) | O(COUNT) | O(SEED) | O(ZMU) | O(BENCH) | O(BENCH_BATCHES),
+    COMMON | O(DATA) | O(OUT) | O(INTERP), // interp: decodes latent means (no noise), writes interp.ppm
     // ais: the chains sample their own z (no --zmu) in launches it sizes (no -b), writes no images
-    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_DATA) | OPT_BIT(OPT_IMAGE) | OPT_BIT(OPT_INVERT) | OPT_BIT(OPT_COUNT) |
-        OPT_BIT(OPT_SEED) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_CSV) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_AIS) |
-        OPT_BIT(OPT_CHAINS) | OPT_BIT(OPT_LEAPFROG) | OPT_BIT(OPT_AIS_INIT),
-    // bdmc: simulates its own images (no inputs but the weights)
-    OPT_BIT(OPT_WEIGHTS) | OPT_BIT(OPT_SEED) | OPT_BIT(OPT_PRECISION) | OPT_BIT(OPT_QUIET) | OPT_BIT(OPT_AIS) |
-        OPT_BIT(OPT_CHAINS) | OPT_BIT(OPT_LEAPFROG) | OPT_BIT(OPT_AIS_INIT) | OPT_BIT(OPT_BDMC),
+    COMMON | IMAGES | O(CSV) | AIS_RUN,
+    COMMON | AIS_RUN | O(BDMC), // bdmc: simulates its own images (no inputs but the weights)
 };
+#undef O
 
 enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16 };
 typedef struct {
@@ -3767,6 +3693,16 @@ static bool parse_int(const char* flag, const char* text, int min, int max, int*
     unsigned long long v = 0;
     return parse_number(flag, text, min, max, &v, err) ? (*out = (int)v, true) : false;
 }
+// value as one of `names`: its index into *out, or the error that lists them.
+template <typename E, int N>
+static bool parse_choice(const char* flag, const char* value, const char* const (&names)[N], E* out, Error* err) {
+    char list[64] = "";
+    for (int i = 0; i < N; i++) {
+        if (!strcmp(value, names[i])) return *out = (E)i, true;
+        strcat(strcat(list, i == 0 ? "" : i + 1 < N ? ", " : " or "), names[i]);
+    }
+    return set_error(err, "%s needs %s, got '%s'. HINT: vae -h lists the options", flag, list, value);
+}
 // One option and its value (NULL for flags) into cfg.
 static bool apply_option(Config* cfg, int o, const char* flag, const char* value, Error* err) {
     unsigned long long v = 0;
@@ -3786,11 +3722,7 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
     case OPT_BENCH: cfg->mode = MODE_BENCH; return true;
     case OPT_VERSION: cfg->version = true; return true;
     case OPT_HELP: cfg->help = true; return true;
-    case OPT_PRECISION:
-        if (!strcmp(value, "fp32")) cfg->precision = PRECISION_FP32;
-        else if (!strcmp(value, "bf16")) cfg->precision = PRECISION_BF16;
-        else return set_error(err, "%s needs fp32 or bf16, got '%s'. HINT: vae -h lists the options", flag, value);
-        return true;
+    case OPT_PRECISION: return parse_choice(flag, value, PRECISION_NAMES, &cfg->precision, err);
     case OPT_BATCH: return parse_int(flag, value, 1, MAX_BATCH, &cfg->batch, err);
     case OPT_COUNT: return parse_int(flag, value, 1, INT32_MAX, &cfg->count, err);
     case OPT_SEED: return parse_number(flag, value, 0, UINT64_MAX, (unsigned long long*)&cfg->seed, err);
@@ -3802,18 +3734,8 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
     case OPT_BDMC: cfg->mode = MODE_BDMC; return parse_int(flag, value, 1, BDMC_MAX_IMAGES, &cfg->bdmc_n, err);
     case OPT_CHAINS: return parse_int(flag, value, 1, AIS_MAX_CHAINS, &cfg->chains, err);
     case OPT_LEAPFROG: return parse_int(flag, value, 1, AIS_MAX_LEAPFROG, &cfg->leapfrog, err);
-    case OPT_KERNELS:
-        for (int k = 0; k < 3; k++)
-            if (!strcmp(value, KERNELS_NAMES[k])) {
-                cfg->kernels = (Kernels)k;
-                return true;
-            }
-        return set_error(err, "%s needs auto, plain or fused, got '%s'. HINT: vae -h lists the options", flag, value);
-    case OPT_AIS_INIT:
-        if (!strcmp(value, "q")) cfg->ais_from_prior = false;
-        else if (!strcmp(value, "prior")) cfg->ais_from_prior = true;
-        else return set_error(err, "%s needs q or prior, got '%s'. HINT: vae -h lists the options", flag, value);
-        return true;
+    case OPT_KERNELS: return parse_choice(flag, value, KERNELS_NAMES, &cfg->kernels, err);
+    case OPT_AIS_INIT: return parse_choice(flag, value, {"q", "prior"}, &cfg->ais_from_prior, err);
     case OPT_BENCH_BATCHES: {
         cfg->num_bench_batches = 0;
         for (const char* item = value;; item++) {
@@ -4030,10 +3952,9 @@ static bool gpu_has_bf16() {
     cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     return major >= 8;
 }
-// Which engine runs, and why, for the start-up table.
 // The engine AIS runs on: --chains above the fused kernel's AIS_ROWS run on the plain path.
 static Kernels ais_kernels(const Config* cfg) { return cfg->chains > AIS_ROWS ? KERNELS_PLAIN : cfg->kernels; }
-
+// Which engine runs, and why, for the start-up table.
 static void print_kernels_row(const Config* cfg) {
     const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
     if (use_fused(ais ? ais_kernels(cfg) : cfg->kernels)) print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
@@ -4065,20 +3986,25 @@ static void first_of_each_digit(const Labels* labels, int count, int first[10]) 
     for (int d = 0; d < 10; d++) first[d] = -1;
     for (int i = count - 1; i >= 0 && labels->labels != NULL; i--) first[labels->labels[i]] = i;
 }
+// tiles as the picture `name` in the -o folder (write_ppm_grid), the folder made first if it is missing.
+static void write_grid(const Config* cfg, const char* name, const char* what, const float* tiles, int rows, int cols) {
+    char path[MAX_PATH];
+    Error err;
+    snprintf(path, sizeof(path), "%s/%s", cfg->out_dir, name);
+    if (!output_dir_make(cfg->out_dir, &err) || !write_ppm_grid(path, what, tiles, rows, cols, &err))
+        fail("%s", err.msg);
+}
 // The three picture files: reconstructions, prior samples, latent interpolations.
 enum { RECON_COLS = 16, SAMPLE_SIDE = 8, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
 static_assert(SAMPLE_SIDE * SAMPLE_SIDE <= IMAGE_TILES_MAX && 2 * RECON_COLS <= IMAGE_TILES_MAX, "image batches fit");
 static void write_images(VAE* m, const Images* images, const Labels* labels, int count, const uint8_t* d_pixels,
                          const Config* cfg) {
-    Error err;
-    char path[MAX_PATH];
     float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * INPUT_DIM * sizeof(float));
     float* z = (float*)malloc((size_t)IMAGE_TILES_MAX * LATENT_DIM * sizeof(float));
     if (tiles == NULL || z == NULL) fail("out of host memory for the images");
     float *d_z, *d_loss;
     cudaCheck(cudaMalloc(&d_z, (size_t)IMAGE_TILES_MAX * LATENT_DIM * sizeof(float)));
     cudaCheck(cudaMalloc(&d_loss, 2 * RECON_COLS * sizeof(float)));
-    if (!output_dir_make(cfg->out_dir, &err)) fail("%s", err.msg);
 
     // recon.ppm: the first images over their reconstructions
     const int n_recon = count < RECON_COLS ? count : RECON_COLS;
@@ -4089,10 +4015,9 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     memset(tiles + RECON_COLS * INPUT_DIM, 0, RECON_COLS * INPUT_DIM * sizeof(float));
     cudaCheck(cudaMemcpy(tiles + RECON_COLS * INPUT_DIM, m->recon, (size_t)n_recon * INPUT_DIM * sizeof(float),
                          cudaMemcpyDeviceToHost));
-    snprintf(path, sizeof(path), "%s/recon.ppm", cfg->out_dir);
     const char* what = cfg->num_image_files > 0 ? "top: the --image files, bottom: reconstructions"
                                                 : "top: test images, bottom: reconstructions";
-    if (!write_ppm_grid(path, what, tiles, 2, RECON_COLS, &err)) fail("%s", err.msg);
+    write_grid(cfg, "recon.ppm", what, tiles, 2, RECON_COLS);
 
     // samples.ppm: decodes of z ~ N(0, I)
     const int n_samples = SAMPLE_SIDE * SAMPLE_SIDE;
@@ -4101,8 +4026,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     cudaCheck(cudaMemcpy(d_z, z, (size_t)n_samples * LATENT_DIM * sizeof(float), cudaMemcpyHostToDevice));
     vae_decode(m, d_z, n_samples);
     cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)n_samples * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
-    snprintf(path, sizeof(path), "%s/samples.ppm", cfg->out_dir);
-    if (!write_ppm_grid(path, "decodes of z ~ N(0, I)", tiles, SAMPLE_SIDE, SAMPLE_SIDE, &err)) fail("%s", err.msg);
+    write_grid(cfg, "samples.ppm", "decodes of z ~ N(0, I)", tiles, SAMPLE_SIDE, SAMPLE_SIDE);
 
     // interp.ppm: row d walks the latent mean of a test 'd' to that of a 'd+1'
     int first[10], rows = 0;
@@ -4130,9 +4054,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
         vae_decode_interpolations(m, d_pairs, 0, rows * INTERP_STEPS, INTERP_STEPS);
         cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)rows * INTERP_STEPS * INPUT_DIM * sizeof(float),
                              cudaMemcpyDeviceToHost));
-        snprintf(path, sizeof(path), "%s/interp.ppm", cfg->out_dir);
-        const char* what = "row d: latent mean of a test 'd' to one of a 'd+1'";
-        if (!write_ppm_grid(path, what, tiles, rows, INTERP_STEPS, &err)) fail("%s", err.msg);
+        write_grid(cfg, "interp.ppm", "row d: latent mean of a test 'd' to one of a 'd+1'", tiles, rows, INTERP_STEPS);
         cudaCheck(cudaFree(d_pairs));
     }
     free(tiles), free(z);
@@ -4222,6 +4144,16 @@ static double mean_of(const float* v, int n) {
     for (int i = 0; i < n; i++) sum += v[i];
     return sum / n;
 }
+// Prints `label`, the mean NLL of `count` images' log p(x) and its standard error; returns the mean log p(x).
+template <typename V> static double print_mean_nll(const char* label, const V* log_px, int count) {
+    double sum = 0.0, sum_sq = 0.0;
+    for (int i = 0; i < count; i++) sum += log_px[i], sum_sq += (double)log_px[i] * log_px[i];
+    const double mean = sum / count, var = count > 1 ? (sum_sq - count * mean * mean) / (count - 1) : 0.0;
+    fprintf(console, "%s%10.4f   (-log p(x), nats; ", label, -mean);
+    if (count > 1) fprintf(console, "standard error %.4f)\n", sqrt(fmax(var, 0.0) / count));
+    else fprintf(console, "one image: no standard error)\n");
+    return mean;
+}
 // The default run: mean BCE, KL and loss; per image for --image files; CSV; the three pictures.
 static void run_elbo(const HostWeights* w, const Images* images, const Inputs* in, const uint8_t* d_pixels,
                      const Config* cfg) {
@@ -4274,17 +4206,10 @@ static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pi
         for (int i = 0; i < count; i++)
             fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f  log p(x) %.4f\n", cfg->image_paths[i], bce[i], kl[i],
                     bce[i] + kl[i], log_px[i]);
-    double sum = 0.0, sum_sq = 0.0;
-    for (int i = 0; i < count; i++) sum += log_px[i], sum_sq += (double)log_px[i] * log_px[i];
-    const double mean = sum / count, var = count > 1 ? (sum_sq - count * mean * mean) / (count - 1) : 0.0;
     fprintf(console, "IWAE, K = %d samples per image, %d images (%s)\n", K, count, PRECISION_NAMES[cfg->precision]);
     fprintf(console, "mean -ELBO %10.4f   (BCE + KL, one sample; the bound IWAE tightens)\n",
             mean_of(bce, count) + mean_of(kl, count));
-    if (count > 1)
-        fprintf(console, "mean NLL   %10.4f   (-log p(x), nats; standard error %.4f)\n", -mean,
-                sqrt(fmax(var, 0.0) / count));
-    else
-        fprintf(console, "mean NLL   %10.4f   (-log p(x), nats; one image: no standard error)\n", -mean);
+    print_mean_nll("mean NLL   ", log_px, count);
     fprintf(console, "time       %10.2f ms (%.3g decoder passes/s, progress reports included)\n", ms,
             (double)count * K / (ms * 1e-3));
     if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl,log_px", {bce, kl, log_px});
@@ -4386,25 +4311,19 @@ static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pix
         cudaCheck(cudaMemcpy(iwae_px, d_iwae, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
         cudaCheck(cudaFree(d_iwae));
     }
-    double sum = 0.0, sum_sq = 0.0, accept = 0.0, ess_sum = 0.0, iwae_sum = 0.0;
+    double accept = 0.0, ess_sum = 0.0, iwae_sum = 0.0;
     float step_min = step[0], step_max = step[0];
     for (int i = 0; i < count; i++) {
-        sum += log_px[i], sum_sq += log_px[i] * log_px[i], accept += acceptance[i], ess_sum += ess[i];
-        iwae_sum += iwae ? iwae_px[i] : 0.0, ais_px[i] = (float)log_px[i];
+        accept += acceptance[i], ess_sum += ess[i], iwae_sum += iwae ? iwae_px[i] : 0.0, ais_px[i] = (float)log_px[i];
         step_min = fminf(step_min, step[i]), step_max = fmaxf(step_max, step[i]);
         if (cfg->num_image_files > 0)
             fprintf(console, "%s: -ELBO %.4f  log p(x) %.4f (AIS), %.4f (IWAE)\n", cfg->image_paths[i], bce[i] + kl[i],
                     log_px[i], iwae ? iwae_px[i] : NAN);
     }
-    const double mean = sum / count, var = count > 1 ? (sum_sq - count * mean * mean) / (count - 1) : 0.0;
     const double elbo = -(mean_of(bce, count) + mean_of(kl, count)), evals = (double)count * evals_per_image;
     fprintf(console, "AIS, T = %d distributions, C = %d chains, L = %d leapfrog steps, from %s; %d images (%s)\n", T,
             C, L, cfg->ais_from_prior ? "the prior" : "q(z|x)", count, PRECISION_NAMES[cfg->precision]);
-    if (count > 1)
-        fprintf(console, "mean NLL    %10.4f   (-log p(x), nats; standard error %.4f)\n", -mean,
-                sqrt(fmax(var, 0.0) / count));
-    else
-        fprintf(console, "mean NLL    %10.4f   (-log p(x), nats; one image: no standard error)\n", -mean);
+    const double mean = print_mean_nll("mean NLL    ", log_px, count);
     if (T > 1)
         fprintf(console, "acceptance  %10.4f   (mean; step sizes %.4g .. %.4g; effective sample size %.2f of %d)\n",
                 accept / count, step_min, step_max, ess_sum / count, C);
@@ -4611,12 +4530,9 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     const int rows = num_pairs < 10 ? num_pairs : 10;
     vae_decode_interpolations(&m, d_pairs, 0, rows * INTERP_STEPS, INTERP_STEPS);
     cudaCheck(cudaMemcpy(tiles, m.recon, (size_t)rows * pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
-    char path[MAX_PATH], what[96];
-    Error err;
-    if (!output_dir_make(cfg->out_dir, &err)) fail("%s", err.msg);
-    snprintf(path, sizeof(path), "%s/interp.ppm", cfg->out_dir);
+    char what[96];
     snprintf(what, sizeof(what), "the first %d pairs, t = 0, 0.1, ..., 1", rows);
-    if (!write_ppm_grid(path, what, tiles, rows, INTERP_STEPS, &err)) fail("%s", err.msg);
+    write_grid(cfg, "interp.ppm", what, tiles, rows, INTERP_STEPS);
     free(pairs), free(tiles), free(last);
     cudaCheck(cudaFree(d_pairs)), vae_free(&m);
 }

@@ -111,8 +111,8 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
 // of the slices, at most one block per SM and no more than there are 16-image tasks.
 static void encoder_mma(VAE* m, EncoderIO io) {
     typedef Path<PRECISION_BF16> Q;
-    io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.fc1_b = m->fc1_b, io.enc_w = m->enc_w16;
-    io.enc_b = m->enc_b;
+    io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.enc_w = m->enc_w16;
+    io.fc1_b = m->tensor[FC1_B], io.enc_b = m->tensor[FC21_B];
     const int tasks = ceil_div(io.M, TASK_ROWS);
     const int copies = m->sms / Q::ENC_SLICES < tasks ? m->sms / Q::ENC_SLICES : tasks;
     encoder_mma_kernel<PRECISION_BF16><<<Q::ENC_SLICES * copies, ENC_WARPS * 32, sizeof(EncoderSmem<PRECISION_BF16>),
@@ -486,8 +486,8 @@ int main() {
 
     // z rows, KL and (when mulv is given) [mu | logvar] of B images; eps from the generator unless z = mu
     auto run_v1 = [&](int B, float* mulv, bool z_is_mu) {
-        encoder_v1_bf16(z_rows_v1, d_kl, mulv, partials_v1, tickets_v1, d_pixels, fc1_w16, m.fc1_b,
-                        static_cast<const bf16*>(m.enc_w16), m.enc_b, B, 42, z_is_mu, m.stream);
+        encoder_v1_bf16(z_rows_v1, d_kl, mulv, partials_v1, tickets_v1, d_pixels, fc1_w16, m.tensor[FC1_B],
+                        static_cast<const bf16*>(m.enc_w16), m.tensor[FC21_B], B, 42, z_is_mu, m.stream);
     };
     auto run_mma = [&](int B, float* mulv, bool z_is_mu) {
         EncoderIO io = {};

@@ -143,10 +143,10 @@ int main() {
         const float us16 = benchmark_us([&] { forward(&bf16_model); }, 200, 10, false);
         const float us_cublas = benchmark_us(
             [&] {
-                cublas({d_x, fp32.fc1_w, fp32.fc1_b, d_h, B, HIDDEN_DIM, INPUT_DIM, Act::Relu});
-                cublas({d_h, fp32.enc_w, fp32.enc_b, d_mulv, B, MULV_DIM, HIDDEN_DIM, Act::None});
-                cublas({d_mulv, fp32.fc3_w, fp32.fc3_b, d_h, B, HIDDEN_DIM, LATENT_DIM, Act::Relu});
-                cublas({d_h, fp32.fc4_w, fp32.fc4_b, d_y, B, INPUT_DIM, HIDDEN_DIM, Act::None});
+                cublas({d_x, fp32.tensor[FC1_W], fp32.tensor[FC1_B], d_h, B, HIDDEN_DIM, INPUT_DIM, Act::Relu});
+                cublas({d_h, fp32.tensor[FC21_W], fp32.tensor[FC21_B], d_mulv, B, MULV_DIM, HIDDEN_DIM, Act::None});
+                cublas({d_mulv, fp32.tensor[FC3_W], fp32.tensor[FC3_B], d_h, B, HIDDEN_DIM, LATENT_DIM, Act::Relu});
+                cublas({d_h, fp32.tensor[FC4_W], fp32.tensor[FC4_B], d_y, B, INPUT_DIM, HIDDEN_DIM, Act::None});
             },
             200, 10, false);
         printf("| %d | %.1f | %.1f | %.1f | %.2fx faster | %.0f%% of its speed |\n", B, us32, us16, us_cublas,
