@@ -21,8 +21,8 @@ trap 'rm -rf "$fake"' EXIT
 # nvidia-smi as a machine without a GPU has it: absent (no output), or failing with an error on stdout
 fake_smi() { printf '#!/bin/sh\n%s\n' "$1" > "$fake/nvidia-smi" && chmod +x "$fake/nvidia-smi"; }
 # the nvcc command make would run for vae, and what make printed besides; without the calling make's variables
-# (make test GPU_ARCH=80 passes GPU_ARCH down in MAKEFLAGS), so each case gets only what it names
-plan() { PATH="$fake:$PATH" MAKEFLAGS= MAKELEVEL= make -s -n -B -f Makefile vae "$@" 2>&1; }
+# (make test GPU_ARCH=80 passes GPU_ARCH down, in MAKEFLAGS and the environment), so each case gets only what it names
+plan() { PATH="$fake:$PATH" env -u GPU_ARCH MAKEFLAGS= MAKELEVEL= make -s -n -B -f Makefile vae "$@" 2>&1; }
 portable='-gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=\[sm_80,compute_80\] -gencode arch=compute_90a,code=sm_90a'
 
 echo "Makefile: GPU code for the GPU a user has"
