@@ -41,9 +41,7 @@ as test_vae.cu does) the CLI.
 #include <type_traits>
 #include <unistd.h>
 
-// ----------------------------------------------------------------------------
-// utilities
-
+// ---- utilities ------------------------------------------------------------------------------------------------------
 // Every CUDA call is checked; a failure names the call site and exits.
 static void cuda_check(cudaError_t status, const char* file, int line) {
     if (status != cudaSuccess) {
@@ -54,10 +52,7 @@ static void cuda_check(cudaError_t status, const char* file, int line) {
 #define cudaCheck(call) cuda_check((call), __FILE__, __LINE__)
 // Errors from the file parsers and the CLI parser are returned, not fatal, so that the tests
 // can feed them broken input; the program prints the message and exits.
-typedef struct {
-    char msg[512];
-} Error;
-
+typedef struct { char msg[512]; } Error;
 static bool set_error(Error* err, const char* fmt, ...) {
     va_list args;
     va_start(args, fmt);
@@ -65,7 +60,6 @@ static bool set_error(Error* err, const char* fmt, ...) {
     va_end(args);
     return false;
 }
-
 [[noreturn]] static void fail(const char* fmt, ...) {
     va_list args;
     va_start(args, fmt);
@@ -75,9 +69,7 @@ static bool set_error(Error* err, const char* fmt, ...) {
     va_end(args);
     exit(EXIT_FAILURE);
 }
-
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
 #define PREPARE_HINT                                                                                                   \
     "HINT: run 'make data' (python3 prepare_weights.py --src ../shared/data, or without --src to download)"
 #define MAX_FILE_BYTES (1ull << 30) // no input of this model comes near 1 GiB
@@ -114,19 +106,15 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
 // existing file as it was and creates nothing. An exit before the commit (fail(), cudaCheck) removes the temporary
 // files, and the output folder if this run made it, from an atexit handler.
 enum { MAX_OUTPUTS = 8, MAX_PATH = 4096 };
-static struct {
-    char final_path[MAX_PATH], temp_path[MAX_PATH + 8], what[128];
-} pending_outputs[MAX_OUTPUTS];
+static struct { char final_path[MAX_PATH], temp_path[MAX_PATH + 8], what[128]; } pending_outputs[MAX_OUTPUTS];
 static int num_pending_outputs = 0;
 static char created_dir[MAX_PATH] = ""; // the output folder, while this run made it and nothing is committed
-
 static void outputs_discard() {
     for (int i = 0; i < num_pending_outputs; i++) remove(pending_outputs[i].temp_path);
     num_pending_outputs = 0;
     if (created_dir[0] != '\0') rmdir(created_dir); // only if empty: nothing of anyone else's goes
     created_dir[0] = '\0';
 }
-
 static void discard_outputs_at_exit() {
     static bool registered = false;
     if (!registered) registered = atexit(outputs_discard) == 0;
@@ -174,9 +162,7 @@ static bool outputs_commit(Error* err, FILE* report) {
     return true;
 }
 
-// ----------------------------------------------------------------------------
-// the model's shapes, and its weights as the file formats section reads them
-
+// ---- the model's shapes, and its weights as the file formats section reads them -------------------------------------
 enum { INPUT_DIM = 784, HIDDEN_DIM = 400, LATENT_DIM = 20, IMAGE_SIDE = 28, MULV_DIM = 2 * LATENT_DIM };
 typedef enum { PRECISION_FP32, PRECISION_BF16 } Precision; // both run the tensor-core kernels (Path, below)
 enum { HEADER_INTS = 256, WEIGHTS_MAGIC = 0x31454156 /* "VAE1" */, WEIGHTS_VERSION = 1, DTYPE_FLOAT32 = 1 };
@@ -187,16 +173,13 @@ static const size_t TENSOR_SIZES[NUM_TENSORS] = {
     LATENT_DIM, HIDDEN_DIM * LATENT_DIM, HIDDEN_DIM, INPUT_DIM * HIDDEN_DIM, INPUT_DIM};
 static const char* TENSOR_NAMES[NUM_TENSORS] = {"fc1.weight", "fc1.bias", "fc21.weight", "fc21.bias", "fc22.weight",
                                                 "fc22.bias", "fc3.weight", "fc3.bias", "fc4.weight", "fc4.bias"};
-
 typedef struct {
     float* data; // all tensors back to back, in file order
     const float* tensor[NUM_TENSORS];
     size_t count;
 } HostWeights;
 
-// ----------------------------------------------------------------------------
-// random numbers
-
+// ---- random numbers -------------------------------------------------------------------------------------------------
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"): a counter-based
 // generator, so the noise for (image, latent) is a pure function of its coordinates. No state is
 // carried between batches, which keeps every image's result independent of the batch size.
@@ -207,7 +190,6 @@ __host__ __device__ inline uint32_t mulhi32(uint32_t a, uint32_t b) {
     return (uint32_t)(((uint64_t)a * b) >> 32);
 #endif
 }
-
 __host__ __device__ inline uint4 philox4x32(uint4 c, uint2 k) {
     for (int round = 0; round < 10; round++) {
         uint32_t hi0 = mulhi32(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
@@ -267,8 +249,7 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
     return ((philox_keyed(seed, stream, image, chain, counter).x >> 8) + 1) * (1.0f / 16777216.0f);
 }
 
-// ----------------------------------------------------------------------------
-// the plain path, part 1: the short kernels for what cuBLAS does not do
+// ---- the plain path, part 1: the short kernels for what cuBLAS does not do ------------------------------------------
 //
 // The plain path runs every mode on any GPU from sm_75 on: the four Linear layers are cuBLASLt matmuls (part 2, below),
 // and these kernels do the rest: one thread a row, element or four elements (a warp a row for the decoder's output).
@@ -307,7 +288,6 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
     const float t = (float)step / (float)(steps - 1);
     z[i] = (1.0f - t) * mulv[pair.x * 2 * LATENT_DIM + j] + t * mulv[pair.y * 2 * LATENT_DIM + j];
 }
-
 typedef __nv_bfloat16 bf16;
 typedef __half fp16;
 // Stores and loads in the path's type: the same names for float and bf16.
@@ -318,9 +298,7 @@ __device__ inline float as_float(float v) { return v; }
 __device__ inline float as_float(bf16 v) { return __bfloat162float(v); }
 __device__ inline float as_float(fp16 v) { return __half2float(v); }
 // Four consecutive values as one 4-, 8- or 16-byte access (the elementwise kernels' loads and stores).
-template <typename T> struct alignas(4 * sizeof(T)) Four {
-    T v[4];
-};
+template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
 // fc3's input and weights, with the bias in K: the input row ends its latents with ones and fc3's rows hold
 // the bias there, so the product adds it (the epilogue only takes the ReLU). Blocks of Z_PAD = 24 keep each
 // row on a 16-byte boundary (cuBLAS's fast kernels want that):
@@ -475,8 +453,7 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
 }
 // The ReLU's backward: the gradient w.r.t. a hidden layer's input is zero where its output h is. Four
 // values a thread; n is a multiple of four (rows of 400).
-template <typename G, typename H>
-__global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long n) {
+template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (4 * i >= n) return;
     Four<G> g = reinterpret_cast<Four<G>*>(grad)[i];
@@ -533,8 +510,7 @@ __global__ void __launch_bounds__(LSE_THREADS)
     }
 }
 
-// ----------------------------------------------------------------------------
-// the plain path, part 1 (continued): annealed importance sampling (--ais T, --bdmc N)
+// ---- the plain path, part 1 (continued): annealed importance sampling (--ais T, --bdmc N) ---------------------------
 //
 // AIS (Neal 2001; for decoder-based models Wu et al., ICLR 2017) moves C chains per image from
 // p0 = q(z|x) (or the prior N(0, I)) towards the posterior through f_b(z) = p0(z)^(1-b) p(x, z)^b,
@@ -545,12 +521,11 @@ __global__ void __launch_bounds__(LSE_THREADS)
 // U_b(z) = -log f_b(z), a Metropolis test on U + |p|^2 / 2 (without it AIS is biased). The work is
 // the gradient of log p(x|z) = -BCE(x, logits(z)), the decoder's backward pass w.r.t. z:
 //   grad_z BCE = W3^T (mask . (W4^T (sigmoid(logits) - x)))        mask = fc3's ReLU
-// 1.29 MFLOP per evaluation (four 20x400 or 400x784 products), L evaluations per transition.
-// BDMC (Grosse et al. 2015) runs the same chains backwards from an exact posterior sample: its
-// weights bound log p(x) from above as the forward ones do from below.
-// Both engines draw a chain's start, momenta and Metropolis uniforms keyed by (seed, image, chain,
-// transition), keep the energies in float32 (H ~ 100: the Metropolis test sees differences of ~1e-5
-// nats) and the weights in float64, and adapt each image's step size from its C chains' acceptance.
+// 1.29 MFLOP per evaluation (four 20x400 or 400x784 products), L evaluations per transition. BDMC (Grosse et al. 2015)
+// runs the same chains backwards from an exact posterior sample: its weights bound log p(x) from above as the forward
+// ones do from below. Both engines draw a chain's start, momenta and Metropolis uniforms keyed by (seed, image, chain,
+// transition), keep the energies in float32 (H ~ 100: the Metropolis test sees differences of ~1e-5 nats) and the
+// weights in float64, and adapt each image's step size from its C chains' acceptance.
 // the step size per image: its start, its bounds, and the acceptance it is adapted toward
 constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
 constexpr float AIS_TARGET_ACCEPT = 0.65f;
@@ -770,8 +745,7 @@ __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restri
     acceptance[image] = transitions > 0 ? (float)((double)taken / ((double)C * transitions)) : 0.0f;
 }
 
-// ----------------------------------------------------------------------------
-// the plain path, part 2: the model on cuBLASLt
+// ---- the plain path, part 2: the model on cuBLASLt ------------------------------------------------------------------
 //
 // Each Linear layer is one cuBLASLt matmul with the bias, and the ReLU where there is one, in its
 // epilogue. PyTorch keeps a layer as W[out][in] and a batch as X[rows][in], both row-major; cuBLAS is
@@ -806,7 +780,6 @@ typedef struct {
     const void* w;
     float alpha; // the product's scale: fc1's 1/255
 } Gemm;
-
 static cublasLtMatrixLayout_t gemm_layout(cudaDataType_t type, int rows, int cols, int ld) {
     cublasLtMatrixLayout_t layout;
     cublasCheck(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld));
@@ -862,7 +835,6 @@ static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int p
     cublasCheck(cublasLtMatrixLayoutDestroy(y));
     return g;
 }
-
 static void gemm_free(Gemm* g) {
     if (g->desc) cublasCheck(cublasLtMatmulDescDestroy(g->desc));
     if (g->w_layout) cublasCheck(cublasLtMatrixLayoutDestroy(g->w_layout));
@@ -905,7 +877,6 @@ typedef struct {
     float* ais_logits;
     AisChains chains;
 } Plain;
-
 static void* device_alloc(size_t bytes, const char* what, int batch) {
     void* p = NULL;
     cudaError_t status = cudaMalloc(&p, bytes);
@@ -1004,7 +975,6 @@ static void plain_init(Plain* pl, const float* const* tensors, Precision precisi
     pl->log_ratio = (float*)device_alloc(R * sizeof(float), "the rows' log-density ratios", max_batch);
     pl->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
 }
-
 static void plain_free(Plain* pl) {
     void* buffers[] = {pl->weights, pl->x,      pl->h1,         pl->mulv,     pl->z,        pl->z_input,
                        pl->h3,      pl->logits, pl->bce,        pl->log_ratio, pl->recon,   pl->ais_z_input,
@@ -1047,11 +1017,9 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
                          bool long_pass, cudaStream_t stream) {
     gemm(pl->lt, pl->fc3, pl->h3, pl->z_input, rows, stream);
     gemm(pl->lt, long_pass ? pl->fc4_long : pl->fc4, pl->logits, pl->h3, rows, stream);
-    if (long_pass && pl->precision == PRECISION_BF16) {
-        launch(decoder_output_kernel<float, bf16>, rows, 4, 128, stream, bce, recon, (float*)NULL,
-               (const bf16*)pl->logits, pixels, rows, rows_per_image);
-        return;
-    }
+    if (long_pass && pl->precision == PRECISION_BF16)
+        return launch(decoder_output_kernel<float, bf16>, rows, 4, 128, stream, bce, recon, (float*)NULL,
+                      (const bf16*)pl->logits, pixels, rows, rows_per_image);
     launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
            pixels, rows, rows_per_image);
 }
@@ -1138,8 +1106,7 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
     }
 }
 
-// ----------------------------------------------------------------------------
-// kernels: the tensor cores, one encoder kernel and one decoder kernel, in either precision
+// ---- kernels: the tensor cores, one encoder kernel and one decoder kernel, in either precision ----------------------
 //
 // The network in two launches per forward pass, 16-bit operands and fp32 accumulation:
 //   encoder          uint8 pixels -> fc1 + ReLU -> fc21/fc22 -> z (the generator) and KL. h1
@@ -1232,8 +1199,7 @@ __device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
 }
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int PENDING>
-__device__ inline void cp_async_wait() {
+template <int PENDING> __device__ inline void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 // A rows x cols block of 16-bit values (cols a multiple of 8) from global memory, row pitch src_pitch, into
@@ -1348,7 +1314,6 @@ __global__ void weights_kernel(typename Path<P>::T* __restrict__ dst, Layer laye
     }
     dst[i] = split_part<T>(v, part);
 }
-
 __device__ inline float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -1626,8 +1591,7 @@ template <typename T> __device__ inline uint32_t bias_ones(int t) {
     return t == 0 ? pack2<T>(1.0f, 1.0f) : t == 1 ? pack2<T>(1.0f, 0.0f) : 0u;
 }
 
-// ----------------------------------------------------------------------------
-// kernels: the decoder on Hopper (wgmma, TMA, mbarriers; sm_90a)
+// ---- kernels: the decoder on Hopper (wgmma, TMA, mbarriers; sm_90a) -------------------------------------------------
 //
 // mma.sync is a warp-wide 16x8x16 product: every one costs more instructions of ldmatrix and
 // address arithmetic, and the tensor cores wait on that issue slot. Hopper's own path:
@@ -1690,18 +1654,15 @@ __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_
 __device__ inline uint64_t smem_desc_128b(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
 }
-
 __device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int PENDING>
-__device__ inline void wgmma_wait() {
+template <int PENDING> __device__ inline void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
 }
 // The accumulators are written by asynchronous wgmmas that the compiler cannot see finish; this
 // empty asm "writes" each one, so no read or write of them moves across a wgmma.wait_group.
 // (pin_registers, below, does the same for A fragments held in registers.)
-template <int R>
-__device__ inline void fence_accumulators(float (&d)[R]) {
+template <int R> __device__ inline void fence_accumulators(float (&d)[R]) {
     for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 // wgmma descriptor of a K-major tile of 64-byte rows in the 64-byte swizzle layout: stride 512
@@ -1755,11 +1716,9 @@ __device__ inline void wgmma_fc4(float (&d)[R], const uint32_t (&a)[4], uint64_t
 }
 // An empty asm "writes" each register: a constant A fragment is then materialised here, before a
 // wgmma.fence, rather than between wgmmas (where ptxas would have to add a fence of its own).
-template <int R>
-__device__ inline void pin_registers(uint32_t (&a)[R]) {
+template <int R> __device__ inline void pin_registers(uint32_t (&a)[R]) {
     for (int i = 0; i < R; i++) asm volatile("" : "+r"(a[i])::"memory");
 }
-
 // Named barriers (0 is __syncthreads): the two warpgroups' turns at the tensor cores.
 enum { BAR_TURN = 1 };
 __device__ inline void named_bar_sync(int id, int threads) {
@@ -1768,7 +1727,6 @@ __device__ inline void named_bar_sync(int id, int threads) {
 __device__ inline void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-
 enum {
     DEC_WG_SLICES = (HIDDEN_DIM + 63) / 64, // fc4's K in 64-wide 128-byte swizzle rows
     DEC_WG_THREADS = 256,                   // two warpgroups
@@ -1783,9 +1741,7 @@ template <Precision P> struct DecoderWgmmaSmem {
     uint64_t loaded;
 };
 template <Precision P> constexpr int dec_wg_smem() { return sizeof(DecoderWgmmaSmem<P>) + 1024; } // + room to align
-
-template <Precision P>
-__global__ void __launch_bounds__(DEC_WG_THREADS, 1)
+template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     decoder_wgmma_kernel(const __grid_constant__ CUtensorMap w4_map, const __grid_constant__ CUtensorMap w3_map,
                          const DecoderIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
@@ -1912,9 +1868,7 @@ template <Precision P> struct EncoderWgmmaSmem {
 };
 static_assert(sizeof(bf16) * ENC_BN * 64 % 1024 == 0, "every weight tile starts 1024-byte aligned");
 template <Precision P> constexpr int enc_wg_smem() { return sizeof(EncoderWgmmaSmem<P>) + 1024; }
-
-template <Precision P>
-__global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
+template <Precision P> __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
     encoder_wgmma_kernel(const __grid_constant__ CUtensorMap w1_map, const EncoderIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
     typedef typename Path<P>::T T;
@@ -1969,9 +1923,7 @@ __global__ void has_wgmma_kernel(int* out) {
 #endif
 }
 
-// ----------------------------------------------------------------------------
-// kernels: sampling z as the fused decoder's z rows
-
+// ---- kernels: sampling z as the fused decoder's z rows --------------------------------------------------------------
 // Where sample_z_kernel writes; NULL: not wanted.
 struct SampleOut {
     uint4* z_rows;     // [rows][Z_K / 8]: the decoder's input (store_z_row)
@@ -1993,8 +1945,7 @@ __global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, c
     if (out.log_ratio) out.log_ratio[r] = ratio;
 }
 
-// ----------------------------------------------------------------------------
-// kernels: annealed importance sampling on Hopper, ais_kernel: every transition of a cluster's chains on chip
+// ---- kernels: annealed importance sampling on Hopper, ais_kernel: every transition of a cluster's chains on chip ----
 //
 // The algorithm is the plain path's (part 1's AIS header): the same keyed noise, the same float32
 // energies and float64 weights, the same step-size rule.
@@ -2033,9 +1984,7 @@ __host__ __device__ inline int ais_cluster_images(int C) {
 // Where a warpgroup meets its counterparts in the other blocks of the cluster (ais_merge), per block:
 // `stored` completes when their threads have stored their shares, `added` when they have read this
 // block's. Each warpgroup meets only its counterparts, so the two of a block need not keep in step.
-struct AisMeet {
-    uint64_t stored[2], added[2];
-};
+struct AisMeet { uint64_t stored[2], added[2]; };
 // Thread block clusters (sm_90): the blocks of a cluster run together, reach each other's shared
 // memory (mapa + ld.shared::cluster) and meet at the cluster barrier (its arrive, then its wait).
 __device__ inline void cluster_sync() {
@@ -2136,9 +2085,7 @@ typedef fp16 AisW3;
 //   K 12..15  z lo 16..19               times  W3 hi 16..19
 // 15 of its 16 products used: four k16 steps, where K = 24 of each part takes six on wgmma (no k8), half of them zeros.
 // Thread t holds K 2t, 2t + 1 and 8 + 2t, 9 + 2t: lanes t = 2, 3 take z lo 16..19 from lanes 0, 1.
-struct AisZFragments {
-    uint32_t k16[4], k16_lo[4], k24[4];
-};
+struct AisZFragments { uint32_t k16[4], k16_lo[4], k24[4]; };
 __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]) {
     const int t = threadIdx.x % 4;
     AisZFragments f;
@@ -2522,12 +2469,8 @@ static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues
 // in 64-wide swizzle slices (186,368) do not fit beside fc3 and the shares. Forward (K-major): a k16 step is two cores
 // 128 bytes apart, 8 columns 6,528 apart; backward (MN-major, K = columns, N = units): a k16 step is two column groups
 // 6,528 bytes apart, 8 units 128. The bias step's K 408..415 (zero in A) read the next group's first core.
-struct AisFc4Swizzled {
-    bf16 w[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64];
-};
-struct AisFc4Cores {
-    fp16 w[2][Path<PRECISION_FP32>::AIS_BN / 8][FC4_K / 8][8][8];
-};
+struct AisFc4Swizzled { bf16 w[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64]; };
+struct AisFc4Cores { fp16 w[2][Path<PRECISION_FP32>::AIS_BN / 8][FC4_K / 8][8][8]; };
 [[maybe_unused]] constexpr uint32_t AIS_FC4_GROUP_BYTES = FC4_K / 8 * 128; // used by sm_90a code only
 [[maybe_unused]] constexpr uint32_t AIS_FC4_COPY_BYTES = Path<PRECISION_FP32>::AIS_BN / 8 * AIS_FC4_GROUP_BYTES;
 template <Precision P> struct AisWgmmaSmem {
@@ -2638,8 +2581,7 @@ __device__ inline uint32_t relu_pair_keep(uint32_t mask, int j) {
 // rows as one wgmma group, committed: the two corrections (lo hi, hi lo), hi hi, then k24, in the order
 // of the mma.sync gradient's (dev/ais_gradient_v1.cu), so the sums are its own to the bit. h: each
 // warp's rows in the accumulator layout, 8 values per 16 units. w3: the shared-memory address of sm.w3.
-template <int N>
-__device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, const AisZFragments& za) {
+template <int N> __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, const AisZFragments& za) {
     constexpr uint32_t CORE = AIS_W3_CORE_BYTES, HI = AIS_W3_HI_GROUP_BYTES, LO = AIS_W3_LO_GROUP_BYTES;
     const uint32_t hi = w3 + q * 8 * HI, lo = w3 + HIDDEN_DIM / 8 * HI + q * 8 * LO;
     auto product = [&](const uint32_t (&a)[4], uint32_t b, uint32_t group, bool accumulate) {
@@ -2864,8 +2806,7 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem<P>& sm, const CUtenso
 // move. Streaming fc4 instead would move 627 KB (bf16) per block per evaluation. A block's two warpgroups hold separate
 // tiles when ais_tile_rows says so (C = 16) and meet only their counterparts in the other blocks, so neither waits for
 // the other's epilogue; they take turns at the tensor cores. state: the threads' AIS_STATE_SLOTS (ais_state_bytes).
-template <Precision P>
-__global__ void __launch_bounds__(AIS_THREADS, 1)
+template <Precision P> __global__ void __launch_bounds__(AIS_THREADS, 1)
     ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const __grid_constant__ CUtensorMap w4_map,
                const fp16* __restrict__ ais_w3, float* state, const AisIO io) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) // other targets compile an empty body; the host never launches it there
@@ -2889,9 +2830,7 @@ __global__ void __launch_bounds__(AIS_THREADS, 1)
 #endif
 }
 
-// ----------------------------------------------------------------------------
-// launchers (every launch goes to the model's stream, so a forward pass can be graph-captured)
-
+// ---- launchers (every launch goes to the model's stream, so a forward pass can be graph-captured) -------------------
 // cuTensorMapEncodeTiled is a driver API function; the runtime hands out its address, so the program needs no -lcuda.
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
@@ -2983,17 +2922,15 @@ template <Precision P> static int ais_max_clusters() {
 }
 // More than the default 48 KB of dynamic shared memory for precision P's kernels, allowed once.
 template <Precision P> static void allow_shared_memory() {
-    cudaCheck(cudaFuncSetAttribute(ais_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, ais_smem<P>()));
-    cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   enc_wg_smem<P>()));
-    cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   dec_wg_smem<P>()));
+    const cudaFuncAttribute max = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    cudaCheck(cudaFuncSetAttribute(ais_kernel<P>, max, ais_smem<P>()));
+    cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, max, enc_wg_smem<P>()));
+    cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, max, dec_wg_smem<P>()));
 }
 // Whether the code loaded for the current GPU has decoder_wgmma_kernel's body (an sm_90a build
 // on an sm_90 GPU); asks the GPU once.
 static bool gpu_has_wgmma() {
-    int* d_flag = NULL;
-    int flag = 0;
+    int *d_flag = NULL, flag = 0;
     cudaCheck(cudaMalloc(&d_flag, sizeof(int)));
     has_wgmma_kernel<<<1, 1>>>(d_flag);
     cudaCheck(cudaGetLastError());
@@ -3002,15 +2939,14 @@ static bool gpu_has_wgmma() {
     return flag == 1;
 }
 
-// ----------------------------------------------------------------------------
-// the model
-
+// ---- the model ------------------------------------------------------------------------------------------------------
 static const char* PRECISION_NAMES[] = {"fp32", "bf16"};
+// f<P>, the instance of template f for the precision named at run time.
+#define BY_PRECISION(precision, f) ((precision) == PRECISION_FP32 ? f<PRECISION_FP32> : f<PRECISION_BF16>)
 // Which engine runs the model: the plain path (cuBLASLt, every GPU) or the fused kernels (Hopper's wgmma, TMA and
 // clusters, where this binary has sm_90a code for the GPU); auto picks the fused ones wherever they run.
 typedef enum { KERNELS_AUTO, KERNELS_PLAIN, KERNELS_FUSED } Kernels;
 static const char* KERNELS_NAMES[] = {"auto", "plain", "fused"};
-
 typedef struct {
     int max_batch;
     Precision precision;
@@ -3046,7 +2982,7 @@ typedef struct {
     bool want_recon;       // also write recon = sigmoid(logits)
     bool keep_activations; // also write mulv, z and logits (and fp32's h1 and h3)
 } ForwardOptions;
-// The weights in precision P's layouts and the GPU-specific state (vae_init's second half).
+// The weights in precision P's layouts, the decoder's z rows and the GPU-specific state (vae_init's second half).
 template <Precision P> static void vae_init_path(VAE* m) {
     typedef typename Path<P>::T T;
     constexpr int COPIES = Path<P>::SPLIT ? 2 : 1;
@@ -3070,6 +3006,7 @@ template <Precision P> static void vae_init_path(VAE* m) {
     launch(weights_kernel<PRECISION_FP32>, ais_fc3, 256, 256, m->stream, (fp16*)p, LAYER_AIS_FC3, m->tensor[FC3_W],
            m->tensor[FC3_B], (long long)ais_fc3);
     m->bce_parts_per_row = Path<P>::DEC_COL_BLOCKS;
+    m->z_rows = (uint4*)device_alloc((size_t)m->decoder_rows * Path<P>::Z_K * 2, "z rows", m->max_batch);
     allow_shared_memory<P>();
     m->ais_clusters = ais_max_clusters<P>();
     if (m->ais_clusters > 0) // not without sm_90a code, where --ais stops at require_ais
@@ -3099,13 +3036,18 @@ static bool pick_engine(Kernels kernels, int major, int minor, size_t smem_optin
     *fused = can && kernels != KERNELS_PLAIN;
     return true;
 }
+// An attribute of the current GPU.
+static int gpu_attribute(cudaDeviceAttr attribute) {
+    int device, value;
+    cudaCheck(cudaGetDevice(&device));
+    cudaCheck(cudaDeviceGetAttribute(&value, attribute, device));
+    return value;
+}
 // The engine `kernels` names, resolved for this GPU: whether the fused kernels run (auto: whether they can).
 static bool use_fused(Kernels kernels) {
-    int device, major, minor, smem;
-    cudaCheck(cudaGetDevice(&device));
-    cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    cudaCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    cudaCheck(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    const int major = gpu_attribute(cudaDevAttrComputeCapabilityMajor);
+    const int minor = gpu_attribute(cudaDevAttrComputeCapabilityMinor);
+    const int smem = gpu_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
     bool fused = false;
     Error err;
     if (!pick_engine(kernels, major, minor, (size_t)smem, kernels != KERNELS_PLAIN && gpu_has_wgmma(), &fused, &err))
@@ -3134,13 +3076,10 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
         m->tensor[t] = at, offset += TENSOR_SIZES[t];
     }
 
-    int device;
-    cudaCheck(cudaGetDevice(&device));
-    cudaCheck(cudaDeviceGetAttribute(&m->sms, cudaDevAttrMultiProcessorCount, device));
+    m->sms = gpu_attribute(cudaDevAttrMultiProcessorCount);
     m->fused = use_fused(kernels);
     if (!m->fused) {
-        int rows = decoder_rows < PLAIN_DECODER_ROWS ? decoder_rows : PLAIN_DECODER_ROWS;
-        rows = rows > max_batch ? rows : max_batch;
+        const int rows = std::max(std::min(decoder_rows, (int)PLAIN_DECODER_ROWS), max_batch);
         plain_init(&m->plain, m->tensor, precision, max_batch, rows, m->stream);
         Plain* pl = &m->plain; // the model's views are the plain path's buffers (h1, h3: fp32's only)
         m->mulv = pl->mulv, m->z = pl->z, m->logits = pl->logits, m->recon = pl->recon;
@@ -3149,10 +3088,10 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
         cudaCheck(cudaStreamSynchronize(m->stream));
         return;
     }
-    (precision == PRECISION_FP32 ? vae_init_path<PRECISION_FP32> : vae_init_path<PRECISION_BF16>)(m);
+    m->decoder_rows = decoder_rows > max_batch ? decoder_rows : max_batch;
+    BY_PRECISION(precision, vae_init_path)(m);
 
     const size_t B = (size_t)max_batch;
-    m->decoder_rows = decoder_rows > max_batch ? decoder_rows : max_batch;
     const size_t R = (size_t)m->decoder_rows;
     if (precision == PRECISION_FP32) { // the tests' view of the hidden layers
         m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1", max_batch);
@@ -3164,8 +3103,6 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits", max_batch);
     m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
     m->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios", max_batch);
-    const int z_k = precision == PRECISION_FP32 ? Path<PRECISION_FP32>::Z_K : Path<PRECISION_BF16>::Z_K;
-    m->z_rows = (uint4*)device_alloc(R * z_k * 2, "z rows", max_batch);
     m->enc_partials =
         (float*)device_alloc(B * MAX_ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials", max_batch);
     const size_t enc_tickets = ceil_div(max_batch, TASK_ROWS), dec_tickets = ceil_div(m->decoder_rows, TASK_ROWS);
@@ -3174,11 +3111,9 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
     cudaCheck(cudaStreamSynchronize(m->stream));
 }
-
 static void vae_free(VAE* m) {
-    void* buffers[] = {m->h1,        m->mulv,     m->z,      m->h3,           m->logits,      m->recon,
-                       m->bce_parts, m->params16, m->z_rows, m->row_log_ratio, m->enc_partials, m->enc_tickets,
-                       m->ais_state};
+    void* buffers[] = {m->h1, m->mulv, m->z, m->h3, m->logits, m->recon, m->bce_parts, m->params16, m->z_rows,
+                       m->row_log_ratio, m->enc_partials, m->enc_tickets, m->ais_state};
     if (m->fused) for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     else plain_free(&m->plain);                                   // the views above are its buffers
     cudaCheck(cudaFree(m->params));
@@ -3192,15 +3127,13 @@ static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_im
                         float* recon, float* h3 = NULL) {
     const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits, recon,
                           h3};
-    (m->precision == PRECISION_FP32 ? decoder_launch<PRECISION_FP32> : decoder_launch<PRECISION_BF16>)(
-        io, m->w4_map, m->w3_map, m->sms, m->stream);
+    BY_PRECISION(m->precision, decoder_launch)(io, m->w4_map, m->w3_map, m->sms, m->stream);
 }
 // The encoder in the model's precision over io.M images (io's weights filled in here).
 static void vae_encoder(VAE* m, EncoderIO io) {
     io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.enc_w = m->enc_w16;
     io.fc1_b = m->tensor[FC1_B], io.enc_b = m->tensor[FC21_B];
-    (m->precision == PRECISION_FP32 ? encoder_launch<PRECISION_FP32> : encoder_launch<PRECISION_BF16>)(
-        io, m->w1_map, m->sms, m->stream);
+    BY_PRECISION(m->precision, encoder_launch)(io, m->w1_map, m->sms, m->stream);
 }
 // mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
 static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
@@ -3215,8 +3148,7 @@ static void vae_decode(VAE* m, const float* z, int B) {
         plain_set_z(&m->plain, z, B, m->stream);
         return plain_decode(&m->plain, NULL, B, 1, NULL, m->recon, false, m->stream);
     }
-    launch(m->precision == PRECISION_FP32 ? z_rows_kernel<PRECISION_FP32> : z_rows_kernel<PRECISION_BF16>, B, 128, 128,
-           m->stream, m->z_rows, z, B);
+    launch(BY_PRECISION(m->precision, z_rows_kernel), B, 128, 128, m->stream, m->z_rows, z, B);
     vae_decoder(m, NULL, B, 1, NULL, NULL, m->recon);
 }
 // Decodes rows first_row .. first_row + rows - 1 of the interpolations between pairs of images (row r: step r % steps
@@ -3249,17 +3181,16 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
 }
 // Images per --iwae pass at K samples each: as many as the decoder's rows hold.
 static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
-// Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels),
-// K samples each, into the device array log_px[n]. The encoder runs once per image, the n x K
-// decoder rows in passes of as many images as m->decoder_rows hold; all in the model's precision.
-// eps: device [n][K][20] noise to use instead of the generator (tests), or NULL.
-// Asynchronous on m->stream.
+// Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels), K samples each, into the
+// device array log_px[n]. The encoder runs once per image, the n x K decoder rows in passes of as many images as
+// m->decoder_rows hold; all in the model's precision. eps: device [n][K][20] noise to use instead of the generator
+// (tests), or NULL. Asynchronous on m->stream.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
     const int images_per_pass = vae_iwae_images_per_pass(m, K);
     const SampleOut out = {m->z_rows, NULL, m->row_log_ratio};
-    auto sample = m->precision == PRECISION_FP32 ? sample_z_kernel<PRECISION_FP32> : sample_z_kernel<PRECISION_BF16>;
+    auto sample = BY_PRECISION(m->precision, sample_z_kernel);
     // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
     // holds few images (13 at K = 5000), far too few to fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
@@ -3306,13 +3237,11 @@ static void vae_ais(VAE* m, AisIO io, bool from_prior) {
     else vae_encode(m, io.pixels, io.n);
     io.mulv = m->mulv;
     if (!m->fused) return plain_ais(&m->plain, io, m->stream);
-    (m->precision == PRECISION_FP32 ? ais_launch<PRECISION_FP32> : ais_launch<PRECISION_BF16>)(
-        io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, m->stream);
+    BY_PRECISION(m->precision, ais_launch)(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters,
+                                           m->stream);
 }
 
-// ----------------------------------------------------------------------------
-// file formats: the weights file written by prepare_weights.py, MNIST idx files, PGM images
-
+// ---- file formats: the weights file written by prepare_weights.py, MNIST idx files, PGM images ----------------------
 static int32_t read_le32(const uint8_t* p) { return (int32_t)(p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24); }
 static uint32_t read_be32(const uint8_t* p) { return (uint32_t)p[0] << 24 | p[1] << 16 | p[2] << 8 | p[3]; }
 // Validates a weights file held in memory and copies its tensors out. `name` is used in messages.
@@ -3348,7 +3277,7 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
     size_t offset = 0;
     for (int t = 0; t < NUM_TENSORS; t++) {
         w->tensor[t] = w->data + offset;
-        for (size_t i = 0; i < TENSOR_SIZES[t]; i++) {
+        for (size_t i = 0; i < TENSOR_SIZES[t]; i++)
             if (!isfinite(w->tensor[t][i])) {
                 set_error(err, "%s: %s[%zu] is %f; the weights must be finite. " PREPARE_HINT, name, TENSOR_NAMES[t], i,
                           w->tensor[t][i]);
@@ -3356,21 +3285,12 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
                 w->data = NULL;
                 return false;
             }
-        }
         offset += TENSOR_SIZES[t];
     }
     return true;
 }
-
-typedef struct {
-    int count;
-    uint8_t* pixels; // [count][784], row-major 28x28 per image
-} Images;
-
-typedef struct {
-    int count;
-    uint8_t* labels; // [count], 0..9
-} Labels;
+typedef struct { int count; uint8_t* pixels; } Images; // pixels: [count][784], row-major 28x28 per image
+typedef struct { int count; uint8_t* labels; } Labels; // labels: [count], 0..9
 // idx format: big-endian magic 0x0000 08 NN (unsigned bytes, NN dims), NN big-endian sizes, data.
 static bool parse_idx_images(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
     if (size < 16)
@@ -3394,7 +3314,6 @@ static bool parse_idx_images(const uint8_t* buf, size_t size, const char* name, 
     memcpy(out->pixels, buf + 16, expected - 16);
     return true;
 }
-
 static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, Labels* out, Error* err) {
     if (size < 8)
         return set_error(err, "%s: %zu bytes, shorter than the 8-byte idx1 header. " PREPARE_HINT, name, size);
@@ -3434,7 +3353,6 @@ static bool pgm_number(const uint8_t* buf, size_t size, size_t* pos, uint32_t ma
     *pos = p, *out = (uint32_t)v;
     return true;
 }
-
 static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
     if (size < 2 || buf[0] != 'P' || (buf[1] != '5' && buf[1] != '2'))
         return set_error(err, "%s: not a PGM greymap (P5 or P2). " PGM_HINT, name);
@@ -3490,12 +3408,9 @@ static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, co
     return ok;
 }
 
-// ----------------------------------------------------------------------------
-// image output
-
-// Writes tiles (each 28x28 floats in [0,1]) as a rows x cols grid into a binary PPM (P6), white
-// digits on black, tiles separated by a 1-pixel grey border. The file reaches `path` at
-// outputs_commit(); `what` describes it there.
+// ---- image output ---------------------------------------------------------------------------------------------------
+// Writes tiles (each 28x28 floats in [0,1]) as a rows x cols grid into a binary PPM (P6), white digits on black, tiles
+// separated by a 1-pixel grey border. The file reaches `path` at outputs_commit(); `what` describes it there.
 static bool write_ppm_grid(const char* path, const char* what, const float* tiles, int rows, int cols, Error* err) {
     const int cell = IMAGE_SIDE + 1, width = cols * cell + 1, height = rows * cell + 1;
     uint8_t* rgb = (uint8_t*)malloc((size_t)width * height * 3);
@@ -3522,9 +3437,7 @@ static bool write_ppm_grid(const char* path, const char* what, const float* tile
     return true;
 }
 
-// ----------------------------------------------------------------------------
-// command line
-
+// ---- command line ---------------------------------------------------------------------------------------------------
 #define VAE_VERSION "1.0"
 #ifndef VAE_GIT_COMMIT // the Makefile passes the checkout's commit
 #define VAE_GIT_COMMIT "unknown"
@@ -3540,7 +3453,6 @@ static bool gpu_supported(const char* name, int major, int minor, Precision prec
                          "--precision fp32", name, major, minor);
     return true;
 }
-
 typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP, MODE_AIS, MODE_BDMC } Mode;
 static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bdmc"};
 // Every option: long name, short letter (0: none), whether it takes a value.
@@ -3579,7 +3491,6 @@ static const unsigned MODE_OPTIONS[] = {
     COMMON | AIS_RUN | O(BDMC), // bdmc: simulates its own images (no inputs but the weights)
 };
 #undef O
-
 enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16 };
 typedef struct {
     Mode mode;
@@ -3607,7 +3518,6 @@ typedef struct {
     unsigned given;                 // OPT_BIT of every option on the command line
     char flag[NUM_OPTIONS][24];     // each as it was spelled there ("-b" or "--batch-size"), for messages
 } Config;
-
 static const char* USAGE =
     "usage: vae [options]\n"
     "Evaluates the pretrained MNIST VAE on the test set (mean BCE, KL, loss = BCE + KL) and writes\n"
@@ -3670,7 +3580,6 @@ static bool parse_number(const char* flag, const char* text, unsigned long long 
     *out = v;
     return true;
 }
-
 enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper bound
 // The program joins paths into 4096-byte buffers (-d + "/t10k-images-idx3-ubyte", -o +
 // "/samples.ppm"); a longer argument would be cut silently and name another file.
@@ -3679,7 +3588,6 @@ enum { IWAE_ROWS = 1 << 16 };  // --iwae's largest K, and the images its encoder
 enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per decoder pass (at most 172 bytes each: z row, BCE parts, log ratio)
 enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
 enum { AIS_MAX_T = 100000, AIS_MAX_CHAINS = 256, AIS_MAX_LEAPFROG = 1000, BDMC_MAX_IMAGES = 100000 };
-
 static bool parse_path(const char* flag, const char* value, const char** out, Error* err) {
     if (value[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
     if (strlen(value) > MAX_PATH_ARG)
@@ -3758,14 +3666,16 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
     }
     return set_error(err, "internal: option %d has no handler", o);
 }
-
 static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     memset(cfg, 0, sizeof(*cfg));
     cfg->weights_path = "data/vae_weights.bin", cfg->data_dir = "data", cfg->out_dir = "out", cfg->batch = 4096;
     cfg->chains = 16, cfg->leapfrog = 10;
-    for (int o = 0; o < NUM_OPTIONS; o++) // how messages name an option the command line did not spell
-        if (OPTIONS[o].letter != 0) snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "-%c", OPTIONS[o].letter);
-        else snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "--%s", OPTIONS[o].name);
+    // An option as a flag: "--name", or "-l" where it has a letter and is not asked for in long form.
+    auto spell = [](int o, bool long_form, char (&flag)[24]) {
+        if (long_form || OPTIONS[o].letter == 0) snprintf(flag, sizeof(flag), "--%s", OPTIONS[o].name);
+        else snprintf(flag, sizeof(flag), "-%c", OPTIONS[o].letter);
+    };
+    for (int o = 0; o < NUM_OPTIONS; o++) spell(o, false, cfg->flag[o]); // for options the command line did not spell
     const int default_batches[] = {1024, 2048, 4096, 10000};
     for (int b : default_batches) cfg->bench_batches[cfg->num_bench_batches++] = b;
 
@@ -3784,26 +3694,21 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
             if (OPTIONS[o].takes_value) short_options[n + 1] = ':';
         }
     }
-    // The option a getopt code stands for, and how the user spelled it (argv[optind - 1] holds
+    // The option a getopt code stands for (-1: none), spelled into flag as the user did (argv[optind - 1] holds
     // the word that named it, unless a short option was one of several in one word).
-    auto option_of = [](int code) {
+    auto option_of = [&](int code, char (&flag)[24]) {
         for (int o = 0; o < NUM_OPTIONS; o++)
-            if (code == LONG_CODE + o || (OPTIONS[o].letter != 0 && code == OPTIONS[o].letter)) return o;
+            if (code == LONG_CODE + o || (OPTIONS[o].letter != 0 && code == OPTIONS[o].letter))
+                return spell(o, !strncmp(argv[optind - 1], "--", 2), flag), o;
         return -1;
-    };
-    auto spell = [&](int o, char* flag, size_t size) {
-        const bool long_form = OPTIONS[o].letter == 0 || !strncmp(argv[optind - 1], "--", 2);
-        if (long_form) snprintf(flag, size, "--%s", OPTIONS[o].name);
-        else snprintf(flag, size, "-%c", OPTIONS[o].letter);
     };
     optind = 0; // 0: restart GNU getopt's scan from scratch (the tests parse many command lines)
     opterr = 0;
     for (int code; (code = getopt_long(argc, argv, short_options, long_options, NULL)) != -1;) {
         char flag[24];
         if (code == ':' || (code == '?' && optopt >= LONG_CODE)) {
-            const int o = option_of(optopt);
+            const int o = option_of(optopt, flag);
             if (o < 0) return set_error(err, "internal: getopt code %d", optopt);
-            spell(o, flag, sizeof(flag));
             if (code == ':') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
             return set_error(err, "%s takes no value, got '%s'. HINT: vae -h lists the options", flag,
                              argv[optind - 1]);
@@ -3812,9 +3717,8 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
             if (optopt != 0) return set_error(err, "unknown option '-%c'. HINT: vae -h lists the options", optopt);
             return set_error(err, "unknown option '%s'. HINT: vae -h lists the options", argv[optind - 1]);
         }
-        const int o = option_of(code);
+        const int o = option_of(code, flag);
         if (o < 0) return set_error(err, "internal: getopt code %d", code);
-        spell(o, flag, sizeof(flag));
         if (!apply_option(cfg, o, flag, optarg, err)) return false;
         cfg->given |= OPT_BIT(o);
         snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "%s", flag);
@@ -3873,7 +3777,6 @@ static void say(const char* fmt, ...) {
     vfprintf(console, fmt, args);
     va_end(args);
 }
-
 static void print_version() {
     int runtime = 0, driver = 0;
     cudaCheck(cudaRuntimeGetVersion(&runtime));
@@ -3901,7 +3804,6 @@ static void parent_folder(const char* path, char folder[MAX_PATH]) {
     if (slash == NULL) snprintf(folder, MAX_PATH, ".");
     else slash[slash == folder ? 1 : 0] = '\0';
 }
-
 static bool writable_folder(const char* folder) {
     struct stat st;
     return stat(folder, &st) == 0 && S_ISDIR(st.st_mode) && access(folder, W_OK) == 0;
@@ -3925,7 +3827,6 @@ static void check_output_dir(const char* flag, const char* dir) {
         fail("%s %s: cannot create the folder (%s). HINT: pass %s with a writable folder", flag, dir,
              missing ? "its parent folder is missing or not writable" : strerror(errno), flag);
 }
-
 static void check_output_file(const char* flag, const char* path) {
     struct stat st;
     char folder[MAX_PATH];
@@ -3945,13 +3846,6 @@ static void print_row(const char* key, const char* fmt, ...) {
     va_end(args);
     say("| %-9s | %-46s |\n", key, value);
 }
-// Whether the GPU has bf16 tensor cores (sm_80 on).
-static bool gpu_has_bf16() {
-    int device, major;
-    cudaCheck(cudaGetDevice(&device));
-    cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    return major >= 8;
-}
 // The engine AIS runs on: --chains above the fused kernel's AIS_ROWS run on the plain path.
 static Kernels ais_kernels(const Config* cfg) { return cfg->chains > AIS_ROWS ? KERNELS_PLAIN : cfg->kernels; }
 // Which engine runs, and why, for the start-up table.
@@ -3962,7 +3856,6 @@ static void print_kernels_row(const Config* cfg) {
     else if (ais && cfg->chains > AIS_ROWS) print_row("kernels", "plain: cuBLASLt (--chains above %d)", AIS_ROWS);
     else print_row("kernels", "plain: cuBLASLt (no sm_90a code for this GPU)");
 }
-
 static void init_cuda(cudaDeviceProp* prop, Precision precision) {
     int count = 0;
     cudaError_t status = cudaGetDeviceCount(&count);
@@ -3979,7 +3872,6 @@ static void init_cuda(cudaDeviceProp* prop, Precision precision) {
         fail("this vae has no code for the %s (sm_%d%d): %s. HINT: rebuild it here: make clean && make vae", prop->name,
              prop->major, prop->minor, cudaGetErrorString(status));
 }
-
 static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
 // The first image of each digit 0..9 among the first count (or -1), for the interpolation rows.
 static void first_of_each_digit(const Labels* labels, int count, int first[10]) {
@@ -3999,12 +3891,11 @@ enum { RECON_COLS = 16, SAMPLE_SIDE = 8, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
 static_assert(SAMPLE_SIDE * SAMPLE_SIDE <= IMAGE_TILES_MAX && 2 * RECON_COLS <= IMAGE_TILES_MAX, "image batches fit");
 static void write_images(VAE* m, const Images* images, const Labels* labels, int count, const uint8_t* d_pixels,
                          const Config* cfg) {
-    float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * INPUT_DIM * sizeof(float));
-    float* z = (float*)malloc((size_t)IMAGE_TILES_MAX * LATENT_DIM * sizeof(float));
-    if (tiles == NULL || z == NULL) fail("out of host memory for the images");
-    float *d_z, *d_loss;
-    cudaCheck(cudaMalloc(&d_z, (size_t)IMAGE_TILES_MAX * LATENT_DIM * sizeof(float)));
-    cudaCheck(cudaMalloc(&d_loss, 2 * RECON_COLS * sizeof(float)));
+    float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * (INPUT_DIM + LATENT_DIM) * sizeof(float));
+    if (tiles == NULL) fail("out of host memory for the images");
+    float *z = tiles + (size_t)IMAGE_TILES_MAX * INPUT_DIM, *d_z, *d_loss;
+    cudaCheck(cudaMalloc(&d_z, (IMAGE_TILES_MAX * LATENT_DIM + 2 * RECON_COLS) * sizeof(float)));
+    d_loss = d_z + IMAGE_TILES_MAX * LATENT_DIM;
 
     // recon.ppm: the first images over their reconstructions
     const int n_recon = count < RECON_COLS ? count : RECON_COLS;
@@ -4057,8 +3948,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
         write_grid(cfg, "interp.ppm", "row d: latent mean of a test 'd' to one of a 'd+1'", tiles, rows, INTERP_STEPS);
         cudaCheck(cudaFree(d_pairs));
     }
-    free(tiles), free(z);
-    cudaCheck(cudaFree(d_pair_pixels)), cudaCheck(cudaFree(d_z)), cudaCheck(cudaFree(d_loss));
+    free(tiles), cudaCheck(cudaFree(d_pair_pixels)), cudaCheck(cudaFree(d_z));
 }
 // Progress of a long run on stderr, unless -q: a bar redrawn in place on a terminal, a line every
 // 10% otherwise (logs stay readable).
@@ -4075,12 +3965,8 @@ static void report_progress(const char* what, long long done, long long total) {
         fprintf(stderr, "%s: %lld/%lld\n", what, done, total);
     }
 }
-// What produced a run's results, for the CSV's first line.
-typedef struct {
-    const char* images; // where the images came from
-    int count;
-    const Labels* labels;
-} Inputs;
+// What produced a run's results, for the CSV's first line; `images` says where the images came from.
+typedef struct { const char* images; int count; const Labels* labels; } Inputs;
 // Per-image results as CSV after one '#' line naming what produced them; "-" is stdout. `columns`
 // names the float columns after index and label, `values` holds them.
 static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
@@ -4138,7 +4024,6 @@ static void evaluate(VAE* m, const uint8_t* d_pixels, int count, int batch, cons
     cudaCheck(cudaMemcpy(kl, d_losses + count, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
     cudaCheck(cudaFree(d_losses));
 }
-
 static double mean_of(const float* v, int n) {
     double sum = 0.0;
     for (int i = 0; i < n; i++) sum += v[i];
@@ -4217,12 +4102,7 @@ static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pi
 }
 // The device buffers of an AIS run over n images of C chains: the schedule, per chain its log
 // weight and acceptances, per image the step size and the estimates.
-typedef struct {
-    double *beta, *log_w, *log_px;
-    int* accepted;
-    float *step, *ess, *acceptance;
-} AisBuffers;
-
+typedef struct { double *beta, *log_w, *log_px; int* accepted; float *step, *ess, *acceptance; } AisBuffers;
 static AisBuffers ais_buffers(int n, const Config* cfg) {
     const size_t rows = (size_t)n * cfg->chains;
     AisBuffers b;
@@ -4239,7 +4119,6 @@ static AisBuffers ais_buffers(int n, const Config* cfg) {
     free(beta);
     return b;
 }
-
 static void ais_buffers_free(AisBuffers* b) {
     void* buffers[] = {b->beta, b->log_w, b->accepted, b->log_px, b->step};
     for (void* p : buffers) cudaCheck(cudaFree(p));
@@ -4277,7 +4156,6 @@ static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, 
            cfg->ais_t - 1, d_z_start != NULL);
     return ms;
 }
-
 enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
 static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
     vae_init(m, w, AIS_BATCH, cfg->precision, ais_kernels(cfg), decoder_rows);
@@ -4359,11 +4237,10 @@ static void run_bdmc(const HostWeights* w, const Config* cfg) {
         const int B = n - first < AIS_BATCH ? n - first : AIS_BATCH;
         vae_decode(&m, d_z + (size_t)first * LATENT_DIM, B);
         cudaCheck(cudaMemcpy(recon, m.recon, (size_t)B * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
-        for (int i = 0; i < B; i++)
-            for (int p = 0; p < INPUT_DIM; p++)
-                pixels[(size_t)(first + i) * INPUT_DIM + p] =
-                    uniform_open0(cfg->seed, STREAM_SIMULATE, first + i, 1, p) <= recon[(size_t)i * INPUT_DIM + p] ? 255
-                                                                                                                  : 0;
+        for (int k = 0; k < B * INPUT_DIM; k++) { // pixel k % 784 of image first + k / 784
+            const float u = uniform_open0(cfg->seed, STREAM_SIMULATE, first + k / INPUT_DIM, 1, k % INPUT_DIM);
+            pixels[(size_t)first * INPUT_DIM + k] = u <= recon[k] ? 255 : 0;
+        }
     }
     cudaCheck(cudaMemcpy(d_pixels, pixels, (size_t)n * INPUT_DIM, cudaMemcpyHostToDevice));
     AisBuffers b = ais_buffers(n, cfg);
@@ -4390,10 +4267,9 @@ static void run_bdmc(const HostWeights* w, const Config* cfg) {
     free(z), free(pixels), free(bounds);
     cudaCheck(cudaFree(d_z)), cudaCheck(cudaFree(d_pixels)), ais_buffers_free(&b), vae_free(&m);
 }
-// --bench: one whole forward+loss (sampled z) per batch size and precision, captured once as a
-// CUDA graph and replayed: 20 replays warm up; latency is the median of 200 replays, each from an
-// idle GPU between two events (what one request waits for), throughput the time of 200
-// back-to-back replays between two events over 200 (what a full queue sustains).
+// --bench: one whole forward+loss (sampled z) per batch size and precision, captured once as a CUDA graph and replayed:
+// 20 replays warm up; latency is the median of 200 replays, each from an idle GPU between two events (what one request
+// waits for), throughput the time of 200 back-to-back replays between two events over 200 (what a full queue sustains).
 // dev/bench_pytorch.py times PyTorch's modes by the same two definitions.
 static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Config* cfg) {
     enum { WARMUP = 20, REPS = 200 };
@@ -4403,13 +4279,8 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
     // the floor: the matrix work at the dense bf16 rate an H200 sustains, or the bytes that must move
     // (pixels in, two losses out, the weights once) at its memory bandwidth, whichever is longer
     const double floor_flops = 770e12, floor_bytes_per_s = 4.2e12;
-    int max_batch = 1;
-    for (int i = 0; i < cfg->num_bench_batches; i++)
-        max_batch = cfg->bench_batches[i] > max_batch ? cfg->bench_batches[i] : max_batch;
+    const int max_batch = *std::max_element(cfg->bench_batches, cfg->bench_batches + cfg->num_bench_batches);
     float* d_losses = (float*)device_alloc((size_t)2 * max_batch * sizeof(float), "the losses", max_batch);
-    cudaEvent_t start[REPS], stop[REPS], burst_start, burst_stop;
-    for (int i = 0; i < REPS; i++) cudaCheck(cudaEventCreate(&start[i])), cudaCheck(cudaEventCreate(&stop[i]));
-    cudaCheck(cudaEventCreate(&burst_start)), cudaCheck(cudaEventCreate(&burst_stop));
     printf("forward + loss per batch, z %s: CUDA graph replays after %d warm-up; latency = median of %d single\n"
            "replays from an idle GPU, throughput = %d back-to-back replays / %d (images/s and TFLOP/s from it);\n"
            "floor = the FLOPs at 770 TFLOP/s or the bytes at 4.2 TB/s\n", cfg->z_is_mu ? "= mu" : "sampled", WARMUP,
@@ -4421,10 +4292,11 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
     Kernels engines[2] = {cfg->kernels, KERNELS_FUSED};
     int num_engines = 1;
     if (cfg->kernels == KERNELS_AUTO) engines[0] = KERNELS_PLAIN, num_engines = use_fused(KERNELS_AUTO) ? 2 : 1;
+    const bool has_bf16 = gpu_attribute(cudaDevAttrComputeCapabilityMajor) >= 8; // bf16 tensor cores: sm_80 on
     for (int run = 0; run < 2 * num_engines; run++) { // each engine in both precisions
         const int p = run % 2;
         if ((cfg->given & OPT_BIT(OPT_PRECISION)) && p != (int)cfg->precision) continue;
-        if (p == PRECISION_BF16 && !(cfg->given & OPT_BIT(OPT_PRECISION)) && !gpu_has_bf16()) continue;
+        if (p == PRECISION_BF16 && !(cfg->given & OPT_BIT(OPT_PRECISION)) && !has_bf16) continue;
         VAE m;
         vae_init(&m, w, max_batch, (Precision)p, engines[run / 2]);
         const char* engine = m.fused ? "fused" : "plain";
@@ -4438,26 +4310,18 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
             cudaCheck(cudaStreamEndCapture(m.stream, &graph));
             cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
             for (int i = 0; i < WARMUP; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
-            for (int i = 0; i < REPS; i++) { // each from an idle GPU: the launch is part of the latency
-                cudaCheck(cudaStreamSynchronize(m.stream));
-                cudaCheck(cudaEventRecord(start[i], m.stream));
-                cudaCheck(cudaGraphLaunch(exec, m.stream));
-                cudaCheck(cudaEventRecord(stop[i], m.stream));
-            }
-            cudaCheck(cudaEventRecord(burst_start, m.stream));
-            for (int i = 0; i < REPS; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
-            cudaCheck(cudaEventRecord(burst_stop, m.stream));
             cudaCheck(cudaStreamSynchronize(m.stream));
-            float us[REPS], burst_ms;
-            for (int i = 0; i < REPS; i++) {
-                cudaCheck(cudaEventElapsedTime(&us[i], start[i], stop[i]));
-                us[i] *= 1000.0f;
+            Timer timer(m.stream);
+            float us[REPS];
+            for (int i = 0; i < REPS; i++) { // each from an idle GPU (elapsed_ms waits): the launch is in the latency
+                timer.restart();
+                cudaCheck(cudaGraphLaunch(exec, m.stream));
+                us[i] = 1000.0f * timer.elapsed_ms();
             }
-            cudaCheck(cudaEventElapsedTime(&burst_ms, burst_start, burst_stop));
-            qsort(us, REPS, sizeof(float), [](const void* a, const void* b) {
-                const float x = *(const float*)a, y = *(const float*)b;
-                return (x > y) - (x < y);
-            });
+            timer.restart();
+            for (int i = 0; i < REPS; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
+            const float burst_ms = timer.elapsed_ms();
+            std::sort(us, us + REPS);
             const double latency_us = us[REPS / 2], throughput_us = 1000.0 * burst_ms / REPS;
             const double weight_bytes = (double)w->count * (p == PRECISION_FP32 ? 4 : 2);
             const double floor_us = 1e6 * fmax(flops_per_image * B / floor_flops,
@@ -4472,8 +4336,7 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
         }
         vae_free(&m);
     }
-    for (int i = 0; i < REPS; i++) cudaCheck(cudaEventDestroy(start[i])), cudaCheck(cudaEventDestroy(stop[i]));
-    cudaCheck(cudaEventDestroy(burst_start)), cudaCheck(cudaEventDestroy(burst_stop)), cudaCheck(cudaFree(d_losses));
+    cudaCheck(cudaFree(d_losses));
 }
 // --interp N: every pair of the first N images, INTERP_STEPS decodes each on the line between
 // their latent means, first in passes of as many decodes as the model holds, then one pair per
@@ -4550,17 +4413,13 @@ static void load_image_files(const Config* cfg, Images* images) {
         free(one.pixels);
     }
 }
-
 int main(int argc, char** argv) {
     Config cfg;
     Error err;
     if (!parse_args(argc, argv, &cfg, &err)) fail("%s", err.msg);
-    if (cfg.help) {
-        printf("%s", USAGE);
-        return 0;
-    }
-    if (cfg.version) {
-        print_version();
+    if (cfg.help || cfg.version) {
+        if (cfg.help) printf("%s", USAGE);
+        else print_version();
         return 0;
     }
     quiet = cfg.quiet;
