@@ -255,9 +255,8 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
 // and these kernels do the rest: one thread a row, element or four elements (a warp a row for the decoder's output).
 // Its activations live in memory, row-major [row][feature] as in PyTorch, in the path's type T:
 //   fp32  T = float, and cuBLAS computes in true fp32 (CUBLAS_COMPUTE_32F, no TF32)
-//   bf16  T = bf16 for the matmuls' inputs (8 significant bits; AIS's backward: fp16, see Backward),
-//         fp32 accumulation, and fp32 wherever a value is summed or compared: mu and logvar, the logits,
-//         the losses, the AIS chains
+//   bf16  T = bf16 for the matmuls' inputs (8 significant bits; AIS's backward: fp16, see Backward), fp32 accumulation,
+//         and fp32 wherever a value is summed or compared: mu and logvar, the logits, the losses, the AIS chains
 // A row of either engine is a pure function of its image and its keyed noise, whatever the batch.
 
 // One latent coordinate: z_j = mu_j + eps_j * exp(logvar_j / 2), and its KL(q(z|x) || N(0,I))
@@ -1109,9 +1108,8 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
 // ---- kernels: the tensor cores, one encoder kernel and one decoder kernel, in either precision ----------------------
 //
 // The network in two launches per forward pass, 16-bit operands and fp32 accumulation:
-//   encoder          uint8 pixels -> fc1 + ReLU -> fc21/fc22 -> z (the generator) and KL. h1
-//                    never leaves the registers; z leaves as a "z row" (16-bit, in the order the
-//                    decoder's fragments load it)
+//   encoder          uint8 pixels -> fc1 + ReLU -> fc21/fc22 -> z (the generator) and KL. h1 never leaves the
+//                    registers; z leaves as a "z row" (16-bit, in the order the decoder's fragments load it)
 //   decoder          z rows -> fc3 + ReLU -> fc4 -> per-row BCE; logits and recon only when
 //                    asked for. h3 never leaves the registers, the logits never reach memory
 // Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from sample_z_kernel), the
@@ -1123,15 +1121,13 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
 //
 // Both precisions run the same kernels (template parameter P); Path<P> holds what differs.
 //   bf16  each weight and activation is one bf16 (8 significant bits): one product per multiply
-//   fp32  each is two fp16 parts, hi = fp16(v) and lo = fp16(v - hi): 22 of fp32's 24 bits, and a
-//         product a w = ah wh + ah wl + al wh (al wl, 2^-22 of it, is dropped): three tensor-core
-//         products, the two small ones first, into the same fp32 accumulator. fp16 rather than
-//         bf16 parts because bf16 needs three parts (six products) for the same accuracy, and
-//         fp16 runs at bf16's rate. A lo part below fp16's normal range (6e-5) keeps an absolute
-//         precision of 3e-8: far below what sums of 20 to 800 terms of size ~1 can show. The
-//         pixels (0..255) are exact in fp16, so fc1 is two products: x wh + x wl.
-//         dev/split_v1.cu and dev/split_v2.cu measure the schemes; this one keeps every activation
-//         within 1e-5 of float64 (test_vae).
+//   fp32  each is two fp16 parts, hi = fp16(v) and lo = fp16(v - hi): 22 of fp32's 24 bits, and a product a w = ah wh +
+//         ah wl + al wh (al wl, 2^-22 of it, is dropped): three tensor-core products, the two small ones first, into
+//         the same fp32 accumulator. fp16 rather than bf16 parts because bf16 needs three parts (six products) for the
+//         same accuracy, and fp16 runs at bf16's rate. A lo part below fp16's normal range (6e-5) keeps an absolute
+//         precision of 3e-8: far below what sums of 20 to 800 terms of size ~1 can show. The pixels (0..255) are exact
+//         in fp16, so fc1 is two products: x wh + x wl. dev/split_v1.cu and dev/split_v2.cu measure the schemes; this
+//         one keeps every activation within 1e-5 of float64 (test_vae).
 // How the weights are laid out for it (weights_kernel, once at load):
 //   fc1      a slice's 80 rows are 80 hidden units (bf16) or 40 units' hi rows then their lo rows
 //            (fp32): the same m64n80 products, the two halves added in the epilogue
@@ -1595,10 +1591,9 @@ template <typename T> __device__ inline uint32_t bias_ones(int t) {
 //
 // mma.sync is a warp-wide 16x8x16 product: every one costs more instructions of ldmatrix and
 // address arithmetic, and the tensor cores wait on that issue slot. Hopper's own path:
-//   wgmma.mma_async   one instruction per warpgroup (4 warps) multiplies 64 x 200 x 16, B
-//                     straight from shared memory through a 64-bit descriptor, A (h3) from
-//                     registers; it runs asynchronously, so fc3 of the next chunk, the bf16
-//                     conversion and the other warpgroup's epilogue overlap it
+//   wgmma.mma_async   one instruction per warpgroup (4 warps) multiplies 64 x 200 x 16, B straight from shared memory
+//                     through a 64-bit descriptor, A (h3) from registers; it runs asynchronously, so fc3 of the next
+//                     chunk, the bf16 conversion and the other warpgroup's epilogue overlap it
 //   TMA               cp.async.bulk.tensor: one thread copies a block's weights global ->
 //                     shared in the swizzled layouts wgmma reads without bank conflicts
 //   mbarriers         the weights' arrival (and, in the wait, a trap instead of a hang)
@@ -2446,15 +2441,14 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
 //             then 4 m64n200k16 wgmmas with its ReLU as A from registers and the block's fc4 as B
 //             from shared memory (K-major, the 128-byte swizzle TMA writes: the decoder's layout);
 //             fc3 of the next group runs before them and its ReLU is taken while they run
-//   backward  dh[64 x 64 hidden] = (sigmoid - x)[64 x 200] W4[200 x 64]: A = the epilogue's values
-//             (13 k16 steps, in registers), B = the same shared memory read MN-major (wgmma's
-//             transpose bit, 16-bit types only): a k16 step of pixels is 16 rows of 128 bytes, two
-//             8-row swizzle atoms 1024 bytes apart. 7 groups of n64; the last one's units 400..447
-//             are fc4's bias parts and TMA's zeros, computed and dropped (an MN-major tile narrower
-//             than the 64-wide swizzle atom is not a layout the PTX ISA describes). Group q + 1's
-//             wgmmas run while the warps mask group q's dh by the ReLU into fp16 A fragments, and
-//             dz += those W3 follows as 4 m64n24k16 (fc3's hi part read MN-major from its cores, in
-//             the order of the mma.sync gradient: the same sums)
+//   backward  dh[64 x 64 hidden] = (sigmoid - x)[64 x 200] W4[200 x 64]: A = the epilogue's values (13 k16 steps, in
+//             registers), B = the same shared memory read MN-major (wgmma's transpose bit, 16-bit types only): a k16
+//             step of pixels is 16 rows of 128 bytes, two 8-row swizzle atoms 1024 bytes apart. 7 groups of n64; the
+//             last one's units 400..447 are fc4's bias parts and TMA's zeros, computed and dropped (an MN-major tile
+//             narrower than the 64-wide swizzle atom is not a layout the PTX ISA describes). Group q + 1's wgmmas run
+//             while the warps mask group q's dh by the ReLU into fp16 A fragments, and dz += those W3 follows as 4
+//             m64n24k16 (fc3's hi part read MN-major from its cores, in the order of the mma.sync gradient: the same
+//             sums)
 // Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares (128 x 24 floats) and
 // their 4 mbarriers + the tiles' step sizes and acceptances = 230,952 of the 232,448 a block may have (less 1,024 to
 // align): fc3's ReLU mask lives in registers (a 32-bit word per 64 units).
