@@ -899,8 +899,8 @@ static U* convert_weights(uint8_t* at, const float* w, int rows, int cols, int p
     launch(plain_weights_kernel<U>, (long long)rows * pitch, 256, 256, stream, (U*)at, w, rows, cols, pitch, copies);
     return (U*)at;
 }
-// The weights (fp32 tensors on the device, PyTorch's layout; fc21 and fc22 stacked as one [40][400] layer) in the
-// path's types, each at a 256-byte boundary, and the products of the four layers and of AIS's backward pass.
+// The weights (fp32 on the device, PyTorch's layout; fc22's rows follow fc21's: t[FC21_W] is one [40][400] layer) in
+// the path's types, each at a 256-byte boundary, and the products of the four layers and of AIS's backward pass.
 template <typename T> static void plain_init_weights(Plain* pl, const float* const* t, cudaStream_t stream) {
     typedef typename Backward<T>::type B;
     const int zk = Z_PAD * z_parts<T>();
@@ -2529,18 +2529,18 @@ template <int N, bool MN_MAJOR>
 __device__ inline void wgmma_f16_narrow_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,
                                            bool accumulate) {
     static_assert(N == 8 || N == 16 || N == 24, "the narrow N: 8, 16, 24");
-    constexpr bool T = MN_MAJOR; // imm-trans-b
 #define WG_D8 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-    if constexpr (N == 8 && T) WGMMA_RS("m64n8k16.f32.f16.f16", "%0, %1, %2, %3", "{%4, %5, %6, %7}, %8", "%9", "1",
-                                        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]));
+    if constexpr (N == 8 && MN_MAJOR)
+        WGMMA_RS("m64n8k16.f32.f16.f16", "%0, %1, %2, %3", "{%4, %5, %6, %7}, %8", "%9", "1", "+f"(d[0]), "+f"(d[1]),
+                 "+f"(d[2]), "+f"(d[3]));
     else if constexpr (N == 8) WGMMA_RS("m64n8k16.f32.f16.f16", "%0, %1, %2, %3", "{%4, %5, %6, %7}, %8", "%9", "0",
                                         "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]));
-    else if constexpr (N == 16 && T) WGMMA_RS("m64n16k16.f32.f16.f16", "%0, %1, %2, %3, %4, %5, %6, %7",
-                                              "{%8, %9, %10, %11}, %12", "%13", "1", WG_D8);
+    else if constexpr (N == 16 && MN_MAJOR) WGMMA_RS("m64n16k16.f32.f16.f16", "%0, %1, %2, %3, %4, %5, %6, %7",
+                                                     "{%8, %9, %10, %11}, %12", "%13", "1", WG_D8);
     else if constexpr (N == 16) WGMMA_RS("m64n16k16.f32.f16.f16", "%0, %1, %2, %3, %4, %5, %6, %7",
                                          "{%8, %9, %10, %11}, %12", "%13", "0", WG_D8);
-    else if constexpr (T) WGMMA_RS("m64n24k16.f32.f16.f16", WG_ACC10() ", %10, %11", "{%12, %13, %14, %15}, %16", "%17",
-                                   "1", WG_D10(), "+f"(d[10]), "+f"(d[11]));
+    else if constexpr (MN_MAJOR) WGMMA_RS("m64n24k16.f32.f16.f16", WG_ACC10() ", %10, %11", "{%12, %13, %14, %15}, %16",
+                                          "%17", "1", WG_D10(), "+f"(d[10]), "+f"(d[11]));
     else WGMMA_RS("m64n24k16.f32.f16.f16", WG_ACC10() ", %10, %11", "{%12, %13, %14, %15}, %16", "%17", "0", WG_D10(),
                   "+f"(d[10]), "+f"(d[11]));
 }
