@@ -554,7 +554,7 @@ struct AisIO {
 // z, p and the start are stored latent by latent, [20][rows], so that a warp's 32 rows of one latent are 128 adjacent
 // bytes (row by row, a thread's 80 bytes would not coalesce). Each kernel below is one step of the transition for every
 // row at once, one thread a row.
-enum { PLAIN_AIS_ROWS = 1 << 17 }; // chains a launch at most: ~1.3 GB of activations and chains in fp32
+enum { PLAIN_AIS_ROWS = 1 << 16 }; // chains a set of buffers holds: ~650 MB of activations and chains in fp32
 struct AisChains {
     float *z, *p, *z0, *grad0; // [20][PLAIN_AIS_ROWS]
     float* grad;               // [rows][Z_PAD]
@@ -849,6 +849,15 @@ static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int
     cublasCheck(cublasLtMatrixLayoutDestroy(x_layout));
     cublasCheck(cublasLtMatrixLayoutDestroy(y_layout));
 }
+// One set of AIS buffers for up to PLAIN_AIS_ROWS chains: their own z input, h3 and logits, the backward's residual
+// (sigmoid - x) and dh, the chains, and the stream its launches run on. AIS runs two sets at once, each on its stream,
+// so that one set's memory-bound kernels fill the SMs beside the other set's matmuls.
+typedef struct {
+    void *z_input, *h3, *residual, *dh;
+    float* logits;
+    AisChains chains;
+    cudaStream_t stream;
+} AisWork;
 // The plain path's model: its weights in the path's type, its products, and its activations for up to
 // max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples). The buffers hold T
 // values where the path's type is used and fp32 where the text says so.
@@ -868,13 +877,9 @@ typedef struct {
     void *z_input, *h3;    // [rows][Z_PAD * parts], [rows][400]
     float *logits, *bce, *log_ratio; // [rows][784], [rows], [rows] fp32
     float* recon;          // [max_batch][784] fp32
-    // AIS, allocated by its first run: its rows' own z input, h3 and logits, the backward's residual
-    // (sigmoid - x) and dh, and the chains
-    int ais_rows;
     Gemm fc4_backward, fc3_backward;
-    void *ais_z_input, *ais_h3, *residual, *dh;
-    float* ais_logits;
-    AisChains chains;
+    AisWork ais[2]; // AIS's two sets of buffers, allocated by its first run
+    cudaEvent_t fork, join;
 } Plain;
 static void* device_alloc(size_t bytes, const char* what, int batch) {
     void* p = NULL;
@@ -975,10 +980,17 @@ static void plain_init(Plain* pl, const float* const* tensors, Precision precisi
     pl->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
 }
 static void plain_free(Plain* pl) {
-    void* buffers[] = {pl->weights, pl->x,      pl->h1,         pl->mulv,     pl->z,        pl->z_input,
-                       pl->h3,      pl->logits, pl->bce,        pl->log_ratio, pl->recon,   pl->ais_z_input,
-                       pl->ais_h3,  pl->residual, pl->dh,       pl->ais_logits, pl->chains.z};
+    void* buffers[] = {pl->weights, pl->x, pl->h1, pl->mulv, pl->z, pl->z_input, pl->h3, pl->logits, pl->bce,
+                       pl->log_ratio, pl->recon};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
+    for (AisWork& w : pl->ais) {
+        void* ais_buffers[] = {w.z_input, w.h3, w.residual, w.dh, w.logits, w.chains.z};
+        for (void* p : ais_buffers) cudaCheck(cudaFree(p));
+    }
+    if (pl->fork) {
+        cudaCheck(cudaStreamDestroy(pl->ais[1].stream));
+        cudaCheck(cudaEventDestroy(pl->fork)), cudaCheck(cudaEventDestroy(pl->join));
+    }
     Gemm* gemms[] = {&pl->fc1, &pl->fc2, &pl->fc3, &pl->fc4, &pl->fc4_long, &pl->fc4_backward, &pl->fc3_backward};
     for (Gemm* g : gemms) gemm_free(g);
     if (pl->lt) cublasCheck(cublasLtDestroy(pl->lt));
@@ -1022,47 +1034,48 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
     launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
            pixels, rows, rows_per_image);
 }
-// AIS: one gradient evaluation for `rows` chains at pl->ais_z_input, a row's pixels those of image r / C: the decoder
+// AIS: one gradient evaluation for `rows` chains at w.z_input, a row's pixels those of image r / C: the decoder
 // forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into chains.grad, and the BCE into
 // chains.bce when `energy` (a trajectory's start and end). The L - 1 evaluations between a trajectory's ends need only
 // the gradient: their logits are in T, which halves the bytes of bf16's logits (80,000 rows x 784: 251 MB in fp32).
 // Each point's gradient is then the same function of z in either direction along the trajectory (ends: fp32 logits;
 // between: T), so the leapfrog stays reversible.
 template <typename T>
-static void plain_ais_gradient(Plain* pl, const AisIO& io, int rows, bool energy, cudaStream_t stream) {
+static void plain_ais_gradient(Plain* pl, const AisIO& io, const AisWork& w, int rows, bool energy) {
     typedef typename Backward<T>::type B;
-    gemm(pl->lt, pl->fc3, pl->ais_h3, pl->ais_z_input, rows, stream);
+    gemm(pl->lt, pl->fc3, w.h3, w.z_input, rows, w.stream);
     if (energy) {
-        gemm(pl->lt, pl->fc4, pl->ais_logits, pl->ais_h3, rows, stream);
-        launch(decoder_output_kernel<B, float>, rows, 4, 128, stream, pl->chains.bce, (float*)NULL,
-               (B*)pl->residual, (const float*)pl->ais_logits, io.pixels, rows, io.chains);
+        gemm(pl->lt, pl->fc4, w.logits, w.h3, rows, w.stream);
+        launch(decoder_output_kernel<B, float>, rows, 4, 128, w.stream, w.chains.bce, (float*)NULL, (B*)w.residual,
+               (const float*)w.logits, io.pixels, rows, io.chains);
     } else {
-        gemm(pl->lt, pl->fc4_long, pl->ais_logits, pl->ais_h3, rows, stream);
-        launch(decoder_output_kernel<B, T>, rows, 4, 128, stream, (float*)NULL, (float*)NULL, (B*)pl->residual,
-               (const T*)pl->ais_logits, io.pixels, rows, io.chains);
+        gemm(pl->lt, pl->fc4_long, w.logits, w.h3, rows, w.stream);
+        launch(decoder_output_kernel<B, T>, rows, 4, 128, w.stream, (float*)NULL, (float*)NULL, (B*)w.residual,
+               (const T*)w.logits, io.pixels, rows, io.chains);
     }
-    gemm(pl->lt, pl->fc4_backward, pl->dh, pl->residual, rows, stream);
+    gemm(pl->lt, pl->fc4_backward, w.dh, w.residual, rows, w.stream);
     const long long hidden = (long long)rows * HIDDEN_DIM;
-    launch(relu_backward_kernel<B, T>, hidden / 4, 256, 256, stream, (B*)pl->dh, (const T*)pl->ais_h3, hidden);
-    gemm(pl->lt, pl->fc3_backward, pl->chains.grad, pl->dh, rows, stream);
+    launch(relu_backward_kernel<B, T>, hidden / 4, 256, 256, w.stream, (B*)w.dh, (const T*)w.h3, hidden);
+    gemm(pl->lt, pl->fc3_backward, w.chains.grad, w.dh, rows, w.stream);
 }
-// AIS over io.n images whose io.mulv is filled in, all T - 1 transitions of io.n * C chains at once:
-// a kernel for each step of a transition over every chain (part 1), the gradient between them.
-template <typename T> static void plain_ais_run(Plain* pl, const AisIO& io, cudaStream_t stream) {
+// Step s of an AIS run over io.n * C chains in one set of buffers, a kernel for each part of a transition over every
+// chain (part 1), the gradient between them. s = 0: the chains' start and their first gradient; s = 1 .. T - 1: the
+// weight's term at step s, then transition s; s = T: the last term.
+template <typename T> static void plain_ais_step(Plain* pl, const AisIO& io, const AisWork& w, int s) {
     const int rows = io.n * io.chains;
-    T* z_input = (T*)pl->ais_z_input;
-    launch(ais_start_kernel<T>, rows, 128, 128, stream, io, pl->chains, z_input);
-    plain_ais_gradient<T>(pl, io, rows, true, stream);
-    for (int s = 1; s <= io.T; s++) {
-        launch(ais_begin_kernel<T>, rows, 128, 128, stream, io, pl->chains, z_input, s);
-        if (s == io.T) break;
-        for (int l = 1; l <= io.leapfrog; l++) {
-            plain_ais_gradient<T>(pl, io, rows, l == io.leapfrog, stream);
-            if (l < io.leapfrog) launch(ais_leapfrog_kernel<T>, rows, 128, 128, stream, io, pl->chains, z_input, s);
-        }
-        launch(ais_end_kernel, rows, 128, 128, stream, io, pl->chains, s);
-        launch(ais_adapt_kernel, io.n, 128, 128, stream, io, pl->chains);
+    T* z_input = (T*)w.z_input;
+    if (s == 0) {
+        launch(ais_start_kernel<T>, rows, 128, 128, w.stream, io, w.chains, z_input);
+        return plain_ais_gradient<T>(pl, io, w, rows, true);
     }
+    launch(ais_begin_kernel<T>, rows, 128, 128, w.stream, io, w.chains, z_input, s);
+    if (s == io.T) return;
+    for (int l = 1; l <= io.leapfrog; l++) {
+        plain_ais_gradient<T>(pl, io, w, rows, l == io.leapfrog);
+        if (l < io.leapfrog) launch(ais_leapfrog_kernel<T>, rows, 128, 128, w.stream, io, w.chains, z_input, s);
+    }
+    launch(ais_end_kernel, rows, 128, 128, w.stream, io, w.chains, s);
+    launch(ais_adapt_kernel, io.n, 128, 128, w.stream, io, w.chains);
 }
 // The same run on n of io's images, from image `first`.
 static AisIO ais_slice(AisIO io, int first, int n) {
@@ -1078,31 +1091,47 @@ static AisIO ais_slice(AisIO io, int first, int n) {
     if (io.proposal) io.proposal += rows * 2 * LATENT_DIM;
     return io;
 }
-// AIS on the plain path over io.n images (io.mulv filled in), in launches of at most PLAIN_AIS_ROWS
-// chains, of as many images each: a chain's results do not depend on which launch it ran in.
-static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
-    if (pl->ais_rows == 0) { // the first AIS run allocates its buffers
-        const size_t R = PLAIN_AIS_ROWS, t = pl->type_size;
-        const int zk = z_width(pl->precision);
-        pl->ais_rows = PLAIN_AIS_ROWS;
-        pl->ais_z_input = device_alloc(R * zk * t, "the AIS chains' fc3 input", pl->max_batch);
-        pl->ais_h3 = device_alloc(R * HIDDEN_DIM * t, "the AIS chains' h3", pl->max_batch);
-        pl->ais_logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the AIS chains' logits", pl->max_batch);
-        pl->residual = device_alloc(R * INPUT_DIM * t, "the AIS chains' sigmoid - x", pl->max_batch);
-        pl->dh = device_alloc(R * HIDDEN_DIM * t, "the AIS chains' dh", pl->max_batch);
+static void plain_ais_alloc(Plain* pl) {
+    const size_t R = PLAIN_AIS_ROWS, t = pl->type_size;
+    const int zk = z_width(pl->precision);
+    for (AisWork& w : pl->ais) {
+        w.z_input = device_alloc(R * zk * t, "the AIS chains' fc3 input", pl->max_batch);
+        w.h3 = device_alloc(R * HIDDEN_DIM * t, "the AIS chains' h3", pl->max_batch);
+        w.logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the AIS chains' logits", pl->max_batch);
+        w.residual = device_alloc(R * INPUT_DIM * t, "the AIS chains' sigmoid - x", pl->max_batch);
+        w.dh = device_alloc(R * HIDDEN_DIM * t, "the AIS chains' dh", pl->max_batch);
         const size_t floats = R * (4 * LATENT_DIM + Z_PAD + 3) + R; // z p z0 grad0 | grad | bce bce0 h0 | took
         float* f = (float*)device_alloc(floats * sizeof(float), "the AIS chains", pl->max_batch);
-        AisChains& c = pl->chains;
+        AisChains& c = w.chains;
         c.z = f, c.p = f + R * LATENT_DIM, c.z0 = f + 2 * R * LATENT_DIM, c.grad0 = f + 3 * R * LATENT_DIM;
         c.grad = f + 4 * R * LATENT_DIM, c.bce = c.grad + R * Z_PAD, c.bce0 = c.bce + R, c.h0 = c.bce0 + R;
         c.took = (int*)(c.h0 + R);
     }
-    const int per_launch = pl->ais_rows / io.chains, launches = ceil_div(io.n, per_launch);
-    const int images = ceil_div(io.n, launches); // launches of even size
-    for (int first = 0; first < io.n; first += images) {
-        const AisIO part = ais_slice(io, first, io.n - first < images ? io.n - first : images);
-        (pl->precision == PRECISION_BF16 ? plain_ais_run<bf16> : plain_ais_run<float>)(pl, part, stream);
+    cudaCheck(cudaStreamCreateWithFlags(&pl->ais[1].stream, cudaStreamNonBlocking));
+    cudaCheck(cudaEventCreateWithFlags(&pl->fork, cudaEventDisableTiming));
+    cudaCheck(cudaEventCreateWithFlags(&pl->join, cudaEventDisableTiming));
+}
+// AIS on the plain path over io.n images (io.mulv filled in), in parts of even size, at most PLAIN_AIS_ROWS chains
+// each: two parts at a time, one in each set of buffers on its stream, step by step, so that both streams always have
+// work queued. A chain's results do not depend on which part or stream it ran in.
+static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
+    if (pl->fork == NULL) plain_ais_alloc(pl);
+    pl->ais[0].stream = stream;
+    const int parts = 2 * ceil_div(io.n, 2 * (PLAIN_AIS_ROWS / io.chains)), images = ceil_div(io.n, parts);
+    cudaCheck(cudaEventRecord(pl->fork, stream)); // the second stream starts after the encoder
+    cudaCheck(cudaStreamWaitEvent(pl->ais[1].stream, pl->fork, 0));
+    for (int first = 0; first < io.n; first += 2 * images) {
+        AisIO part[2];
+        int count = 0;
+        for (int at = first; at < io.n && count < 2; at += images)
+            part[count++] = ais_slice(io, at, io.n - at < images ? io.n - at : images);
+        for (int s = 0; s <= io.T; s++)
+            for (int k = 0; k < count; k++)
+                (pl->precision == PRECISION_BF16 ? plain_ais_step<bf16> : plain_ais_step<float>)(pl, part[k],
+                                                                                               pl->ais[k], s);
     }
+    cudaCheck(cudaEventRecord(pl->join, pl->ais[1].stream));
+    cudaCheck(cudaStreamWaitEvent(stream, pl->join, 0));
 }
 
 // ---- kernels: the tensor cores, one encoder kernel and one decoder kernel, in either precision ----------------------
@@ -4118,9 +4147,9 @@ static void ais_buffers_free(AisBuffers* b) {
     for (void* p : buffers) cudaCheck(cudaFree(p));
 }
 // Images one vae_ais call takes at a time (at most max_batch): a round of the fused kernel's clusters,
-// or a launch of the plain path's PLAIN_AIS_ROWS chains.
+// or two sets of the plain path's PLAIN_AIS_ROWS chains.
 static int vae_ais_round(const VAE* m, int C) {
-    const int round = m->fused ? m->ais_clusters * ais_cluster_images(C) : PLAIN_AIS_ROWS / C;
+    const int round = m->fused ? m->ais_clusters * ais_cluster_images(C) : 2 * (PLAIN_AIS_ROWS / C);
     return round < m->max_batch ? round : m->max_batch;
 }
 // AIS over images 0 .. n-1 at d_pixels (forward, or reverse from d_z_start [n][20]) in calls of whole
