@@ -305,25 +305,27 @@ def read_legacy(path, data):
     if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
         raise CheckpointError(path, "its storage key list is no list of strings", DAMAGED_HINT)
 
-    storages = {}
+    storages, seen = {}, set()
     pos = stream.tell()
     for key in keys:
         if key not in unpickler.storages:
-            raise CheckpointError(path, f"its storage key list names {key[:40]!r}, which no tensor uses", DAMAGED_HINT)
-        if key in storages:
-            raise CheckpointError(path, f"its storage key list names {key[:40]!r} twice", DAMAGED_HINT)
-        ref = unpickler.storages[key]
+            raise CheckpointError(path, f"its storage key list names {short(key)!r}, which no tensor uses",
+                                  DAMAGED_HINT)
+        if key in seen:
+            raise CheckpointError(path, f"its storage key list names {short(key)!r} twice", DAMAGED_HINT)
+        seen.add(key)
+        ref, name = unpickler.storages[key], short(key)
         if pos + 8 > len(data):
             raise CheckpointError(path, f"it is truncated: it ends at byte {len(data)}, inside the element count "
-                                        f"of storage {key}", DAMAGED_HINT)
+                                        f"of storage {name}", DAMAGED_HINT)
         count = int.from_bytes(data[pos:pos + 8], "little", signed=True)
         if count != ref.numel:
-            raise CheckpointError(path, f"storage {key} holds {count} elements where its tensors say {ref.numel}",
+            raise CheckpointError(path, f"storage {name} holds {count} elements where its tensors say {ref.numel}",
                                   DAMAGED_HINT)
         pos += 8
         size = ELEMENT_SIZES[ref.dtype] * count
         if pos + size > len(data):
-            raise CheckpointError(path, f"it is truncated: storage {key} needs bytes {pos}..{pos + size - 1} "
+            raise CheckpointError(path, f"it is truncated: storage {name} needs bytes {pos}..{pos + size - 1} "
                                         f"but the file ends at byte {len(data)}", DAMAGED_HINT)
         if ref.dtype in RAW_DTYPES:  # other dtypes are never read: a VAE tensor of one is refused by name
             storages[key] = np.frombuffer(data, dtype=RAW_DTYPES[ref.dtype], count=count, offset=pos)
@@ -332,7 +334,7 @@ def read_legacy(path, data):
         raise CheckpointError(path, f"it has {len(data) - pos} bytes after its last storage", DAMAGED_HINT)
     missing = sorted(set(unpickler.storages) - set(keys))
     if missing:
-        raise CheckpointError(path, f"the data of storage {missing[0][:40]} is missing", DAMAGED_HINT)
+        raise CheckpointError(path, f"the data of storage {short(missing[0])} is missing", DAMAGED_HINT)
     return obj, storages
 
 
@@ -436,8 +438,8 @@ def read_safetensors(path, data):
         raise refuse(f"its safetensors header is no valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
     if not isinstance(header, dict):
         raise refuse("its safetensors header is no JSON object")
-    metadata = header.pop("__metadata__", {})
-    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+    metadata = header.pop("__metadata__", None)
+    if not (metadata is None or isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise refuse("its safetensors __metadata__ is no object of strings")
 
     start, size = 8 + length, len(data) - 8 - length  # the data, after the header
@@ -446,7 +448,7 @@ def read_safetensors(path, data):
         if not (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}):
             raise refuse(f"its safetensors entry {name[:60]!r} is not an object of dtype, shape and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in SAFETENSORS_DTYPES:
+        if not (isinstance(dtype, str) and dtype in SAFETENSORS_DTYPES):
             raise refuse(f"its tensor {name[:60]} has dtype {short(dtype)!r}, which safetensors does not define")
         dtype = SAFETENSORS_DTYPES[dtype]
         if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):

@@ -187,9 +187,10 @@ class PickleWriter:
     """Writes one protocol-2 pickle opcode by opcode, as torch.save does for a state_dict; each Raw becomes a
     storage of its own, its persistent id ('storage', torch.<Type>Storage, key, 'cpu', numel[, None])."""
 
-    def __init__(self, legacy):
+    def __init__(self, legacy, tweak=None):
         self.out = bytearray(b"\x80\x02")
         self.legacy, self.storages = legacy, []  # (key, Raw) in the order the pickle names them
+        self.tweak = tweak  # tweak(index, fields) -> the fields the pickle gives the tensor of that index
 
     def dump(self, obj):
         self.value(obj)
@@ -246,18 +247,20 @@ class PickleWriter:
         key = str(len(self.storages)) if not self.legacy else str(140000000 + len(self.storages))
         self.storages.append((key, raw))
         shape = raw.values.shape
-        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        fields = dict(type=Global("torch", STORAGE_NAMES[raw.dtype]), key=key, location="cpu", numel=raw.values.size,
+                      offset=0, size=tuple(shape), stride=tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape))),
+                      requires_grad=False)
+        if self.tweak:
+            fields = self.tweak(len(self.storages) - 1, fields)
         # _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, backward_hooks)
         self.global_("torch._utils", "_rebuild_tensor_v2")
         self.out += b"(("
-        for item in ("storage", Global("torch", STORAGE_NAMES[raw.dtype]), key, "cpu", raw.values.size):
+        for item in ("storage", fields["type"], fields["key"], fields["location"], fields["numel"]):
             self.value(item)
         self.out += b"Nt" if self.legacy else b"t"
         self.out += b"Q"
-        self.value(0)
-        self.value(tuple(shape))
-        self.value(strides)
-        self.value(False)
+        for name in ("offset", "size", "stride", "requires_grad"):
+            self.value(fields[name])
         self.global_("collections", "OrderedDict")
         self.out += b")Rt" + b"R"
 
@@ -272,19 +275,19 @@ def legacy_pickles(*objs):
     return b"".join(pickle.dumps(o, protocol=2) for o in (pw.LEGACY_MAGIC, pw.LEGACY_PROTOCOL, sys_info, *objs))
 
 
-def legacy_file(obj):
+def legacy_file(obj, tweak=None):
     """obj as torch.save(obj, f, _use_new_zipfile_serialization=False) writes it."""
-    writer = PickleWriter(legacy=True)
+    writer = PickleWriter(legacy=True, tweak=tweak)
     state = writer.dump(obj)
     keys = [key for key, _ in writer.storages]
     data = b"".join(struct.pack("<q", raw.values.size) + raw_bytes(raw) for _, raw in writer.storages)
     return legacy_pickles() + state + pickle.dumps(keys, protocol=2) + data
 
 
-def zip_file(obj, folder="archive", byteorder=True, pkl=None):
+def zip_file(obj, folder="archive", byteorder=True, pkl=None, tweak=None):
     """obj as torch.save(obj, f) writes it: an uncompressed zip of folder/data.pkl and each storage's data;
     pkl, when given, replaces the pickle."""
-    writer = PickleWriter(legacy=False)
+    writer = PickleWriter(legacy=False, tweak=tweak)
     data_pkl = writer.dump(obj) if pkl is None else pkl
     records = [("data.pkl", data_pkl)] + ([("byteorder", b"little")] if byteorder else [])
     records += [(f"data/{key}", raw_bytes(raw)) for key, raw in writer.storages] + [("version", b"3\n")]
@@ -982,6 +985,70 @@ def check_corpus(env):
         signal.signal(signal.SIGALRM, previous)
 
 
+# values of every kind that pickle and JSON can hold, for the fields of a tensor's record
+ODD_VALUES = [None, True, -1, 0, 1.5, 2 ** 70, -2 ** 63, "F32", "", (), (1,), (-1, 2), (2 ** 62, 2 ** 62), [], [3],
+              {}, {"a": 1}, Global("torch", "FloatStorage"), Global("collections", "OrderedDict")]
+
+
+def check_odd_fields(env):
+    """Each field of a tensor's record (in the pickles: storage type, key, location, element count, offset,
+    size, stride, requires_grad; in safetensors: dtype, shape, data_offsets and the entries themselves) given
+    values of every kind: the reader accepts the file or raises CheckpointError, never another exception."""
+    folder = env.folder("odd_fields")
+    raws = as_raw(random_vae(pw.Dims(6, 3, 5), SEED + 40))
+    path = os.path.join(folder, "odd.pt")
+
+    def outcome(data):
+        write(path, data)
+        try:
+            pw.read_checkpoint(path)
+            return "accepted"
+        except pw.CheckpointError:
+            return "refused"
+        except Exception as e:
+            return f"{type(e).__name__}: {str(e)[:200]}"
+
+    def json_value(v):  # pickle-only values as JSON
+        return [json_value(x) for x in v] if isinstance(v, tuple) else repr(v) if isinstance(v, Global) else v
+
+    for fmt in ("legacy", "zip"):
+        outcomes, problems = collections.Counter(), []
+        for field in ("type", "key", "location", "numel", "offset", "size", "stride", "requires_grad"):
+            for index in (0, 1):  # fc1.weight (2-D) and fc1.bias (1-D)
+                for value in ODD_VALUES:
+                    def tweak(i, fields, field=field, index=index, value=value):
+                        return dict(fields, **{field: value}) if i == index else fields
+                    data = (legacy_file if fmt == "legacy" else zip_file)(raws, tweak=tweak)
+                    result = outcome(data)
+                    outcomes[result if result in ("accepted", "refused") else "escaped"] += 1
+                    if result not in ("accepted", "refused"):
+                        problems.append(f"{field} = {value!r}: {result}")
+        check(f"{fmt}: every field of a tensor's record with {len(ODD_VALUES)} kinds of value "
+              f"({outcomes['accepted']} accepted, {outcomes['refused']} refused)", "; ".join(problems[:3]) or None)
+
+    good = safetensors_file(raws)
+    header = json.loads(good[8:8 + struct.unpack_from("<Q", good)[0]])
+    outcomes, problems, variants = collections.Counter(), [], []
+    for value in map(json_value, ODD_VALUES):
+        variants.append(("the header", value))
+        variants.append(("__metadata__", dict(header, __metadata__=value)))
+        variants.append(("__metadata__ entry", dict(header, __metadata__={"a": value})))
+        for name in ("fc1.weight", "fc1.bias"):
+            variants.append((f"{name}", dict(header, **{name: value})))
+            for field in ("dtype", "shape", "data_offsets"):
+                variants.append((f"{name} {field}", dict(header, **{name: dict(header[name], **{field: value})})))
+                if field != "dtype":
+                    variants.append((f"{name} {field}[0]", dict(header, **{name: dict(
+                        header[name], **{field: [value] + header[name][field][1:]})})))
+    for what, h in variants:
+        result = outcome(safetensors_file(raws, header=h))
+        outcomes[result if result in ("accepted", "refused") else "escaped"] += 1
+        if result not in ("accepted", "refused"):
+            problems.append(f"{what}: {result}")
+    check(f"safetensors: the header and each field of a tensor's entry with {len(ODD_VALUES)} kinds of value "
+          f"({outcomes['accepted']} accepted, {outcomes['refused']} refused)", "; ".join(problems[:3]) or None)
+
+
 def main():
     p = argparse.ArgumentParser(description="Tests prepare_weights.py.")
     p.add_argument("--src", default=os.path.join(HERE, "..", "shared", "data"),
@@ -992,7 +1059,7 @@ def main():
         env = Env(root, os.path.abspath(args.src))
         checks = [(check_help, ()), (check_replace_when_complete, ()), (check_family, ()), (check_structures, ()),
                   (check_torch_saved, ()), (check_checkpoint_refusals, ()), (check_checkpoint_cli, ()),
-                  (check_corpus, ())]
+                  (check_corpus, ()), (check_odd_fields, ())]
         missing = [n for n in pw.SOURCES if not os.path.isfile(os.path.join(env.src, n))]
         if missing:
             skip("every check on the real inputs", f"{env.src} lacks {missing}")
