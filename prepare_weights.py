@@ -635,7 +635,7 @@ def to_float32(path, name, tensor):
     if bad.size:
         index = np.unravel_index(bad[0], values.shape)
         at = f"{name}[{', '.join(map(str, index))}]"
-        if np.isfinite(raw[index]) and tensor.dtype == "float64":
+        if tensor.dtype == "float64" and np.isfinite(raw[index]):
             raise CheckpointError(path, f"{at} is {raw[index]}, non-finite as float32 (beyond its range)",
                                   "the weights must be finite float32 values")
         raise CheckpointError(path, f"{at} is {values[index]}, a non-finite value",

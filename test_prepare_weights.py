@@ -634,6 +634,22 @@ def check_replace_when_complete(env):
     check("an output interrupted part way leaves the earlier file and no temporary; a complete one replaces it",
           None if kept and replaced else f"kept {kept}, replaced {replaced}, folder {os.listdir(folder)}")
 
+    # the folders a new output needs: removed again when the block fails, kept when it completes
+    path = os.path.join(folder, "new", "sub", "file.bin")
+    for error in (RuntimeError("disk full"), SystemExit(1)):
+        try:
+            with pw.folders_for(path), pw.replace_when_complete(path) as f:
+                f.write(b"half")
+                raise error
+        except (RuntimeError, SystemExit):
+            pass
+    removed = sorted(os.listdir(folder)) == ["file.bin"]
+    with pw.folders_for(path), pw.replace_when_complete(path) as f:
+        f.write(b"new")
+    check("the folders an output needs are removed when it fails part way, and kept when it completes",
+          None if removed and read(path) == b"new" and os.listdir(os.path.dirname(path)) == ["file.bin"]
+          else f"removed {removed}, folder {os.listdir(folder)}")
+
 
 # ----------------------------------------------------------------------------
 # --checkpoint: other sizes, formats, structures and dtypes
