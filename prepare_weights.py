@@ -8,9 +8,11 @@ Prepares everything vae.cu reads: the inputs with numpy alone, the reference dum
   data/vae_debug_state.bin      reference activations for test_vae.cu                  torch
   data/vae_iwae_state.bin       reference IWAE log-likelihoods for test_vae.cu         torch
 
-The checkpoint is read without torch, by a reader of PyTorch's legacy (non-zip) format that takes
-float32 tensors and refuses any other object, so nothing in the file can run code. PyTorch is the
-reference implementation behind the two dumps, which only 'make test' needs.
+Checkpoints are read without torch, by readers of PyTorch's zip format (torch.save's default since
+PyTorch 1.6), its legacy format and safetensors. The pickle formats go through an unpickler that
+builds inert records of tensors and refuses every other class or function, so nothing in the file
+can run code. PyTorch is the reference implementation behind the two dumps, which only 'make test'
+needs.
 
 Inputs come from --src DIR (a folder holding vae_epoch_25.pth and the two t10k .gz files)
 or, without --src, are downloaded; either way their MD5s are checked.
@@ -19,16 +21,29 @@ or, without --src, are downloaded; either way their MD5s are checked.
   python3 prepare_weights.py --src ../shared/data --only inputs        # numpy only
   python3 prepare_weights.py --src ../shared/data --only references    # torch (Debian's: /usr/bin/python3)
   python3 prepare_weights.py --reference-loss     # also print full-test-set float64 losses (torch)
+  python3 prepare_weights.py --checkpoint my_vae.pt [--out data/my_vae.bin]    # one weights file, numpy only
+
+--checkpoint converts a VAE of any size of the family, x (784) -> fc1 -> H1 -> fc21, fc22 -> Z;
+z -> fc3 -> H3 -> fc4 -> 784, with 1 <= H1, H3 <= 4096 and 1 <= Z <= 64, from a state_dict that is
+the file's object itself or its entry 'state_dict' or 'model' (a dict beside other entries: epoch,
+optimizer, ...), its keys perhaps prefixed 'module.' (DataParallel), its tensors float32, float16,
+bfloat16 or float64. The file is judged by its keys, shapes and finite values (an MD5 checks only
+the published checkpoint), and only the weights file is written: to --out, by default
+data/<the checkpoint's name without its suffix>.bin.
 
 Each output is written to a temporary file beside it and renamed into place once complete, so a
-failure leaves the earlier file as it was.
+failure leaves the earlier file as it was; a folder that --checkpoint's output needs is created
+only for a write that succeeds.
 
-Weights file: a header of 256 int32 then the tensors as little-endian float32, in the
+Weights file, version 2: a header of 256 int32 then the tensors as little-endian float32, in the
 PyTorch Linear layout (weight[out][in] row-major, then bias[out]):
-  header[0] magic 0x31454156 ("VAE1")  header[1] version 1
-  header[2] input dim 784  header[3] hidden dim 400  header[4] latent dim 20
+  header[0] magic 0x31454156 ("VAE1")  header[1] version 2
+  header[2] input dim 784  header[3] H1 (fc1's outputs)  header[4] Z (latent dim)
   header[5] dtype (1 = float32)  header[6] tensor count (10)  header[7] total floats
-  tensors: fc1.w fc1.b fc21.w fc21.b fc22.w fc22.b fc3.w fc3.b fc4.w fc4.b
+  header[8] H3 (fc3's outputs)  header[9..255] zero
+  tensors: fc1.w [H1][784] fc1.b [H1] fc21.w [Z][H1] fc21.b [Z] fc22.w [Z][H1] fc22.b [Z]
+           fc3.w [H3][Z] fc3.b [H3] fc4.w [784][H3] fc4.b [784]
+The published checkpoint gives H1 = H3 = 400, Z = 20.
 
 Debug state file: a header of 256 int32 then, for each case, tensors as float64 and float32:
   header[0] magic 0x44454156 ("VAED")  header[1] version 1
@@ -45,6 +60,7 @@ IWAE state file: a header of 256 int32 then eps, then log p(x) in float64 and in
   eps float32 [N][K][20]; log p(x) float64 [N]; log p(x) float32 [N], where
   log p(x) = logsumexp_k [log p(x|z_k) + log N(z_k; 0, I) - log N(z_k; mu, sigma^2)] - log K,
   z_k = mu + sigma eps_k, log p(x|z) = -BCE, each Gaussian with its -1/2 log(2 pi).
+(Both dumps are made from the published checkpoint; their dims are its 784/H1/Z.)
 """
 import argparse
 import collections
@@ -54,6 +70,7 @@ import gzip
 import hashlib
 import importlib
 import io
+import json
 import math
 import os
 import pickle
@@ -61,26 +78,37 @@ import pickletools
 import shutil
 import sys
 import urllib.request
+import zipfile
 
 try:
     import numpy as np
 except ImportError:
-    sys.exit("prepare_weights.py: error: numpy is missing. "
-             "HINT: apt-get install -y python3-numpy, or python3 -m pip install numpy")
+    np = None  # main() says so after parsing the arguments, so that --help works without numpy
+NUMPY_MISSING = ("prepare_weights.py: error: numpy is missing. "
+                 "HINT: apt-get install -y python3-numpy, or python3 -m pip install numpy")
 
-INPUT_DIM, HIDDEN_DIM, LATENT_DIM = 784, 400, 20
-WEIGHTS_MAGIC, DEBUG_MAGIC, IWAE_MAGIC, VERSION = 0x31454156, 0x44454156, 0x49454156, 1
+INPUT_DIM = 784  # 28x28 images
+MAX_HIDDEN, MAX_LATENT = 4096, 64  # the sizes of the family that vae.cu takes: 1 <= H1, H3 <= 4096, 1 <= Z <= 64
+Dims = collections.namedtuple("Dims", "h1 z h3")
+PUBLISHED_DIMS = Dims(400, 20, 400)
+WEIGHTS_MAGIC, DEBUG_MAGIC, IWAE_MAGIC = 0x31454156, 0x44454156, 0x49454156
+WEIGHTS_VERSION = 2  # version 1 had no header[8]: H3 was H1
+STATE_VERSION = 1  # the debug and IWAE dumps
 DTYPE_FLOAT32 = 1
 HEADER_INTS = 256
-# the checkpoint's tensors in vae_weights.bin's order, with their shapes (PyTorch Linear: weight[out][in], bias[out])
-VAE_SHAPES = {
-    "fc1.weight": (HIDDEN_DIM, INPUT_DIM), "fc1.bias": (HIDDEN_DIM,),
-    "fc21.weight": (LATENT_DIM, HIDDEN_DIM), "fc21.bias": (LATENT_DIM,),
-    "fc22.weight": (LATENT_DIM, HIDDEN_DIM), "fc22.bias": (LATENT_DIM,),
-    "fc3.weight": (HIDDEN_DIM, LATENT_DIM), "fc3.bias": (HIDDEN_DIM,),
-    "fc4.weight": (INPUT_DIM, HIDDEN_DIM), "fc4.bias": (INPUT_DIM,),
+# each tensor's shape in PyTorch's Linear layout (weight[out][in], bias[out]), in vae_weights.bin's order;
+# H1, Z and H3 are taken from the shapes, the first tensor holding each (in SHAPE_ORDER) giving it
+VAE_LAYOUT = {
+    "fc1.weight": ("H1", INPUT_DIM), "fc1.bias": ("H1",),
+    "fc21.weight": ("Z", "H1"), "fc21.bias": ("Z",),
+    "fc22.weight": ("Z", "H1"), "fc22.bias": ("Z",),
+    "fc3.weight": ("H3", "Z"), "fc3.bias": ("H3",),
+    "fc4.weight": (INPUT_DIM, "H3"), "fc4.bias": (INPUT_DIM,),
 }
-TENSOR_ORDER = list(VAE_SHAPES)
+TENSOR_ORDER = list(VAE_LAYOUT)
+SHAPE_ORDER = ["fc1.weight", "fc21.weight", "fc3.weight"] + [n for n in TENSOR_ORDER
+                                                             if n not in ("fc1.weight", "fc21.weight", "fc3.weight")]
+SIZE_BOUNDS = {"H1": (1, MAX_HIDDEN), "Z": (1, MAX_LATENT), "H3": (1, MAX_HIDDEN)}
 # (batch size, first test image): a batch that is no tile multiple, and a single image
 DEBUG_CASES = [(37, 0), (1, 9999)]
 DEBUG_SEED = 1234
@@ -108,42 +136,89 @@ def fail(msg):
     sys.exit(1)
 
 
+def vae_shapes(dims):
+    """{name: shape} of a VAE of the family with these dims, in vae_weights.bin's order."""
+    sizes = dict(H1=dims.h1, Z=dims.z, H3=dims.h3)
+    return {name: tuple(sizes.get(d, d) for d in layout) for name, layout in VAE_LAYOUT.items()}
+
+
 # ----------------------------------------------------------------------------
-# the checkpoint, without torch
+# checkpoints, without torch
 #
 # PyTorch's legacy format (torch.save(..., _use_new_zipfile_serialization=False)) is five pickles
 # in a row: a magic number, the format's protocol version, the saving machine's sys_info, the
 # state_dict (its tensors refer to storages through persistent ids), and the list of storage keys.
 # Then, for each key in that order, the storage's element count as int64 and its raw bytes.
+#
+# PyTorch's zip format (torch.save's default) is an uncompressed zip archive whose records share one
+# folder, named after the file or 'archive': <folder>/data.pkl is the pickle, with the same persistent
+# ids, and <folder>/data/<key> holds each storage's raw bytes; small records beside them (version,
+# byteorder, ...) describe the archive.
+#
+# safetensors: a little-endian u64 N, N bytes of JSON mapping each tensor's name to its dtype, shape and
+# data_offsets [begin, end) into the data that follows (plus an optional "__metadata__" of strings),
+# then the data, every byte of it belonging to exactly one tensor.
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
-LEGACY_PICKLE_PROTOCOL = 2  # what torch.save pickles with, by default
+PICKLE_PROTOCOL = 2  # what torch.save pickles with, by default, in both of its formats
 ZIP_MAGIC = b"PK\x03\x04"
+MAX_PICKLE_BYTES = 64 << 20  # a state_dict's pickle, tensors' data aside, is small: a few kB for the VAE
+MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors library's own limit
 PUBLISHED_HINT = f"use the published checkpoint, {SOURCES[CHECKPOINT][0]}"
+STATE_HINT = ("save the VAE's state_dict with torch.save(model.state_dict(), path) or safetensors; "
+              "or use the published checkpoint")
+DAMAGED_HINT = "save the checkpoint again, with torch.save or safetensors"
+
+# dtype name -> bytes per element, for every dtype the formats can name; the first four are converted
+ELEMENT_SIZES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+    "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+# the converted dtypes' raw values as numpy reads them; numpy has no bfloat16, so its 16 bits are read as uint16
+RAW_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "float64": "<f8"}
+STORAGE_DTYPES = {  # the torch.*Storage classes that the pickles name
+    "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16", "DoubleStorage": "float64",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
+    "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
+}
+SAFETENSORS_DTYPES = {
+    "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
+    "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+WRAPPER_KEYS = ("state_dict", "model")  # where training scripts keep the state_dict beside epoch, optimizer, ...
+DATA_PARALLEL_PREFIX = "module."
 
 
 class CheckpointError(Exception):
     """A checkpoint that the reader refuses; str() is the one-line message."""
 
-    def __init__(self, path, what, hint=PUBLISHED_HINT):
-        super().__init__(f"{path}: {what}. HINT: {hint}")
+    def __init__(self, path, what, hint=STATE_HINT):
+        msg = f"{path}: {what}. HINT: {hint}"
+        # names from the file may hold newlines or control characters: escaped, the message stays one line
+        super().__init__("".join(c if c.isprintable() else repr(c)[1:-1] for c in msg))
 
 
-# What the state_dict pickle refers to, as inert records: nothing in the file is ever called.
+# What the pickles refer to, as inert records: nothing in the file is ever called.
 StorageType = collections.namedtuple("StorageType", "name")  # a torch.*Storage class
-StorageRef = collections.namedtuple("StorageRef", "key numel")  # a persistent id of a float32 storage
+StorageRef = collections.namedtuple("StorageRef", "key dtype numel")  # a persistent id of a storage
 TensorRef = collections.namedtuple("TensorRef", "storage offset size stride")
+# a tensor of any format, once its view is checked: dtype (an ELEMENT_SIZES name), shape, and read(), which gives
+# its raw values (RAW_DTYPES) as a numpy array of that shape; only called once names and shapes are checked
+Tensor = collections.namedtuple("Tensor", "dtype shape read")
 
 
 def rebuild_tensor(storage, offset, size, stride, *_):
     """Stands in for torch._utils._rebuild_tensor_v2; requires_grad, backward hooks and (newer PyTorch)
-    metadata do not matter for the weights. The view is made once the storages' bytes are read."""
+    metadata do not matter for the weights. The view is checked once the storages are known."""
     return TensorRef(storage, offset, size, stride)
 
 
 class StateDictUnpickler(pickle.Unpickler):
-    """Unpickles a legacy checkpoint's pickles, allowing only the globals that a state_dict of tensors needs."""
+    """Unpickles a checkpoint's pickles, allowing only the globals that a state_dict of tensors needs."""
 
     def __init__(self, file, path):
         super().__init__(file)
@@ -159,7 +234,8 @@ class StateDictUnpickler(pickle.Unpickler):
             return StorageType(name)
         raise CheckpointError(self.path, f"its pickle asks for {module}.{name}, which a state_dict of tensors "
                                          f"never needs; refused without running it",
-                              f"save the model's state_dict, not the model, or {PUBLISHED_HINT}")
+                              "save the model's state_dict, not the model or other objects, with "
+                              "torch.save(model.state_dict(), path)")
 
     def persistent_load(self, pid):
         # ('storage', storage type, key, location, element count[, view metadata]); location is ignored (all CPU)
@@ -167,144 +243,404 @@ class StateDictUnpickler(pickle.Unpickler):
                 and isinstance(pid[1], StorageType) and isinstance(pid[2], str)
                 and type(pid[4]) is int and pid[4] >= 0 and pid[5:] in ((), (None,))):
             raise CheckpointError(self.path, f"its pickle holds a reference this reader does not know: "
-                                             f"{repr(pid)[:80]}")
+                                             f"{repr(pid)[:80]}", DAMAGED_HINT)
         storage_type, key, numel = pid[1], pid[2], pid[4]
-        if storage_type.name != "FloatStorage":
-            raise CheckpointError(self.path, f"it holds a torch.{storage_type.name}; only float32 tensors "
-                                             f"(torch.FloatStorage) are accepted",
-                                  "save the state_dict of a float32 model (model.float())")
-        ref = self.storages.setdefault(key, StorageRef(key, numel))
-        if ref.numel != numel:
-            raise CheckpointError(self.path, f"storage {key} is given as {ref.numel} and as {numel} elements")
+        dtype = STORAGE_DTYPES.get(storage_type.name)
+        if dtype is None:
+            raise CheckpointError(self.path, f"its pickle holds a torch.{storage_type.name[:40]}, a storage this "
+                                             f"reader does not know", "save a state_dict of float32 tensors")
+        ref = self.storages.setdefault(key, StorageRef(key, dtype, numel))
+        if ref != (key, dtype, numel):
+            raise CheckpointError(self.path, f"storage {key[:40]} is given as {ref.numel} {ref.dtype} and as "
+                                             f"{numel} {dtype} elements", DAMAGED_HINT)
         return ref
 
 
-def read_legacy_checkpoint(path, shapes=VAE_SHAPES):
-    """Reads a state_dict saved in PyTorch's legacy format, without torch. Returns {name: float32 array}
-    holding exactly the tensors named in shapes, each of its shape and finite; raises CheckpointError
-    for anything else."""
+def load_pickle(stream, unpickler, path, what, kind):
+    """The next pickle in stream, read by unpickler; raises CheckpointError if it is damaged or too new."""
+    start = stream.tell()
+    try:
+        # Walk the opcodes first, in pure Python: it finds a truncated pickle, and refuses opcodes that
+        # the unpickler would trust to size an allocation (a bytearray8 of 2**60 bytes, a memo slot
+        # of 2**32) before it could tell that the file is too short for them.
+        ops = list(pickletools.genops(stream))
+        for opcode, arg, pos in ops:
+            if opcode.proto > PICKLE_PROTOCOL:
+                raise CheckpointError(path, f"its {what} holds pickle opcode {opcode.name} at byte {pos}, newer "
+                                            f"than the protocol {PICKLE_PROTOCOL} that torch.save writes",
+                                      "save it again with torch.save's default pickle_protocol")
+            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg >= len(ops):
+                raise CheckpointError(path, f"its {what} stores to pickle memo slot {arg} at byte {pos}, "
+                                            f"beyond its {len(ops)} opcodes", DAMAGED_HINT)
+        stream.seek(start)
+        return unpickler.load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # a damaged pickle fails in many ways (ValueError, UnpicklingError, ...)
+        raise CheckpointError(path, f"cannot read its {what} at byte {start} ({type(e).__name__}: "
+                                    f"{str(e)[:100]}); the file is truncated or is no {kind}", DAMAGED_HINT) from None
+
+
+def read_legacy(path, data):
+    """The object in a legacy-format checkpoint, and {storage key: raw values} of its float storages."""
+    stream = io.BytesIO(data)
+    unpickler = StateDictUnpickler(stream, path)
+
+    def load(what):
+        return load_pickle(stream, unpickler, path, what, "PyTorch legacy checkpoint")
+
+    if load("magic number") != LEGACY_MAGIC:
+        raise CheckpointError(path, "it does not start with the magic number of PyTorch's legacy format",
+                              DAMAGED_HINT)
+    protocol = load("protocol version")
+    if protocol != LEGACY_PROTOCOL:
+        raise CheckpointError(path, f"its protocol version is {short(protocol)}, expected {LEGACY_PROTOCOL}",
+                              DAMAGED_HINT)
+    sys_info = load("sys_info")
+    if not (isinstance(sys_info, dict) and sys_info.get("little_endian") is True):
+        raise CheckpointError(path, "it was not saved on a little-endian machine (or its sys_info is damaged)",
+                              DAMAGED_HINT)
+    obj = load("state_dict")
+    keys = load("storage key list")
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise CheckpointError(path, "its storage key list is no list of strings", DAMAGED_HINT)
+
+    storages, seen = {}, set()
+    pos = stream.tell()
+    for key in keys:
+        if key not in unpickler.storages:
+            raise CheckpointError(path, f"its storage key list names {short(key)!r}, which no tensor uses",
+                                  DAMAGED_HINT)
+        if key in seen:
+            raise CheckpointError(path, f"its storage key list names {short(key)!r} twice", DAMAGED_HINT)
+        seen.add(key)
+        ref, name = unpickler.storages[key], short(key)
+        if pos + 8 > len(data):
+            raise CheckpointError(path, f"it is truncated: it ends at byte {len(data)}, inside the element count "
+                                        f"of storage {name}", DAMAGED_HINT)
+        count = int.from_bytes(data[pos:pos + 8], "little", signed=True)
+        if count != ref.numel:
+            raise CheckpointError(path, f"storage {name} holds {count} elements where its tensors say {ref.numel}",
+                                  DAMAGED_HINT)
+        pos += 8
+        size = ELEMENT_SIZES[ref.dtype] * count
+        if pos + size > len(data):
+            raise CheckpointError(path, f"it is truncated: storage {name} needs bytes {pos}..{pos + size - 1} "
+                                        f"but the file ends at byte {len(data)}", DAMAGED_HINT)
+        if ref.dtype in RAW_DTYPES:  # other dtypes are never read: a VAE tensor of one is refused by name
+            storages[key] = np.frombuffer(data, dtype=RAW_DTYPES[ref.dtype], count=count, offset=pos)
+        pos += size
+    if pos != len(data):
+        raise CheckpointError(path, f"it has {len(data) - pos} bytes after its last storage", DAMAGED_HINT)
+    missing = sorted(set(unpickler.storages) - set(keys))
+    if missing:
+        raise CheckpointError(path, f"the data of storage {short(missing[0])} is missing", DAMAGED_HINT)
+    return obj, storages
+
+
+def read_zip(path, data):
+    """The object in a zip-format checkpoint, and {storage key: raw values} of its float storages."""
+    def damaged(e):
+        return CheckpointError(path, f"it starts as a zip archive but cannot be read as one ({type(e).__name__}: "
+                                     f"{str(e)[:100]}); the file is truncated or damaged", DAMAGED_HINT)
+
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        infos = archive.infolist()
+    except Exception as e:  # zipfile fails in many ways on a damaged archive (BadZipFile, ValueError, ...)
+        raise damaged(e) from None
+    records = {info.filename: info for info in infos}
+    if len(records) != len(infos):
+        raise CheckpointError(path, "its zip archive holds two records of one name", DAMAGED_HINT)
+    pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]
+    if len(pickles) != 1:
+        raise CheckpointError(path, f"its zip archive holds {len(pickles)} records <folder>/data.pkl, where torch.save "
+                                    f"writes one", DAMAGED_HINT)
+    folder = pickles[0][:-len("data.pkl")]
+    strays = [name for name in records if not name.startswith(folder)]
+    if strays:
+        raise CheckpointError(path, f"its zip archive holds {strays[0][:60]!r} outside the folder {folder[:60]!r} "
+                                    f"of its data.pkl", DAMAGED_HINT)
+
+    def read_record(name, size=None, limit=None):
+        info = records[folder + name]
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(path, f"its record {info.filename[:60]} is compressed (zip method "
+                                        f"{info.compress_type}), where torch.save stores every record as it is",
+                                  DAMAGED_HINT)
+        # checked before reading, so that a damaged size never makes the reader allocate it
+        if size is not None and info.file_size != size:
+            raise CheckpointError(path, f"its record {info.filename[:60]} holds {info.file_size} bytes, expected "
+                                        f"{size}", DAMAGED_HINT)
+        if limit is not None and info.file_size > limit:
+            raise CheckpointError(path, f"its record {info.filename[:60]} holds {info.file_size} bytes, more than "
+                                        f"the {limit} a state_dict needs", DAMAGED_HINT)
+        if info.header_offset + info.file_size > len(data):
+            raise CheckpointError(path, f"it is truncated: its record {info.filename[:60]} needs {info.file_size} "
+                                        f"bytes from byte {info.header_offset}, but the file ends at byte "
+                                        f"{len(data)}", DAMAGED_HINT)
+        try:
+            return archive.read(info)  # zipfile checks the record's CRC-32
+        except Exception as e:
+            raise damaged(e) from None
+
+    if folder + "byteorder" in records:  # absent in files of PyTorch before 1.13, which were all little-endian
+        order = read_record("byteorder", limit=16)
+        if order != b"little":
+            raise CheckpointError(path, f"its byteorder record says {order[:16]!r}, but this reader takes only "
+                                        f"little-endian files", "save it again on a little-endian machine")
+    pkl = read_record("data.pkl", limit=MAX_PICKLE_BYTES)
+    stream = io.BytesIO(pkl)
+    unpickler = StateDictUnpickler(stream, path)
+    obj = load_pickle(stream, unpickler, path, "data.pkl", "PyTorch zip checkpoint")
+    if stream.tell() != len(pkl):
+        raise CheckpointError(path, f"its data.pkl has {len(pkl) - stream.tell()} bytes after its pickle",
+                              DAMAGED_HINT)
+
+    unused = sorted(name for name in records if name.startswith(folder + "data/")
+                    and name[len(folder + "data/"):] not in unpickler.storages)
+    if unused:
+        raise CheckpointError(path, f"its record {unused[0][:60]} is the data of no tensor", DAMAGED_HINT)
+    storages = {}
+    for key, ref in unpickler.storages.items():
+        if folder + "data/" + key not in records:
+            raise CheckpointError(path, f"the data of storage {key[:40]} (record {folder}data/{key[:40]}) is "
+                                        f"missing", DAMAGED_HINT)
+        size = ELEMENT_SIZES[ref.dtype] * ref.numel
+        if ref.dtype in RAW_DTYPES:  # other dtypes are never read: a VAE tensor of one is refused by name
+            storages[key] = np.frombuffer(read_record("data/" + key, size=size), dtype=RAW_DTYPES[ref.dtype])
+        elif records[folder + "data/" + key].file_size != size:
+            raise CheckpointError(path, f"its record {folder}data/{key[:40]} holds "
+                                        f"{records[folder + 'data/' + key].file_size} bytes, expected {size}",
+                                  DAMAGED_HINT)
+    return obj, storages
+
+
+def read_safetensors(path, data):
+    """{name: Tensor} of a safetensors file, every offset checked."""
+    def refuse(what):
+        return CheckpointError(path, what, DAMAGED_HINT)
+
+    length = int.from_bytes(data[:8], "little")
+    if length > MAX_SAFETENSORS_HEADER or 8 + length > len(data):
+        raise refuse(f"its safetensors header length is {length}, but the file holds {len(data)} bytes "
+                     f"(and a header is at most {MAX_SAFETENSORS_HEADER}); the file is truncated or damaged")
+
+    def unique(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"a name appears twice in one object: {sorted(k for k in keys if keys.count(k) > 1)[0]}")
+        return dict(pairs)
+
+    try:
+        header = json.loads(data[8:8 + length].decode("utf-8"), object_pairs_hook=unique)
+    except Exception as e:  # UnicodeDecodeError, JSONDecodeError, RecursionError for deep nesting, ...
+        raise refuse(f"its safetensors header is no valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
+    if not isinstance(header, dict):
+        raise refuse("its safetensors header is no JSON object")
+    metadata = header.pop("__metadata__", None)
+    if not (metadata is None or isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise refuse("its safetensors __metadata__ is no object of strings")
+
+    start, size = 8 + length, len(data) - 8 - length  # the data, after the header
+    tensors, spans = {}, []
+    for name, entry in header.items():
+        if not (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}):
+            raise refuse(f"its safetensors entry {name[:60]!r} is not an object of dtype, shape and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not (isinstance(dtype, str) and dtype in SAFETENSORS_DTYPES):
+            raise refuse(f"its tensor {name[:60]} has dtype {short(dtype)!r}, which safetensors does not define")
+        dtype = SAFETENSORS_DTYPES[dtype]
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+            raise refuse(f"its tensor {name[:60]} has shape {short(shape)}, not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise refuse(f"its tensor {name[:60]} has data_offsets {short(offsets)}, not [begin, end] with "
+                         f"0 <= begin <= end")
+        begin, end = offsets
+        numel = math.prod(shape)
+        if end - begin != numel * ELEMENT_SIZES[dtype]:
+            raise refuse(f"its tensor {name[:60]} of shape {shape} spans {end - begin} bytes, where its "
+                         f"{numel} {dtype} values need {numel * ELEMENT_SIZES[dtype]}")
+        if end > size:
+            raise refuse(f"it is truncated: its tensor {name[:60]} needs bytes {begin}..{end - 1} of the data, "
+                         f"which holds {size}")
+        spans.append((begin, end, name))
+        read = functools.partial(np.frombuffer, data, RAW_DTYPES.get(dtype, "u1"), numel, start + begin)
+        tensors[name] = Tensor(dtype, tuple(shape), lambda read=read, shape=tuple(shape): read().reshape(shape))
+    # sorted by where they begin, the tensors must tile the data exactly: no overlap, no gap, no bytes after
+    last_end, last_name = 0, None
+    for begin, end, name in sorted(spans):
+        if begin < last_end:
+            raise refuse(f"its tensors {last_name[:60]} and {name[:60]} overlap (bytes {begin}..{last_end - 1} "
+                         f"of the data)")
+        if begin > last_end:
+            raise refuse(f"bytes {last_end}..{begin - 1} of its data belong to no tensor")
+        last_end, last_name = end, name
+    if last_end != size:
+        raise refuse(f"bytes {last_end}..{size - 1} of its data belong to no tensor")
+    return tensors
+
+
+def read_checkpoint(path):
+    """Reads a VAE checkpoint of any format and size of the family, without torch. Returns {name: float32
+    array} in vae_weights.bin's order, each of a shape consistent with the others and finite; raises
+    CheckpointError for anything else."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise CheckpointError(path, f"cannot be read ({e.strerror})", "check the path and its permissions") from None
     if not data:
-        raise CheckpointError(path, "the file is empty")
+        raise CheckpointError(path, "the file is empty", DAMAGED_HINT)
+    if data[8:9] == b"{":  # safetensors' header is a JSON object; bytes the pickles and zip never hold there
+        return vae_tensors(path, read_safetensors(path, data))
     if data.startswith(ZIP_MAGIC):
-        raise CheckpointError(path, "it is in PyTorch's newer zip format, but this reader expects the legacy "
-                                    "format that the published checkpoint uses",
-                              "use the published checkpoint, or re-save the state_dict with "
-                              "torch.save(state_dict, f, _use_new_zipfile_serialization=False)")
-    stream = io.BytesIO(data)
-    unpickler = StateDictUnpickler(stream, path)
-
-    def load(what):
-        start = stream.tell()
-        try:
-            # Walk the opcodes first, in pure Python: it finds a truncated pickle, and refuses opcodes that
-            # the unpickler would trust to size an allocation (a bytearray8 of 2**60 bytes, a memo slot
-            # of 2**32) before it could tell that the file is too short for them.
-            ops = list(pickletools.genops(stream))
-            for opcode, arg, pos in ops:
-                if opcode.proto > LEGACY_PICKLE_PROTOCOL:
-                    raise CheckpointError(path, f"its {what} holds pickle opcode {opcode.name} at byte {pos}, newer "
-                                                f"than the protocol {LEGACY_PICKLE_PROTOCOL} of legacy checkpoints")
-                if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg >= len(ops):
-                    raise CheckpointError(path, f"its {what} stores to pickle memo slot {arg} at byte {pos}, "
-                                                f"beyond its {len(ops)} opcodes")
-            stream.seek(start)
-            return unpickler.load()
-        except CheckpointError:
-            raise
-        except Exception as e:  # a damaged pickle fails in many ways (ValueError, UnpicklingError, ...)
-            raise CheckpointError(path, f"cannot read its {what} at byte {start} ({type(e).__name__}: {e}); "
-                                        f"the file is truncated or is no PyTorch legacy checkpoint") from None
-
-    if load("magic number") != LEGACY_MAGIC:
-        raise CheckpointError(path, "it does not start with the magic number of PyTorch's legacy format")
-    protocol = load("protocol version")
-    if protocol != LEGACY_PROTOCOL:
-        raise CheckpointError(path, f"its protocol version is {protocol!r}, expected {LEGACY_PROTOCOL}")
-    sys_info = load("sys_info")
-    if not (isinstance(sys_info, dict) and sys_info.get("little_endian") is True):
-        raise CheckpointError(path, "it was not saved on a little-endian machine (or its sys_info is damaged)")
-    state = load("state_dict")
-    keys = load("storage key list")
-    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
-        raise CheckpointError(path, "its storage key list is no list of strings")
-
-    storages = {}
-    pos = stream.tell()
-    for key in keys:
-        if key not in unpickler.storages:
-            raise CheckpointError(path, f"its storage key list names {key!r}, which no tensor uses")
-        if key in storages:
-            raise CheckpointError(path, f"its storage key list names {key!r} twice")
-        numel = unpickler.storages[key].numel
-        if pos + 8 > len(data):
-            raise CheckpointError(path, f"it is truncated: it ends at byte {len(data)}, inside the element count "
-                                        f"of storage {key}")
-        count = int.from_bytes(data[pos:pos + 8], "little", signed=True)
-        if count != numel:
-            raise CheckpointError(path, f"storage {key} holds {count} elements where its tensors say {numel}")
-        pos += 8
-        if pos + 4 * count > len(data):
-            raise CheckpointError(path, f"it is truncated: storage {key} needs bytes {pos}..{pos + 4 * count - 1} "
-                                        f"but the file ends at byte {len(data)}")
-        storages[key] = np.frombuffer(data, dtype="<f4", count=count, offset=pos)
-        pos += 4 * count
-    if pos != len(data):
-        raise CheckpointError(path, f"it has {len(data) - pos} bytes after its last storage")
-    missing = sorted(set(unpickler.storages) - set(storages))
-    if missing:
-        raise CheckpointError(path, f"the data of storage {missing[0]} is missing")
-
-    if not isinstance(state, dict):
-        raise CheckpointError(path, f"it holds a {type(state).__name__} object, not a state_dict (a dict of tensors)")
-    for name, ref in state.items():
-        check_view(path, name, ref, storages)
-    # names and shapes before any array is made, so that a view's claimed size is never allocated
-    missing = [n for n in shapes if n not in state]
-    extra = [n for n in state if n not in shapes]
-    if missing or extra:
-        raise CheckpointError(path, f"its state_dict is not the VAE's: missing {missing or 'none'}, "
-                                    f"unexpected {extra or 'none'}")
-    for name, shape in shapes.items():
-        if state[name].size != shape:
-            raise CheckpointError(path, f"tensor {name!r} has shape {list(state[name].size)}, expected {list(shape)}")
-    tensors = {name: tensor_array(ref, storages) for name, ref in state.items()}
-    for name, array in tensors.items():
-        if not np.isfinite(array).all():
-            raise CheckpointError(path, f"tensor {name!r} holds non-finite values")
-    return tensors
+        obj, storages = read_zip(path, data)
+    elif data.startswith(b"\x80"):  # a pickle's PROTO opcode: the legacy format's first pickle
+        obj, storages = read_legacy(path, data)
+    else:
+        raise CheckpointError(path, "it is none of the formats this reader knows: PyTorch's zip format, its legacy "
+                                    "format, or safetensors", STATE_HINT)
+    return vae_tensors(path, pickled_state(path, obj, storages))
 
 
-def check_view(path, name, ref, storages):
-    """Refuses a state_dict entry that is no tensor, or whose view (offset, size, stride) leaves its storage."""
+def describe(value):
+    return "a tensor" if isinstance(value, TensorRef) else f"a {type(value).__name__}"
+
+
+def short(value, limit=40):
+    """value's text for a message, cut short: what a damaged pickle holds may be long, or nested too deep to print."""
+    try:
+        return str(value)[:limit]
+    except Exception:  # RecursionError
+        return describe(value)
+
+
+def pickled_state(path, obj, storages):
+    """{name: Tensor or other value} of the state_dict in a pickled checkpoint's object: the object itself,
+    or its entry 'state_dict' or 'model' when it wraps one beside other entries."""
+    if not isinstance(obj, dict):
+        raise CheckpointError(path, f"it holds {describe(obj)}, not a state_dict (a dict of tensors)")
+    state = obj
+    if not any(isinstance(key, str) and key.removeprefix(DATA_PARALLEL_PREFIX) in VAE_LAYOUT for key in obj):
+        wrapped = [key for key in WRAPPER_KEYS if isinstance(obj.get(key), dict)]
+        if len(wrapped) == 2:
+            raise CheckpointError(path, "it holds both a 'state_dict' and a 'model'; which is the VAE's is unclear")
+        if wrapped:
+            state = obj[wrapped[0]]
+        elif not any(isinstance(value, TensorRef) for value in obj.values()):
+            raise CheckpointError(path, f"it holds a dict with no tensor, and neither 'state_dict' nor 'model'; "
+                                        f"its keys are {short(list(obj), 80)}")
+    return {key: tensor_of(path, key, value, storages) if isinstance(value, TensorRef) else value
+            for key, value in state.items()}
+
+
+def tensor_of(path, name, ref, storages):
+    """A pickled tensor as a Tensor; refuses a malformed view, or one that leaves its storage."""
     def is_ints(values):
         return isinstance(values, tuple) and all(type(v) is int and v >= 0 for v in values)
 
-    if not (isinstance(ref, TensorRef) and isinstance(ref.storage, StorageRef)):
-        raise CheckpointError(path, f"its entry {name!r} is no tensor")
+    name = short(name, 60)
+    if not isinstance(ref.storage, StorageRef):
+        raise CheckpointError(path, f"its entry {name} is a tensor without a storage", DAMAGED_HINT)
     if not (type(ref.offset) is int and ref.offset >= 0 and is_ints(ref.size) and is_ints(ref.stride)
             and len(ref.size) == len(ref.stride)):
-        raise CheckpointError(path, f"tensor {name!r} has a malformed view: offset {ref.offset!r}, "
-                                    f"size {ref.size!r}, stride {ref.stride!r}")
-    numel = storages[ref.storage.key].size
+        raise CheckpointError(path, f"{name} has a malformed view: offset {short(ref.offset)}, "
+                                    f"size {short(ref.size)}, stride {short(ref.stride)}", DAMAGED_HINT)
+    numel = ref.storage.numel
     last = ref.offset + sum((n - 1) * s for n, s in zip(ref.size, ref.stride))  # the last element it reaches
     if 0 not in ref.size and last >= numel:
-        raise CheckpointError(path, f"tensor {name!r} reaches element {last} of storage {ref.storage.key}, "
-                                    f"which holds {numel}")
+        raise CheckpointError(path, f"{name} reaches element {last} of storage {ref.storage.key[:40]}, "
+                                    f"which holds {numel}", DAMAGED_HINT)
+
+    def read():
+        storage = storages[ref.storage.key]
+        # a dimension of one element never steps, so its stride (free in PyTorch, maybe huge) is left out
+        strides = [s * storage.itemsize if n > 1 else 0 for n, s in zip(ref.size, ref.stride)]
+        return np.lib.stride_tricks.as_strided(storage[min(ref.offset, storage.size):], shape=ref.size,
+                                               strides=strides, writeable=False)
+    return Tensor(ref.storage.dtype, ref.size, read)
 
 
-def tensor_array(ref, storages):
-    """A checked view's values, copied into a contiguous float32 array."""
-    storage = storages[ref.storage.key]
-    # a dimension of one element never steps, so its stride (free in PyTorch, maybe huge) is left out
-    strides = [s * storage.itemsize if n > 1 else 0 for n, s in zip(ref.size, ref.stride)]
-    view = np.lib.stride_tricks.as_strided(storage[min(ref.offset, storage.size):], shape=ref.size,
-                                           strides=strides, writeable=False)
-    return view.astype(np.float32)  # a contiguous, writable copy in native order
+def vae_tensors(path, state):
+    """The VAE's tensors in a state_dict ({name: Tensor or other value}) as {name: float32 array}, in
+    vae_weights.bin's order: the names, then the shapes (so that no claimed size is ever allocated), the
+    dtypes, and the values, each checked."""
+    names = {}  # name without its DataParallel prefix -> key
+    for key in state:
+        if not isinstance(key, str):
+            raise CheckpointError(path, f"its state_dict has the key {short(key)}, which is no name")
+        name = key.removeprefix(DATA_PARALLEL_PREFIX)
+        if name in names:
+            raise CheckpointError(path, f"its state_dict holds both {names[name][:60]!r} and {key[:60]!r}")
+        names[name] = key
+    missing = [n for n in TENSOR_ORDER if n not in names]
+    extra = [n[:60] for n in names if n not in VAE_LAYOUT]
+    if missing or extra:
+        raise CheckpointError(path, f"its state_dict is not the VAE's: missing {missing or 'none'}, "
+                                    f"unexpected {str(extra[:10]) if extra else 'none'}")
+    tensors = {name: state[names[name]] for name in TENSOR_ORDER}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, Tensor):
+            raise CheckpointError(path, f"its entry {short(names[name], 60)} is {describe(tensor)}, not a tensor")
+    check_shapes(path, {name: tensor.shape for name, tensor in tensors.items()})
+    for name, tensor in tensors.items():
+        if tensor.dtype not in RAW_DTYPES:
+            raise CheckpointError(path, f"{name} has dtype {tensor.dtype}; the reader converts float32, float16, "
+                                        f"bfloat16 and float64", "save the state_dict of a floating-point model")
+    return {name: to_float32(path, name, tensor) for name, tensor in tensors.items()}
+
+
+def check_shapes(path, shapes):
+    """Refuses shapes ({name: tuple}) that are not those of one VAE of the family; H1, Z and H3 are taken
+    from fc1.weight, fc21.weight and fc3.weight, and every other shape must agree with them."""
+    sizes, source = {}, {}  # "H1" -> its value, and the tensor that gave it
+    for name in SHAPE_ORDER:
+        shape, layout = list(shapes[name]), VAE_LAYOUT[name]
+        if len(shape) == len(layout):
+            for size, n in zip(layout, shape):
+                if isinstance(size, str) and size not in sizes:
+                    low, high = SIZE_BOUNDS[size]
+                    if not low <= n <= high:
+                        raise CheckpointError(path, f"{name} has shape {shape}: {size} = {n} is out of bounds "
+                                                    f"({low} <= {size} <= {high})")
+                    sizes[size], source[size] = n, name
+        expected = [sizes.get(size, size) for size in layout]
+        if shape == expected:
+            continue
+        what = f"{name} has shape {shape}, expected [{', '.join(map(str, layout))}]"
+        given = [size for size in layout if isinstance(size, str) and source.get(size, name) != name]
+        if given and all(isinstance(n, int) for n in expected):
+            what += f" = {expected} (" + ", ".join(f"{size} from {source[size]}" for size in given) + ")"
+        if len(shape) == len(layout) and any(size == INPUT_DIM and n != INPUT_DIM for size, n in zip(layout, shape)):
+            what += f": the input must be {INPUT_DIM} (28x28 images)"
+        raise CheckpointError(path, what)
+
+
+def dims_of(tensors):
+    """H1, Z and H3 of checked VAE tensors."""
+    return Dims(tensors["fc1.weight"].shape[0], tensors["fc21.weight"].shape[0], tensors["fc3.weight"].shape[0])
+
+
+def to_float32(path, name, tensor):
+    """A tensor's values as a contiguous float32 array; bfloat16 is float32's upper half, so it converts exactly."""
+    raw = tensor.read()
+    if tensor.dtype == "bfloat16":
+        values = (raw.astype(np.uint32) << 16).view(np.float32)
+    else:
+        with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf, refused below
+            values = raw.astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        index = np.unravel_index(bad[0], values.shape)
+        at = f"{name}[{', '.join(map(str, index))}]"
+        if tensor.dtype == "float64" and np.isfinite(raw[index]):
+            raise CheckpointError(path, f"{at} is {raw[index]}, non-finite as float32 (beyond its range)",
+                                  "the weights must be finite float32 values")
+        raise CheckpointError(path, f"{at} is {values[index]}, a non-finite value",
+                              "the weights must be finite; check the training run that saved them")
+    return values
 
 
 # ----------------------------------------------------------------------------
@@ -382,20 +718,44 @@ def replace_when_complete(path):
             os.remove(part)
 
 
-def header(magic, extra):
+@contextlib.contextmanager
+def folders_for(path):
+    """Creates the missing folders above path, and removes them again if the block fails, so that a failed
+    run leaves no new empty folders behind."""
+    missing, folder = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    created = []
+    try:
+        for folder in reversed(missing):
+            os.mkdir(folder)
+            created.append(folder)
+        yield
+    except BaseException:  # fail()'s SystemExit too
+        for folder in reversed(created):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
+
+
+def header(magic, version, dims, extra):
+    """A file's 256-int32 header: magic, version, then 784 and the dims' H1 and Z, then extra {index: value}."""
     h = np.zeros(HEADER_INTS, dtype="<i4")
-    h[0], h[1] = magic, VERSION
-    h[2], h[3], h[4] = INPUT_DIM, HIDDEN_DIM, LATENT_DIM
+    h[0], h[1] = magic, version
+    h[2], h[3], h[4] = INPUT_DIM, dims.h1, dims.z
     for i, v in extra.items():
         h[i] = v
     return h
 
 
 def write_weights(state, path):
+    """Writes vae_weights.bin's version-2 format for checked VAE tensors ({name: float32 array})."""
+    dims = dims_of(state)
     tensors = [state[k].astype("<f4").ravel() for k in TENSOR_ORDER]
     total = sum(t.size for t in tensors)
-    h = header(WEIGHTS_MAGIC, {5: DTYPE_FLOAT32, 6: len(tensors), 7: total})
-    with replace_when_complete(path) as f:
+    h = header(WEIGHTS_MAGIC, WEIGHTS_VERSION, dims, {5: DTYPE_FLOAT32, 6: len(tensors), 7: total, 8: dims.h3})
+    with folders_for(path), replace_when_complete(path) as f:
         f.write(h.tobytes())
         for t in tensors:
             f.write(t.tobytes())
@@ -412,7 +772,8 @@ def write_weights(state, path):
             if not np.array_equal(floats[offset:offset + t.size].view("<u4"), t.view("<u4")):
                 fail(f"{path}: {name} does not match the checkpoint bit for bit")
             offset += t.size
-    print(f"wrote {path}: {len(tensors)} tensors, {total} floats, matches the checkpoint bit for bit")
+    print(f"wrote {path}: H1 = {dims.h1}, Z = {dims.z}, H3 = {dims.h3}; {len(tensors)} tensors, {total} floats, "
+          f"matches the checkpoint bit for bit")
 
 
 def write_idx_files(raw_images, raw_labels, out, count):
@@ -436,19 +797,20 @@ def torch_missing():
 
 @functools.lru_cache(maxsize=None)
 def vae_class():
-    """The model exactly as it was trained (the PyTorch examples VAE); defined on first use, as it needs torch."""
+    """The model as it was trained (the PyTorch examples VAE), of any size of the family; defined on first use,
+    as it needs torch."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
     class VAE(nn.Module):
-        def __init__(self):
+        def __init__(self, dims=PUBLISHED_DIMS):
             super().__init__()
-            self.fc1 = nn.Linear(784, 400)
-            self.fc21 = nn.Linear(400, 20)
-            self.fc22 = nn.Linear(400, 20)
-            self.fc3 = nn.Linear(20, 400)
-            self.fc4 = nn.Linear(400, 784)
+            self.fc1 = nn.Linear(INPUT_DIM, dims.h1)
+            self.fc21 = nn.Linear(dims.h1, dims.z)
+            self.fc22 = nn.Linear(dims.h1, dims.z)
+            self.fc3 = nn.Linear(dims.z, dims.h3)
+            self.fc4 = nn.Linear(dims.h3, INPUT_DIM)
 
         def encode(self, x):
             h1 = F.relu(self.fc1(x))
@@ -465,15 +827,20 @@ def vae_class():
     return VAE
 
 
+def model_dims(model):
+    return Dims(model.fc1.out_features, model.fc21.out_features, model.fc3.out_features)
+
+
 def torch_models(state):
-    """The trained VAE in float32 and in float64, holding the checkpoint's weights (state, from the reader)."""
+    """The VAE in float32 and in float64, holding the checkpoint's weights (state, from the reader), its
+    size taken from their shapes."""
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     weights = {name: torch.from_numpy(array) for name, array in state.items()}
     models = []
     for dtype in (torch.float32, torch.float64):
-        model = vae_class()().to(dtype)
+        model = vae_class()(dims_of(state)).to(dtype)
         model.load_state_dict(weights)  # copies, converting float32 to the model's dtype exactly
         models.append(model.eval())
     return models
@@ -501,15 +868,16 @@ DEBUG_TENSORS = ["x", "eps", "h1", "mu", "logvar", "z", "h3", "logits", "recon",
 
 def write_debug_state(model, model64, images, path):
     import torch
+    dims = model_dims(model)
     extra = {5: len(DEBUG_CASES)}
     for c, (b, first) in enumerate(DEBUG_CASES):
         extra[8 + 2 * c], extra[9 + 2 * c] = b, first
     gen = torch.Generator().manual_seed(DEBUG_SEED)
     with replace_when_complete(path) as f:
-        f.write(header(DEBUG_MAGIC, extra).tobytes())
+        f.write(header(DEBUG_MAGIC, STATE_VERSION, dims, extra).tobytes())
         for b, first in DEBUG_CASES:
             pixels = torch.from_numpy(images[first:first + b].reshape(b, -1).astype(np.float64))
-            eps32 = torch.randn(b, LATENT_DIM, generator=gen, dtype=torch.float32)
+            eps32 = torch.randn(b, dims.z, generator=gen, dtype=torch.float32)
             with torch.no_grad():
                 ref64 = forward(model64, pixels / 255.0, eps32.double())
                 ref32 = forward(model, pixels.float() / 255.0, eps32)
@@ -523,7 +891,7 @@ def write_debug_state(model, model64, images, path):
 
 
 def iwae_log_px(model, x, eps):
-    """log p(x) of each row of x from K samples each (eps [N, K, 20]), all terms in full."""
+    """log p(x) of each row of x from K samples each (eps [N, K, Z]), all terms in full."""
     import torch
     import torch.nn.functional as F
     n, k, _ = eps.shape
@@ -541,15 +909,16 @@ def iwae_log_px(model, x, eps):
 
 def write_iwae_state(model, model64, images, path):
     import torch
+    dims = model_dims(model)
     n, k, first = IWAE_CASE
     gen = torch.Generator().manual_seed(DEBUG_SEED + 1)
-    eps32 = torch.randn(n, k, LATENT_DIM, generator=gen, dtype=torch.float32)
+    eps32 = torch.randn(n, k, dims.z, generator=gen, dtype=torch.float32)
     pixels = torch.from_numpy(images[first:first + n].reshape(n, -1).astype(np.float64))
     with torch.no_grad():
         ref64 = iwae_log_px(model64, pixels / 255.0, eps32.double())
         ref32 = iwae_log_px(model, pixels.float() / 255.0, eps32)
     with replace_when_complete(path) as f:
-        f.write(header(IWAE_MAGIC, {5: n, 6: k, 7: first}).tobytes())
+        f.write(header(IWAE_MAGIC, STATE_VERSION, dims, {5: n, 6: k, 7: first}).tobytes())
         f.write(eps32.numpy().astype("<f4").tobytes())
         f.write(ref64.numpy().astype("<f8").tobytes())
         f.write(ref32.numpy().astype("<f4").tobytes())
@@ -575,18 +944,50 @@ def reference_loss(model64, images):
           f"loss {(sampled['bce'] + sampled['kl']).mean():.4f}")
 
 
+def convert_checkpoint(args):
+    """--checkpoint: one file of any format and size of the family to one weights file, with numpy alone."""
+    if args.src or args.only or args.reference_loss:
+        fail("--checkpoint converts one file alone and takes no --src, --only or --reference-loss. HINT: run "
+             "those without --checkpoint, for the published checkpoint")
+    stem = os.path.splitext(os.path.basename(args.checkpoint))[0]
+    out = args.out or os.path.join("data", stem + ".bin")
+    if os.path.isdir(out):
+        fail(f"--out {out} is a folder; with --checkpoint, --out names the weights file. HINT: --out "
+             f"{os.path.join(out, stem + '.bin')}")
+    if os.path.exists(out) and os.path.exists(args.checkpoint) and os.path.samefile(out, args.checkpoint):
+        fail(f"--out {out} is the checkpoint itself. HINT: name another file, e.g. --out data/{stem}.bin")
+    try:
+        state = read_checkpoint(args.checkpoint)
+    except CheckpointError as e:
+        fail(e)
+    try:
+        write_weights(state, out)
+    except OSError as e:
+        fail(f"cannot write {out} ({e.strerror}). HINT: check that its folder can be written")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--src", help="folder holding vae_epoch_25.pth and the t10k .gz files "
                                  "(default: download them)")
-    p.add_argument("--out", default="data", help="output folder (default: data)")
+    p.add_argument("--out", help="output folder (default: data); with --checkpoint, the output file "
+                                 "(default: data/<FILE's name without its suffix>.bin)")
     p.add_argument("--only", choices=["inputs", "references"],
                    help="inputs: vae_weights.bin and the two idx files, numpy only; references: "
                         f"{' and '.join(REFERENCE_FILES)}, needs torch (default: both, the references only "
                         "when torch imports)")
     p.add_argument("--reference-loss", action="store_true",
                    help="also print the float64 mean losses over the whole test set (needs torch)")
+    p.add_argument("--checkpoint", metavar="FILE",
+                   help="convert FILE alone to a weights file, numpy only: a VAE state_dict of any size of the "
+                        f"family (1 <= H1, H3 <= {MAX_HIDDEN}, 1 <= Z <= {MAX_LATENT}) saved by torch.save (zip or "
+                        "legacy format) or safetensors; float32, float16, bfloat16 or float64")
     args = p.parse_args()
+    if np is None:
+        sys.exit(NUMPY_MISSING)
+    if args.checkpoint:
+        return convert_checkpoint(args)
+    out = args.out or "data"
 
     write_inputs, write_references = args.only != "references", args.only != "inputs"
     # learn whether torch imports before any work, so that a missing torch fails before anything is written
@@ -595,10 +996,10 @@ def main():
         what = "--only references" if args.only == "references" else "--reference-loss"
         fail(f"{what} needs torch, which {sys.executable} cannot import ({no_torch}). HINT: {TORCH_HINT}")
 
-    os.makedirs(args.out, exist_ok=True)
-    inputs = fetch_inputs(args.src, os.path.join(args.out, "downloads"))
+    os.makedirs(out, exist_ok=True)
+    inputs = fetch_inputs(args.src, os.path.join(out, "downloads"))
     try:
-        state = read_legacy_checkpoint(inputs[CHECKPOINT])
+        state = read_checkpoint(inputs[CHECKPOINT])
     except CheckpointError as e:
         fail(e)
     raw_images, images = read_idx(inputs["t10k-images-idx3-ubyte.gz"])
@@ -607,16 +1008,16 @@ def main():
         fail(f"unexpected MNIST shapes: images {images.shape}, labels {labels.shape}")
 
     if write_inputs:
-        write_weights(state, os.path.join(args.out, "vae_weights.bin"))
-        write_idx_files(raw_images, raw_labels, args.out, images.shape[0])
+        write_weights(state, os.path.join(out, "vae_weights.bin"))
+        write_idx_files(raw_images, raw_labels, out, images.shape[0])
     if no_torch:  # only reached without --only, where the references are optional
         print(f"prepare_weights.py: note: skipped {' and '.join(REFERENCE_FILES)}: torch is missing "
               f"({no_torch}), and only 'make test' needs them. HINT: {TORCH_HINT}", file=sys.stderr)
     elif write_references or args.reference_loss:
         model, model64 = torch_models(state)
         if write_references:
-            write_debug_state(model, model64, images, os.path.join(args.out, REFERENCE_FILES[0]))
-            write_iwae_state(model, model64, images, os.path.join(args.out, REFERENCE_FILES[1]))
+            write_debug_state(model, model64, images, os.path.join(out, REFERENCE_FILES[0]))
+            write_iwae_state(model, model64, images, os.path.join(out, REFERENCE_FILES[1]))
         if args.reference_loss:
             reference_loss(model64, images)
 
