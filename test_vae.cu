@@ -634,11 +634,11 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
                    all_read;
     if (all_read) {
         // the header fields that carry meaning (int32 indices; README.md, File formats)
-        const int weight_fields[] = {0, 1, 2, 3, 4, 5, 6, 7}, image_fields[] = {0, 1, 2, 3}, label_fields[] = {0, 1};
+        const int weight_fields[] = {0, 1, 2, 3, 4, 5, 6, 7, 8}, image_fields[] = {0, 1, 2, 3}, label_fields[] = {0, 1};
         int debug_fields[6 + 2 * MAX_CASES] = {0, 1, 2, 3, 4, 5}, num_debug_fields = 6;
         for (int i = 0; i < 2 * read_le32(good[R_DEBUG] + 20) && i < 2 * MAX_CASES; i++)
             debug_fields[num_debug_fields++] = 8 + i; // each case's batch and first image
-        corrupt_one_file(&c, R_WEIGHTS, good[R_WEIGHTS], size[R_WEIGHTS], HEADER_INTS * 4, false, weight_fields, 8);
+        corrupt_one_file(&c, R_WEIGHTS, good[R_WEIGHTS], size[R_WEIGHTS], HEADER_INTS * 4, false, weight_fields, 9);
         corrupt_one_file(&c, R_IMAGES, good[R_IMAGES], size[R_IMAGES], 16, true, image_fields, 4);
         corrupt_one_file(&c, R_LABELS, good[R_LABELS], size[R_LABELS], 8, true, label_fields, 2);
         corrupt_one_file(&c, R_DEBUG, good[R_DEBUG], size[R_DEBUG], HEADER_INTS * 4, false, debug_fields,

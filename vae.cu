@@ -72,6 +72,7 @@ static bool set_error(Error* err, const char* fmt, ...) {
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 #define PREPARE_HINT                                                                                                   \
     "HINT: run 'make data' (python3 prepare_weights.py --src ../shared/data, or without --src to download)"
+#define CHECKPOINT_HINT "HINT: convert a PyTorch checkpoint of the VAE: python3 prepare_weights.py --checkpoint FILE"
 #define MAX_FILE_BYTES (1ull << 30) // no input of this model comes near 1 GiB
 // Reads a whole regular file into a malloc'd buffer. `missing_hint` ends the message for a file that
 // is not there (the program's own data files are made by 'make data'; a user's image is not).
@@ -165,7 +166,7 @@ static bool outputs_commit(Error* err, FILE* report) {
 // ---- the model's shapes, and its weights as the file formats section reads them -------------------------------------
 enum { INPUT_DIM = 784, HIDDEN_DIM = 400, LATENT_DIM = 20, IMAGE_SIDE = 28, MULV_DIM = 2 * LATENT_DIM };
 typedef enum { PRECISION_FP32, PRECISION_BF16 } Precision; // both run the tensor-core kernels (Path, below)
-enum { HEADER_INTS = 256, WEIGHTS_MAGIC = 0x31454156 /* "VAE1" */, WEIGHTS_VERSION = 1, DTYPE_FLOAT32 = 1 };
+enum { HEADER_INTS = 256, WEIGHTS_MAGIC = 0x31454156 /* "VAE1" */, WEIGHTS_VERSION = 2, DTYPE_FLOAT32 = 1 };
 // The tensors in file order, PyTorch layout (weight[out][in], bias[out]).
 enum { FC1_W, FC1_B, FC21_W, FC21_B, FC22_W, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B, NUM_TENSORS };
 static const size_t TENSOR_SIZES[NUM_TENSORS] = {
@@ -927,7 +928,7 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
     // The batch each algorithm is picked for (dev/gemm_pick_v1 times the candidates). fp32 runs on the SIMT cores (TF32
     // is off), where the pick for 4,096 rows (128 x 128 tiles) leaves 100 of 132 SMs idle at 1,024. The products that
     // run only on long passes (fc4_long for --iwae and AIS, the backward ones) are picked for 4,096 rows in fp32,
-    // 65,536 in bf16 (AIS's launches are 80,000 rows at n = 10,000).
+    // 65,536 in bf16 (AIS runs parts of 40,000 rows at n = 10,000).
     const int pick = type == f32 ? 1024 : 4096, long_pick = type == f32 ? 4096 : 65536;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
     pl->fc1 = gemm_init(pl->lt, convert_weights<T>(base + w1, t[FC1_W], HIDDEN_DIM, INPUT_DIM, INPUT_DIM, 1, stream),
@@ -1037,7 +1038,7 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
 // AIS: one gradient evaluation for `rows` chains at w.z_input, a row's pixels those of image r / C: the decoder
 // forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into chains.grad, and the BCE into
 // chains.bce when `energy` (a trajectory's start and end). The L - 1 evaluations between a trajectory's ends need only
-// the gradient: their logits are in T, which halves the bytes of bf16's logits (80,000 rows x 784: 251 MB in fp32).
+// the gradient: their logits are in T, which halves the bytes of bf16's logits (40,000 rows x 784: 125 MB in fp32).
 // Each point's gradient is then the same function of z in either direction along the trajectory (ends: fp32 logits;
 // between: T), so the leapfrog stays reversible.
 template <typename T>
@@ -3275,14 +3276,17 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
                          header_bytes);
     int32_t magic = read_le32(buf), version = read_le32(buf + 4);
     if (magic != WEIGHTS_MAGIC)
-        return set_error(err, "%s: bad magic 0x%08x, not a vae.cu weights file. " PREPARE_HINT, name, (unsigned)magic);
+        return set_error(err, "%s: bad magic 0x%08x, not a vae.cu weights file. " CHECKPOINT_HINT, name,
+                         (unsigned)magic);
     if (version != WEIGHTS_VERSION)
         return set_error(err, "%s: version %d, this program reads version %d. " PREPARE_HINT, name, version,
                          WEIGHTS_VERSION);
+    // the sizes: input, fc1's hidden units, the latents, fc3's hidden units (header[8])
     int32_t in = read_le32(buf + 8), hidden = read_le32(buf + 12), latent = read_le32(buf + 16);
-    if (in != INPUT_DIM || hidden != HIDDEN_DIM || latent != LATENT_DIM)
-        return set_error(err, "%s: dims %d/%d/%d do not match the model's %d/%d/%d. " PREPARE_HINT, name, in, hidden,
-                         latent, INPUT_DIM, HIDDEN_DIM, LATENT_DIM);
+    int32_t hidden3 = read_le32(buf + 32);
+    if (in != INPUT_DIM || hidden != HIDDEN_DIM || latent != LATENT_DIM || hidden3 != HIDDEN_DIM)
+        return set_error(err, "%s: a %d-%d-%d-%d VAE; this vae.cu evaluates the %d-%d-%d-%d model only. " PREPARE_HINT,
+                         name, in, hidden, latent, hidden3, INPUT_DIM, HIDDEN_DIM, LATENT_DIM, HIDDEN_DIM);
     int32_t dtype = read_le32(buf + 20), num_tensors = read_le32(buf + 24), total = read_le32(buf + 28);
     size_t expected = 0;
     for (int i = 0; i < NUM_TENSORS; i++) expected += TENSOR_SIZES[i];
@@ -4454,24 +4458,10 @@ int main(int argc, char** argv) {
     Labels labels = {}; // none: every label is -1
     char images_path[MAX_PATH], labels_path[MAX_PATH];
     if (!load_file(cfg.weights_path, parse_weights, &weights, &err)) fail("%s", err.msg);
-    if (cfg.mode == MODE_BDMC) { // simulates its images: no test set
-        cudaDeviceProp prop;
-        init_cuda(&prop, cfg.precision);
-        print_separator();
-        print_row("device", "%s", prop.name);
-        print_row("weights", "%s", cfg.weights_path);
-        print_kernels_row(&cfg);
-        print_row("bdmc", "%d simulated images, T = %d, C = %d, L = %d, from %s", cfg.bdmc_n, cfg.ais_t, cfg.chains,
-                  cfg.leapfrog, cfg.ais_from_prior ? "the prior" : "q(z|x)");
-        print_separator();
-        run_bdmc(&weights, &cfg);
-        free(weights.data);
-        return 0;
-    }
     if (cfg.num_image_files > 0) {
         load_image_files(&cfg, &images);
         snprintf(images_path, sizeof(images_path), "%d --image file%s", images.count, images.count > 1 ? "s" : "");
-    } else {
+    } else if (cfg.mode != MODE_BDMC) { // --bdmc simulates its images: no test set
         snprintf(images_path, sizeof(images_path), "%s/t10k-images-idx3-ubyte", cfg.data_dir);
         snprintf(labels_path, sizeof(labels_path), "%s/t10k-labels-idx1-ubyte", cfg.data_dir);
         if (!load_file(images_path, parse_idx_images, &images, &err)) fail("%s", err.msg);
@@ -4506,8 +4496,8 @@ int main(int argc, char** argv) {
     print_row("arch", "sm_%d%d, %d SMs", prop.major, prop.minor, prop.multiProcessorCount);
     print_row("weights", "%s", cfg.weights_path);
     print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, HIDDEN_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM);
-    print_row("images", "%d from %s", count, images_path);
-    if (labels.labels == NULL) print_row("labels", "none (each image's label is -1)");
+    if (cfg.mode != MODE_BDMC) print_row("images", "%d from %s", count, images_path);
+    if (labels.labels == NULL && cfg.mode != MODE_BDMC) print_row("labels", "none (each image's label is -1)");
     if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
     print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
     if (cfg.mode != MODE_BENCH) print_kernels_row(&cfg);
@@ -4520,16 +4510,20 @@ int main(int argc, char** argv) {
     if (cfg.mode == MODE_AIS)
         print_row("ais", "T = %d, C = %d chains, L = %d leapfrog steps, from %s", cfg.ais_t, cfg.chains, cfg.leapfrog,
                   cfg.ais_from_prior ? "the prior" : "q(z|x)");
+    if (cfg.mode == MODE_BDMC)
+        print_row("bdmc", "%d simulated images, T = %d, C = %d, L = %d, from %s", cfg.bdmc_n, cfg.ais_t, cfg.chains,
+                  cfg.leapfrog, cfg.ais_from_prior ? "the prior" : "q(z|x)");
     print_separator();
 
     // the images stay on the device as uint8 for the whole run: no copies in the batch loop
-    uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the images", batch);
+    uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)std::max(count, 1) * INPUT_DIM, "the images", batch); // bdmc: 0
     cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)count * INPUT_DIM, cudaMemcpyHostToDevice));
     const Inputs inputs = {images_path, count, &labels};
     if (cfg.mode == MODE_ELBO) run_elbo(&weights, &images, &inputs, d_pixels, &cfg);
     else if (cfg.mode == MODE_IWAE) run_iwae(&weights, &inputs, d_pixels, &cfg);
     else if (cfg.mode == MODE_BENCH) run_bench(&weights, d_pixels, &cfg);
     else if (cfg.mode == MODE_AIS) run_ais(&weights, &inputs, d_pixels, &cfg);
+    else if (cfg.mode == MODE_BDMC) run_bdmc(&weights, &cfg);
     else run_interp(&weights, d_pixels, &cfg);
     if (!outputs_commit(&err, quiet ? NULL : console)) fail("%s", err.msg);
 
