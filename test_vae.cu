@@ -1632,10 +1632,13 @@ static void test_gpu_test_set(VAE* m, const HostWeights* w, const Images* images
             // against the fp32 run's mean, or PyTorch's when this run skipped fp32 (--precision bf16)
             const bool have_fp32 = !isnan(fp32_mean_bce_zmu);
             const double ref = have_fp32 ? fp32_mean_bce_zmu : 69.1652;
-            if (!sampled)
-                check(fabs(sb - ref) <= 0.05, "z = mu: mean BCE %.4f, %s %.4f: within 0.05 (KL %.4f)", sb,
-                      have_fp32 ? "fp32" : "PyTorch float64", ref, sk);
-            if (!sampled && fp32_bce_zmu != NULL) {
+            if (sampled) {
+                check(fabs(sb - 77.41) <= 0.2, "sampled: mean BCE %.4f (PyTorch float64 77.41 +- 0.2)", sb);
+                continue;
+            }
+            check(fabs(sb - ref) <= 0.05, "z = mu: mean BCE %.4f, %s %.4f: within 0.05 (KL %.4f)", sb,
+                  have_fp32 ? "fp32" : "PyTorch float64", ref, sk);
+            if (fp32_bce_zmu != NULL) {
                 // each image's bf16 rounding error, ~3e-3 of its BCE at worst: 0.2427 (image 7917) when this
                 // check was written; a change to the bf16 path may move it, but not above that
                 double worst = 0.0;
@@ -1647,8 +1650,6 @@ static void test_gpu_test_set(VAE* m, const HostWeights* w, const Images* images
                 check(worst <= 0.243, "z = mu: per-image |BCE - fp32 BCE| at most 0.243: max %.4f (image %d)", worst,
                       at);
             }
-            else
-                check(fabs(sb - 77.41) <= 0.2, "sampled: mean BCE %.4f (PyTorch float64 77.41 +- 0.2)", sb);
         } else if (!sampled) {
             fp32_mean_bce_zmu = sb;
             if (fp32_bce_zmu == NULL) fp32_bce_zmu = (float*)malloc((size_t)count * sizeof(float));

@@ -76,7 +76,7 @@ int main() {
             const cudaDataType_t out_type = pr.out_fp32 ? CUDA_R_32F : type;
             // the bias in the output's type, as cuBLASLt reads it: fp32 or bf16 (random bytes either way)
             // vae.cu's picks (plain_init_weights): fp32 for 1,024 rows, bf16 for 4,096; the long passes' products
-            // (fc4_long, the backward ones) fp32 for 4,096, bf16 for 65,536
+            // (fc4_t, the backward ones) fp32 for 4,096, bf16 for 65,536
             const bool long_only = pr.backward || (!pr.out_fp32 && pr.out == INPUT_DIM);
             const int vae_pick = long_only ? (p == 0 ? 4096 : 65536) : (p == 0 ? 1024 : 4096);
             Gemm g = gemm_init(lt, w, pr.out, in, in, pr.backward, pr.relu, pr.bias ? bias : NULL, type, out_type,
