@@ -55,7 +55,7 @@ INPUTS = data/vae_weights.bin data/t10k-images-idx3-ubyte data/t10k-labels-idx1-
 REFERENCES = data/vae_debug_state.bin data/vae_iwae_state.bin
 DATA = $(INPUTS) $(REFERENCES)
 
-.PHONY: all test dev data fuzz fuzz-build sanitize clean
+.PHONY: all test dev data fuzz fuzz-build sanitize clean help
 all: vae test_vae dev
 
 # ./vae needs the weights and the test set: a fresh clone gets them with the first build
@@ -65,11 +65,23 @@ vae: vae.cu | $(INPUTS)
 test_vae: test_vae.cu vae.cu
 	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $< -o $@ $(LDLIBS)
 
-# the CUDA tests, the converter's tests (against torch.load when PyTorch is there), the Makefile's
+# The CUDA tests, the converter's tests (against torch.load when PyTorch is there) and the Makefile's choice of GPU
+# code. All three run, each ending in "N passed, N failed, N skipped"; one line then sums them, and make test fails
+# if any program failed a check or stopped without its count.
+COUNT_LINE = ^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped$$
+run_test = { $(2); echo $$? > $$log/$(1).rc; } 2>&1 | tee $$log/$(1).out;
 test: vae test_vae $(DATA)
-	VAE_TEST_PYTHON=$(PYTHON_TORCH) ./test_vae
-	$(or $(PYTHON_TORCH),$(PYTHON)) test_prepare_weights.py $(if $(DATA_SRC),--src $(DATA_SRC))
-	bash test_build.sh
+	@log=$$(mktemp -d); \
+	$(call run_test,1,VAE_TEST_PYTHON=$(PYTHON_TORCH) ./test_vae) \
+	$(call run_test,2,$(or $(PYTHON_TORCH),$(PYTHON)) test_prepare_weights.py $(if $(DATA_SRC),--src $(DATA_SRC))) \
+	$(call run_test,3,bash test_build.sh) \
+	for i in 1 2 3; do grep -E '$(COUNT_LINE)' $$log/$$i.out | tail -n 1; done | \
+	awk -v rcs="$$(cat $$log/*.rc | tr -d "\n")" \
+	    '{ p += $$1; f += $$3; s += $$5; n++ } END { printf "make test: %d passed, %d failed, %d skipped\n", p, f, s; \
+	    if (n < 3) print "make test: " 3 - n " of the 3 programs stopped before their count"; \
+	    if (rcs != "000") print "make test: exit statuses " rcs " (test_vae, test_prepare_weights.py, test_build.sh)"; \
+	    exit f > 0 || n < 3 || rcs != "000" }'; \
+	status=$$?; rm -rf $$log; exit $$status
 
 dev:
 	$(MAKE) -C dev all $(if $(ARCH),GPU_ARCH=$(ARCH))
@@ -115,5 +127,15 @@ sanitize: vae test_vae $(DATA)
 	bash dev/sanitize.sh
 
 clean:
-	rm -f vae test_vae
+	rm -rf vae test_vae fuzz/build
 	-$(MAKE) -C dev clean
+
+help:
+	@echo "make vae        build ./vae (and data/ on first use: the weights and MNIST's test set, numpy only)"
+	@echo "make test       test_vae, test_prepare_weights.py and test_build.sh, then one summary line"
+	@echo "make data       data/: the weights file, the test set and the reference dumps (those need PyTorch)"
+	@echo "make dev        the kernel studies in dev/ (make -C dev NAME builds one; -j speeds it up)"
+	@echo "make fuzz       libFuzzer on each file reader, FUZZ_SECONDS each (default 60)"
+	@echo "make sanitize   compute-sanitizer on ./vae and test_vae (needs a GPU)"
+	@echo "make clean      remove the binaries and fuzz/build (data/ stays)"
+	@echo "GPU_ARCH=90     build for one GPU family (default: this machine's GPU, or a portable binary without one)"

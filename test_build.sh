@@ -78,8 +78,10 @@ if [ -x vae ] && command -v cuobjdump > /dev/null; then
         cuobjdump --list-ptx vae 2>&1 | grep -qE '(sm|compute)_80\.ptx' # cuobjdump names it vae.sm_80.ptx
         check "./vae (portable) carries compute_80 PTX for GPUs newer than its code" $?
     fi
+elif [ ! -x vae ]; then
+    skip "what ./vae holds" "no ./vae: make vae builds it"
 else
-    skip "what ./vae holds" "no ./vae or no cuobjdump"
+    skip "what ./vae holds" "no cuobjdump on PATH (CUDA's cuda-cuobjdump package)"
 fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
