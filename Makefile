@@ -40,6 +40,8 @@ endif
 # the commit --version names, when built from a checkout
 GIT_COMMIT := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
 VERSION_FLAGS := $(if $(GIT_COMMIT),-DVAE_GIT_COMMIT='"$(GIT_COMMIT)$(shell git diff --quiet HEAD -- vae.cu 2>/dev/null || echo +changes)"')
+# the Python ./vae's hints name: the one that runs prepare_weights.py here (expanded only when a recipe runs)
+HINT_FLAGS = $(if $(PYTHON),-DVAE_PYTHON='"$(PYTHON)"')
 NVCCFLAGS ?= -O3 -std=c++17 -lineinfo $(ARCH_FLAGS) -Xcompiler -Wall,-Wextra -Werror all-warnings
 # the plain path's matrix products
 LDLIBS ?= -lcublasLt
@@ -60,10 +62,10 @@ all: vae test_vae dev
 
 # ./vae needs the weights and the test set: a fresh clone gets them with the first build
 vae: vae.cu | $(INPUTS)
-	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $< -o $@ $(LDLIBS)
+	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(HINT_FLAGS) $< -o $@ $(LDLIBS)
 
 test_vae: test_vae.cu vae.cu
-	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $< -o $@ $(LDLIBS)
+	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(HINT_FLAGS) $< -o $@ $(LDLIBS)
 
 # The CUDA tests, the converter's tests (against torch.load when PyTorch is there) and the Makefile's choice of GPU
 # code. All three run, each ending in "N passed, N failed, N skipped"; one line then sums them, and make test fails

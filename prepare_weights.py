@@ -84,8 +84,9 @@ try:
     import numpy as np
 except ImportError:
     np = None  # main() says so after parsing the arguments, so that --help works without numpy
-NUMPY_MISSING = ("prepare_weights.py: error: numpy is missing. "
-                 "HINT: apt-get install -y python3-numpy, or python3 -m pip install numpy")
+# the hint names this interpreter: another python3 on PATH may be the one that has numpy
+NUMPY_MISSING = (f"prepare_weights.py: error: {sys.executable} has no numpy. HINT: {sys.executable} -m pip install "
+                 f"numpy, or run 'make data', which finds a Python that has it")
 
 INPUT_DIM = 784  # 28x28 images
 MAX_HIDDEN, MAX_LATENT = 4096, 64  # the sizes of the family that vae.cu takes: 1 <= H1, H3 <= 4096, 1 <= Z <= 64
@@ -673,7 +674,7 @@ def fetch_inputs(src, download_dir):
                         shutil.copyfileobj(r, f)
                 except OSError as e:
                     fail(f"cannot download {url} ({e}). HINT: when offline, copy the files to a "
-                         f"folder and run: python3 prepare_weights.py --src FOLDER")
+                         f"folder and run: {sys.executable} prepare_weights.py --src FOLDER")
                 os.replace(path + ".part", path)
         got = md5(path)
         if got != want:

@@ -1202,6 +1202,30 @@ static void test_cli(int num_images, const Images* images) {
     vae_run_free(&v);
 }
 
+// Each input problem's hint names the fix for that problem: a user's -w file, missing or not a weights file, is
+// converted from their checkpoint by prepare_weights.py --checkpoint with the Python the Makefile found; a -d folder
+// holding MNIST as shipped (.gz only) is unpacked by the gunzip line the hint gives.
+static void test_hints(const char* images_path) {
+    printf("hints name the fix for each problem\n");
+    char why[512], not_weights[160], gz_dir[160], gz[192];
+    const bool refused = vae_refuses({"-w", "/nonexistent/my_vae.bin"}, "prepare_weights.py --checkpoint", why,
+                                     sizeof(why));
+    check(refused && strstr(why, VAE_PYTHON " prepare_weights.py"), "-w with a missing file: %s", why);
+    snprintf(not_weights, sizeof(not_weights), "%s/my_vae.pth", scratch);
+    FILE* f = fopen(not_weights, "wb");
+    for (int i = 0; f != NULL && i < 4096; i++) fputc(0x80, f);
+    const bool written = f != NULL && fclose(f) == 0;
+    check(written && vae_refuses({"-w", not_weights}, "--checkpoint FILE", why, sizeof(why)),
+          "-w with a file that is no weights file (a checkpoint): %s", why);
+    if (images_path == NULL) return skip("the -d hint for .gz files", "no test set loaded");
+    snprintf(gz_dir, sizeof(gz_dir), "%s/shipped", scratch);
+    snprintf(gz, sizeof(gz), "%s/t10k-images-idx3-ubyte.gz", gz_dir);
+    const bool made = mkdir(gz_dir, 0700) == 0 && (f = fopen(gz, "wb")) != NULL && fclose(f) == 0;
+    check(made && vae_refuses({"-d", gz_dir}, "gunzip", why, sizeof(why)),
+          "-d with MNIST's .gz files only: the hint unpacks them: %s", why);
+    remove(gz), rmdir(gz_dir), remove(not_weights);
+}
+
 static void test_ppm() {
     printf("image output\n");
     float tiles[2 * INPUT_DIM];
@@ -2388,6 +2412,7 @@ int main(int argc, char** argv) {
         }
         test_generator();
         test_cli(loaded ? images.count : 10000, loaded ? &images : NULL);
+        test_hints(loaded ? images_path : NULL);
         test_ppm();
     }
 

@@ -70,9 +70,16 @@ static bool set_error(Error* err, const char* fmt, ...) {
     exit(EXIT_FAILURE);
 }
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
-#define PREPARE_HINT                                                                                                   \
-    "HINT: run 'make data' (python3 prepare_weights.py --src ../shared/data, or without --src to download)"
-#define CHECKPOINT_HINT "HINT: convert a PyTorch checkpoint of the VAE: python3 prepare_weights.py --checkpoint FILE"
+#ifndef VAE_PYTHON
+#define VAE_PYTHON "python3" // the Makefile passes the Python it found with numpy
+#endif
+// data/'s files come from 'make data', which finds that Python; a user's own weights file from their checkpoint
+#define PREPARE_HINT "HINT: run 'make data'"
+#define CHECKPOINT_HINT                                                                                                \
+    "HINT: convert a PyTorch checkpoint of the VAE: " VAE_PYTHON " prepare_weights.py --checkpoint FILE"
+#define WEIGHTS_HINT                                                                                                   \
+    "HINT: 'make data' writes data/vae_weights.bin; a checkpoint of your own converts with " VAE_PYTHON                \
+    " prepare_weights.py --checkpoint FILE"
 #define MAX_FILE_BYTES (1ull << 30) // no input of this model comes near 1 GiB
 // Reads a whole regular file into a malloc'd buffer. `missing_hint` ends the message for a file that
 // is not there (the program's own data files are made by 'make data'; a user's image is not).
@@ -3280,30 +3287,30 @@ static uint32_t read_be32(const uint8_t* p) { return (uint32_t)p[0] << 24 | p[1]
 static bool parse_weights(const uint8_t* buf, size_t size, const char* name, HostWeights* w, Error* err) {
     const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
     if (size < header_bytes)
-        return set_error(err, "%s: %zu bytes, shorter than the %zu-byte header. " PREPARE_HINT, name, size,
+        return set_error(err, "%s: %zu bytes, shorter than the %zu-byte header. " WEIGHTS_HINT, name, size,
                          header_bytes);
     int32_t magic = read_le32(buf), version = read_le32(buf + 4);
     if (magic != WEIGHTS_MAGIC)
         return set_error(err, "%s: bad magic 0x%08x, not a vae.cu weights file. " CHECKPOINT_HINT, name,
                          (unsigned)magic);
     if (version != WEIGHTS_VERSION)
-        return set_error(err, "%s: version %d, this program reads version %d. " PREPARE_HINT, name, version,
+        return set_error(err, "%s: version %d, this program reads version %d. " WEIGHTS_HINT, name, version,
                          WEIGHTS_VERSION);
     // the sizes: input, fc1's hidden units, the latents, fc3's hidden units (header[8])
     int32_t in = read_le32(buf + 8), hidden = read_le32(buf + 12), latent = read_le32(buf + 16);
     int32_t hidden3 = read_le32(buf + 32);
     if (in != INPUT_DIM || hidden != HIDDEN_DIM || latent != LATENT_DIM || hidden3 != HIDDEN_DIM)
-        return set_error(err, "%s: a %d-%d-%d-%d VAE; this vae.cu evaluates the %d-%d-%d-%d model only. " PREPARE_HINT,
+        return set_error(err, "%s: a %d-%d-%d-%d VAE; this vae.cu evaluates the %d-%d-%d-%d model only. " WEIGHTS_HINT,
                          name, in, hidden, latent, hidden3, INPUT_DIM, HIDDEN_DIM, LATENT_DIM, HIDDEN_DIM);
     int32_t dtype = read_le32(buf + 20), num_tensors = read_le32(buf + 24), total = read_le32(buf + 28);
     size_t expected = 0;
     for (int i = 0; i < NUM_TENSORS; i++) expected += TENSOR_SIZES[i];
     if (dtype != DTYPE_FLOAT32 || num_tensors != NUM_TENSORS || total < 0 || (size_t)total != expected)
         return set_error(err, "%s: header says dtype %d, %d tensors, %d floats; expected dtype %d, %d tensors, %zu "
-                         "floats. " PREPARE_HINT, name, dtype, num_tensors, total, DTYPE_FLOAT32, NUM_TENSORS,
+                         "floats. " WEIGHTS_HINT, name, dtype, num_tensors, total, DTYPE_FLOAT32, NUM_TENSORS,
                          expected);
     if (size != header_bytes + expected * sizeof(float))
-        return set_error(err, "%s: %zu bytes, the header promises %zu (truncated or padded). " PREPARE_HINT, name, size,
+        return set_error(err, "%s: %zu bytes, the header promises %zu (truncated or padded). " WEIGHTS_HINT, name, size,
                          header_bytes + expected * sizeof(float));
     w->count = expected;
     w->data = (float*)malloc(expected * sizeof(float));
@@ -3314,7 +3321,7 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
         w->tensor[t] = w->data + offset;
         for (size_t i = 0; i < TENSOR_SIZES[t]; i++)
             if (!isfinite(w->tensor[t][i])) {
-                set_error(err, "%s: %s[%zu] is %f; the weights must be finite. " PREPARE_HINT, name, TENSOR_NAMES[t], i,
+                set_error(err, "%s: %s[%zu] is %f; the weights must be finite. " WEIGHTS_HINT, name, TENSOR_NAMES[t], i,
                           w->tensor[t][i]);
                 free(w->data);
                 w->data = NULL;
@@ -4465,14 +4472,24 @@ int main(int argc, char** argv) {
     Images images = {};
     Labels labels = {}; // none: every label is -1
     char images_path[MAX_PATH], labels_path[MAX_PATH];
-    if (!load_file(cfg.weights_path, parse_weights, &weights, &err)) fail("%s", err.msg);
+    const bool own_weights = cfg.given & OPT_BIT(OPT_WEIGHTS); // -w: a missing file is the user's, not make data's
+    if (!load_file(cfg.weights_path, parse_weights, &weights, &err, own_weights ? WEIGHTS_HINT : PREPARE_HINT))
+        fail("%s", err.msg);
     if (cfg.num_image_files > 0) {
         load_image_files(&cfg, &images);
         snprintf(images_path, sizeof(images_path), "%d --image file%s", images.count, images.count > 1 ? "s" : "");
     } else if (cfg.mode != MODE_BDMC) { // --bdmc simulates its images: no test set
         snprintf(images_path, sizeof(images_path), "%s/t10k-images-idx3-ubyte", cfg.data_dir);
         snprintf(labels_path, sizeof(labels_path), "%s/t10k-labels-idx1-ubyte", cfg.data_dir);
-        if (!load_file(images_path, parse_idx_images, &images, &err)) fail("%s", err.msg);
+        char gz_hint[4 * MAX_PATH] = PREPARE_HINT, gz[MAX_PATH + 4]; // MNIST as shipped: the .gz files only
+        snprintf(gz, sizeof(gz), "%s.gz", images_path);
+        if (access(gz, R_OK) == 0 && writable_folder(cfg.data_dir))
+            snprintf(gz_hint, sizeof(gz_hint), "HINT: unpack them: gunzip -k %s/t10k-*.gz", cfg.data_dir);
+        else if (access(gz, R_OK) == 0) // a read-only folder: unpack beside the program
+            snprintf(gz_hint, sizeof(gz_hint), "HINT: unpack them into mnist/ and pass -d mnist: mkdir -p mnist && "
+                     "gunzip -c %s > mnist/t10k-images-idx3-ubyte && gunzip -c %s/t10k-labels-idx1-ubyte.gz > "
+                     "mnist/t10k-labels-idx1-ubyte", gz, cfg.data_dir);
+        if (!load_file(images_path, parse_idx_images, &images, &err, gz_hint)) fail("%s", err.msg);
         struct stat st;
         const bool have_labels = stat(labels_path, &st) == 0 || errno != ENOENT; // optional, but never half-read
         if (have_labels && !load_file(labels_path, parse_idx_labels, &labels, &err)) fail("%s", err.msg);
