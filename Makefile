@@ -43,8 +43,8 @@ VERSION_FLAGS := $(if $(GIT_COMMIT),-DVAE_GIT_COMMIT='"$(GIT_COMMIT)$(shell git 
 # the Python ./vae's hints name: the one that runs prepare_weights.py here (expanded only when a recipe runs)
 HINT_FLAGS = $(if $(PYTHON),-DVAE_PYTHON='"$(PYTHON)"')
 NVCCFLAGS ?= -O3 -std=c++17 -lineinfo $(ARCH_FLAGS) -Xcompiler -Wall,-Wextra -Werror all-warnings
-# the plain path's matrix products
-LDLIBS ?= -lcublasLt
+# the plain path's matrix products, and zlib for MNIST's gzipped idx files
+LDLIBS ?= -lcublasLt -lz
 
 # prepare_weights.py needs numpy for what ./vae reads, and PyTorch for the reference dumps make test
 # checks against (Debian: python3-numpy, python3-torch; python3-torch lives in /usr/bin).
@@ -101,7 +101,7 @@ $(REFERENCES) &: prepare_weights.py | $(INPUTS)
 # so that vae.cu and test_vae.cu are fuzzed unchanged, with AddressSanitizer and UBSan.
 FUZZ_CXX ?= clang++
 FUZZ_SECONDS ?= 60
-FUZZ_READERS = weights idx_images idx_labels debug_state iwae_state pgm
+FUZZ_READERS = weights idx_images idx_labels debug_state iwae_state pgm idx_gz
 FUZZ_FLAGS = -std=c++17 -g -O1 -arch=sm_80 -ccbin $(FUZZ_CXX) -Xcompiler -fno-omit-frame-pointer \
              -Xcompiler -fsanitize=address -Xcompiler -fsanitize=undefined -Xcompiler -fno-sanitize-recover=all
 
@@ -115,7 +115,7 @@ fuzz/build/readers.o: fuzz/readers.cu test_vae.cu vae.cu
 	$(NVCC) $(FUZZ_FLAGS) -Xcompiler -fsanitize=fuzzer-no-link -c $< -o $@
 
 fuzz/build/fuzz_%: fuzz/target.cpp fuzz/build/readers.o
-	$(NVCC) $(FUZZ_FLAGS) -Xcompiler -fsanitize=fuzzer -DFUZZ_READER='"$*"' $^ -o $@
+	$(NVCC) $(FUZZ_FLAGS) -Xcompiler -fsanitize=fuzzer -DFUZZ_READER='"$*"' $^ -o $@ -lz
 
 # the seed corpus comes from the real files in data/, never from the repository
 fuzz/build/seeds/.made: fuzz/seed_corpus.py $(DATA)

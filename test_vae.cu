@@ -1202,12 +1202,11 @@ static void test_cli(int num_images, const Images* images) {
     vae_run_free(&v);
 }
 
-// Each input problem's hint names the fix for that problem: a user's -w file, missing or not a weights file, is
-// converted from their checkpoint by prepare_weights.py --checkpoint with the Python the Makefile found; a -d folder
-// holding MNIST as shipped (.gz only) is unpacked by the gunzip line the hint gives.
-static void test_hints(const char* images_path) {
-    printf("hints name the fix for each problem\n");
-    char why[512], not_weights[160], gz_dir[160], gz[192];
+// A user's -w file, missing or not a weights file, gets a hint that converts their checkpoint: prepare_weights.py
+// --checkpoint with the Python the Makefile found (not 'make data', which writes data/'s file only).
+static void test_hints() {
+    printf("hints name the fix for a user's weights file\n");
+    char why[512], not_weights[160];
     const bool refused = vae_refuses({"-w", "/nonexistent/my_vae.bin"}, "prepare_weights.py --checkpoint", why,
                                      sizeof(why));
     check(refused && strstr(why, VAE_PYTHON " prepare_weights.py"), "-w with a missing file: %s", why);
@@ -1217,13 +1216,80 @@ static void test_hints(const char* images_path) {
     const bool written = f != NULL && fclose(f) == 0;
     check(written && vae_refuses({"-w", not_weights}, "--checkpoint FILE", why, sizeof(why)),
           "-w with a file that is no weights file (a checkpoint): %s", why);
-    if (images_path == NULL) return skip("the -d hint for .gz files", "no test set loaded");
-    snprintf(gz_dir, sizeof(gz_dir), "%s/shipped", scratch);
-    snprintf(gz, sizeof(gz), "%s/t10k-images-idx3-ubyte.gz", gz_dir);
-    const bool made = mkdir(gz_dir, 0700) == 0 && (f = fopen(gz, "wb")) != NULL && fclose(f) == 0;
-    check(made && vae_refuses({"-d", gz_dir}, "gunzip", why, sizeof(why)),
-          "-d with MNIST's .gz files only: the hint unpacks them: %s", why);
-    remove(gz), rmdir(gz_dir), remove(not_weights);
+    remove(not_weights);
+}
+
+// The idx files as MNIST ships them, gzipped (gunzip_idx under read_file): the real test images gzipped here read back
+// as the same images; cut, flipped, trailed and bomb streams are each refused with a message. The bomb is an idx header
+// promising one image, then 64 MB of zeros (a 64 KB stream): it stops one byte past the promise, not at 64 MB.
+static bool gzip_bytes(const uint8_t* in, size_t size, uint8_t** out, size_t* out_size) {
+    z_stream zs = {};
+    if (deflateInit2(&zs, 6, Z_DEFLATED, 16 + MAX_WBITS, 8, Z_DEFAULT_STRATEGY) != Z_OK) return false;
+    *out = (uint8_t*)malloc(deflateBound(&zs, size));
+    zs.next_in = (Bytef*)in, zs.avail_in = (uInt)size, zs.next_out = *out, zs.avail_out = (uInt)deflateBound(&zs, size);
+    const bool ok = *out != NULL && deflate(&zs, Z_FINISH) == Z_STREAM_END;
+    *out_size = zs.total_out;
+    deflateEnd(&zs);
+    return ok;
+}
+static void test_gzip(const char* images_path, const Images* images) {
+    printf("gzipped idx files (-d with MNIST's .gz files)\n");
+    uint8_t *plain = NULL, *packed = NULL, *back = NULL;
+    size_t plain_size = 0, packed_size = 0, back_size = 0;
+    Error err = {};
+    char gz_dir[160], gz_path[224];
+    snprintf(gz_dir, sizeof(gz_dir), "%s/gz", scratch);
+    snprintf(gz_path, sizeof(gz_path), "%s/t10k-images-idx3-ubyte.gz", gz_dir);
+    bool ok = read_file(images_path, &plain, &plain_size, &err) && gzip_bytes(plain, plain_size, &packed, &packed_size);
+    FILE* f = ok && mkdir(gz_dir, 0700) == 0 ? fopen(gz_path, "wb") : NULL;
+    ok = f != NULL && fwrite(packed, 1, packed_size, f) == packed_size && fclose(f) == 0;
+    Images im = {};
+    ok = ok && load_file(gz_path, parse_idx_images, &im, &err) && im.count == images->count &&
+         !memcmp(im.pixels, images->pixels, (size_t)im.count * INPUT_DIM);
+    check(ok, "the test images gzipped (%zu of %zu bytes) read back as the same %d images%s%s", packed_size, plain_size,
+          im.count, err.msg[0] ? ": " : "", err.msg);
+    free(im.pixels);
+    // ./vae reads the folder: it goes past the inputs to the GPU (or, without one, stops only there)
+    VaeRun v = run_vae({"-d", gz_dir, "-n", "3", "-q", "--csv", "-"});
+    if (v.err != NULL) v.err[strcspn(v.err, "\n")] = '\0';
+    check(v.out != NULL && (v.status == 0 || strstr(v.err, "no CUDA device")) && !strstr(v.err, ".gz:"),
+          "./vae -d with only t10k-images-idx3-ubyte.gz: read (exit %d%s%s)", v.status, v.status ? ": " : "",
+          v.err ? v.err : "");
+    vae_run_free(&v);
+    int refused = 0, tried = 0;
+    const size_t cuts[] = {0, 1, 9, 10, 18, 100, packed_size / 2, packed_size - 8, packed_size - 1};
+    for (size_t cut : cuts) {
+        tried++;
+        if (!gunzip_idx("cut.gz", packed, cut, &back, &back_size, &err) && back == NULL && err.msg[0]) refused++;
+    }
+    uint8_t* bad = (uint8_t*)malloc(packed_size + 4);
+    memcpy(bad, packed, packed_size);
+    bad[packed_size / 2] ^= 0x40; // a bit of the deflate data, or of what the CRC guards
+    tried++, refused += !gunzip_idx("flipped.gz", bad, packed_size, &back, &back_size, &err) && back == NULL;
+    memcpy(bad, packed, packed_size), memcpy(bad + packed_size, "junk", 4);
+    tried++, refused += !gunzip_idx("trailed.gz", bad, packed_size + 4, &back, &back_size, &err) && back == NULL &&
+                        strstr(err.msg, "follow");
+    check(refused == tried, "gzip streams cut at 9 places, with a bit flipped, and with bytes after them: %d/%d "
+          "refused with a message", refused, tried);
+    free(bad);
+    const size_t bomb_size = (size_t)64 << 20;
+    uint8_t* bomb = (uint8_t*)calloc(bomb_size, 1);
+    uint8_t *packed_bomb = NULL, *text = NULL;
+    size_t packed_bomb_size = 0, text_size = 0;
+    memcpy(bomb, plain, 16);
+    bomb[7] = 1, bomb[4] = bomb[5] = bomb[6] = 0; // one image: the header promises 16 + 784 bytes
+    ok = bomb != NULL && gzip_bytes(bomb, bomb_size, &packed_bomb, &packed_bomb_size) &&
+         !gunzip_idx("bomb.gz", packed_bomb, packed_bomb_size, &back, &back_size, &err);
+    check(ok && strstr(err.msg, "promises") && back_size == 16 + INPUT_DIM + 1,
+          "a gzip bomb (%zu bytes that expand to 64 MB, its header promising one image) stops at %zu bytes: %s",
+          packed_bomb_size, back_size, err.msg);
+    const char prose[] = "not an idx file, but a long enough line of text to pass sixteen bytes";
+    ok = gzip_bytes((const uint8_t*)prose, sizeof(prose), &text, &text_size) &&
+         !gunzip_idx("text.gz", text, text_size, &back, &back_size, &err);
+    check(ok && strstr(err.msg, "no idx header"),
+          "a gzip of text is refused: %s", err.msg);
+    free(bomb), free(packed_bomb), free(text), free(plain), free(packed);
+    remove(gz_path), rmdir(gz_dir);
 }
 
 static void test_ppm() {
@@ -2412,7 +2478,8 @@ int main(int argc, char** argv) {
         }
         test_generator();
         test_cli(loaded ? images.count : 10000, loaded ? &images : NULL);
-        test_hints(loaded ? images_path : NULL);
+        test_hints();
+        if (loaded) test_gzip(images_path, &images);
         test_ppm();
     }
 

@@ -40,6 +40,7 @@ as test_vae.cu does) the CLI.
 #include <algorithm>
 #include <type_traits>
 #include <unistd.h>
+#include <zlib.h> // -d reads MNIST's idx files as shipped, gzipped
 
 // ---- utilities ------------------------------------------------------------------------------------------------------
 // Every CUDA call is checked; a failure names the call site and exits.
@@ -81,8 +82,45 @@ __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; 
     "HINT: 'make data' writes data/vae_weights.bin; a checkpoint of your own converts with " VAE_PYTHON                \
     " prepare_weights.py --checkpoint FILE"
 #define MAX_FILE_BYTES (1ull << 30) // no input of this model comes near 1 GiB
-// Reads a whole regular file into a malloc'd buffer. `missing_hint` ends the message for a file that
-// is not there (the program's own data files are made by 'make data'; a user's image is not).
+static int32_t read_le32(const uint8_t* p) { return (int32_t)(p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24); }
+static uint32_t read_be32(const uint8_t* p) { return (uint32_t)p[0] << 24 | p[1] << 16 | p[2] << 8 | p[3]; }
+// An idx file as MNIST ships it, gzipped, inflated in memory: to at most the size its idx header promises (a magic
+// whose low byte counts the dimensions, the dimensions as big-endian int32, then their product in bytes) and one byte
+// more, so a stream that would expand further (a gzip bomb) is refused there, not at the 1 GiB any input may take.
+static bool gunzip_idx(const char* path, const uint8_t* in, size_t in_size, uint8_t** out, size_t* out_size,
+                       Error* err) {
+    z_stream zs = {};
+    if (inflateInit2(&zs, 16 + MAX_WBITS) != Z_OK) return set_error(err, "%s: zlib did not start", path); // +16: gzip
+    uint8_t head[16];
+    zs.next_in = (Bytef*)in, zs.avail_in = (uInt)in_size; // in_size <= MAX_FILE_BYTES
+    zs.next_out = head, zs.avail_out = sizeof(head);
+    int status = inflate(&zs, Z_NO_FLUSH);
+    const size_t head_size = sizeof(head) - zs.avail_out;
+    const int dims = head_size >= 4 ? head[3] : 0;
+    const bool idx = dims >= 1 && dims <= 3 && head_size >= 4 + 4u * dims;
+    unsigned long long promise = head_size;
+    for (int d = 0; idx && d < dims; d++)
+        promise = std::min((d == 0 ? 1 : promise) * read_be32(head + 4 + 4 * d), MAX_FILE_BYTES);
+    if (idx) promise = std::min(promise + 4 + 4 * dims, MAX_FILE_BYTES);
+    *out = (uint8_t*)malloc(promise + 1);
+    if (*out == NULL) return inflateEnd(&zs), set_error(err, "%s: out of host memory for %llu bytes", path, promise);
+    memcpy(*out, head, head_size);
+    zs.next_out = *out + head_size, zs.avail_out = (uInt)(promise + 1 - head_size);
+    if (status == Z_OK) status = inflate(&zs, Z_FINISH);
+    *out_size = promise + 1 - zs.avail_out;
+    const char* why = status != Z_STREAM_END && zs.avail_out == 0
+                          ? (idx ? "it expands past the size its idx header promises" : "it holds no idx header")
+                      : status != Z_STREAM_END ? (zs.msg ? zs.msg : "the gzip stream is cut short")
+                      : zs.avail_in > 0        ? "bytes follow its gzip stream"
+                                               : NULL;
+    inflateEnd(&zs);
+    if (why == NULL) return true;
+    free(*out), *out = NULL;
+    return set_error(err, "%s: not a whole gzip file of an idx file (%s). HINT: fetch it again, or run 'make data'",
+                     path, why);
+}
+// Reads a whole regular file into a malloc'd buffer, inflated when its name ends in .gz. `missing_hint` ends the
+// message for a file that is not there (the program's own data files are made by 'make data'; a user's image is not).
 static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err,
                       const char* missing_hint = PREPARE_HINT) {
     struct stat st;
@@ -107,7 +145,12 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
         *data = NULL;
         return set_error(err, "%s: read %zu of %zu bytes. HINT: check the disk and the file", path, got, *size);
     }
-    return true;
+    const size_t length = strlen(path);
+    if (length < 3 || strcmp(path + length - 3, ".gz") != 0) return true;
+    uint8_t* packed = *data;
+    const bool ok = gunzip_idx(path, packed, *size, data, size, err);
+    free(packed);
+    return ok;
 }
 // Output files are written under a temporary name beside their final one and renamed into place together once the run
 // has succeeded (outputs_commit), so a run that fails - no GPU, a bad input found late, a full disk - leaves every
@@ -3281,8 +3324,6 @@ static void vae_ais(VAE* m, AisIO io, bool from_prior) {
 }
 
 // ---- file formats: the weights file written by prepare_weights.py, MNIST idx files, PGM images ----------------------
-static int32_t read_le32(const uint8_t* p) { return (int32_t)(p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24); }
-static uint32_t read_be32(const uint8_t* p) { return (uint32_t)p[0] << 24 | p[1] << 16 | p[2] << 8 | p[3]; }
 // Validates a weights file held in memory and copies its tensors out. `name` is used in messages.
 static bool parse_weights(const uint8_t* buf, size_t size, const char* name, HostWeights* w, Error* err) {
     const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
@@ -3567,8 +3608,8 @@ static const char* USAGE =
     "'--' ends the options.\n"
     "inputs\n"
     "  -w, --weights FILE   weights file (default data/vae_weights.bin)\n"
-    "  -d, --data DIR       folder with t10k-images-idx3-ubyte (default data); t10k-labels-idx1-ubyte\n"
-    "                       beside it is optional (label -1 without it)\n"
+    "  -d, --data DIR       folder with t10k-images-idx3-ubyte, or .gz as MNIST ships it (default data);\n"
+    "                       t10k-labels-idx1-ubyte[.gz] beside it is optional (label -1 without it)\n"
     "      --image FILE     instead of the test set: a 28x28 PGM (P5 or P2), a white digit on black as\n"
     "                       in MNIST; repeat for more; each is printed with its losses\n"
     "      --invert         the --image files are black on white\n"
@@ -4441,6 +4482,13 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     free(pairs), free(tiles), free(last);
     cudaCheck(cudaFree(d_pairs)), vae_free(&m);
 }
+// The idx file `name` in `dir`, or its gzipped copy (MNIST as shipped) where only that is there.
+static void idx_path(char path[MAX_PATH], const char* dir, const char* name) {
+    struct stat st;
+    snprintf(path, MAX_PATH, "%s/%s", dir, name);
+    if (stat(path, &st) != 0 && errno == ENOENT) snprintf(path, MAX_PATH, "%s/%s.gz", dir, name);
+    if (stat(path, &st) != 0 && errno == ENOENT) snprintf(path, MAX_PATH, "%s/%s", dir, name); // neither: name it
+}
 // --image files: 28x28 greymaps, read in full and validated like every other input.
 static void load_image_files(const Config* cfg, Images* images) {
     images->count = cfg->num_image_files;
@@ -4479,17 +4527,9 @@ int main(int argc, char** argv) {
         load_image_files(&cfg, &images);
         snprintf(images_path, sizeof(images_path), "%d --image file%s", images.count, images.count > 1 ? "s" : "");
     } else if (cfg.mode != MODE_BDMC) { // --bdmc simulates its images: no test set
-        snprintf(images_path, sizeof(images_path), "%s/t10k-images-idx3-ubyte", cfg.data_dir);
-        snprintf(labels_path, sizeof(labels_path), "%s/t10k-labels-idx1-ubyte", cfg.data_dir);
-        char gz_hint[4 * MAX_PATH] = PREPARE_HINT, gz[MAX_PATH + 4]; // MNIST as shipped: the .gz files only
-        snprintf(gz, sizeof(gz), "%s.gz", images_path);
-        if (access(gz, R_OK) == 0 && writable_folder(cfg.data_dir))
-            snprintf(gz_hint, sizeof(gz_hint), "HINT: unpack them: gunzip -k %s/t10k-*.gz", cfg.data_dir);
-        else if (access(gz, R_OK) == 0) // a read-only folder: unpack beside the program
-            snprintf(gz_hint, sizeof(gz_hint), "HINT: unpack them into mnist/ and pass -d mnist: mkdir -p mnist && "
-                     "gunzip -c %s > mnist/t10k-images-idx3-ubyte && gunzip -c %s/t10k-labels-idx1-ubyte.gz > "
-                     "mnist/t10k-labels-idx1-ubyte", gz, cfg.data_dir);
-        if (!load_file(images_path, parse_idx_images, &images, &err, gz_hint)) fail("%s", err.msg);
+        idx_path(images_path, cfg.data_dir, "t10k-images-idx3-ubyte");
+        idx_path(labels_path, cfg.data_dir, "t10k-labels-idx1-ubyte");
+        if (!load_file(images_path, parse_idx_images, &images, &err)) fail("%s", err.msg);
         struct stat st;
         const bool have_labels = stat(labels_path, &st) == 0 || errno != ENOENT; // optional, but never half-read
         if (have_labels && !load_file(labels_path, parse_idx_labels, &labels, &err)) fail("%s", err.msg);

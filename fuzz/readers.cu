@@ -1,4 +1,5 @@
-// The six file readers of vae.cu and test_vae.cu, built for libFuzzer (see fuzz/README.md).
+// The file readers of vae.cu and test_vae.cu, and the gzip layer under the idx reader, built for libFuzzer (see
+// fuzz/README.md).
 // vae.cu and test_vae.cu are included unchanged; only test_vae's main() is left out.
 #define TEST_VAE_NO_MAIN
 #include "../test_vae.cu"
@@ -10,10 +11,13 @@ static volatile double sink;
 #define PROMISE(cond) \
     if (!(cond)) __builtin_trap()
 
-// The reader's index (R_WEIGHTS ...) from its name in the Makefile's FUZZ_READERS.
+// The reader's index (R_WEIGHTS ...) from its name in the Makefile's FUZZ_READERS; idx_gz (gunzip_idx, then the idx
+// images reader) comes after test_vae's readers.
+enum { R_IDX_GZ = NUM_READERS };
 int fuzz_reader_index(const char* name) {
-    static const char* names[NUM_READERS] = {"weights", "idx_images", "idx_labels", "debug_state", "iwae_state", "pgm"};
-    for (int r = 0; r < NUM_READERS; r++)
+    static const char* names[NUM_READERS + 1] = {"weights",    "idx_images", "idx_labels", "debug_state",
+                                                 "iwae_state", "pgm",        "idx_gz"};
+    for (int r = 0; r <= NUM_READERS; r++)
         if (!strcmp(name, names[r])) return r;
     fprintf(stderr, "fuzz: no reader named '%s'\n", name);
     exit(EXIT_FAILURE);
@@ -34,6 +38,22 @@ int fuzz_one(int reader, const uint8_t* data, size_t size) {
             free(w.data);
         } else {
             PROMISE(err.msg[0] != '\0' && w.data == NULL);
+        }
+    } else if (reader == R_IDX_GZ) {
+        uint8_t* idx = NULL;
+        size_t idx_size = 0;
+        Images im = {};
+        if (gunzip_idx("fuzz.gz", data, size, &idx, &idx_size, &err)) {
+            // at most the idx header's promise and one byte: a bomb never gets further
+            PROMISE(idx_size <= MAX_FILE_BYTES + 1);
+            if (parse_idx_images(idx, idx_size, "fuzz", &im, &err)) {
+                PROMISE(im.count > 0 && idx_size == 16 + (size_t)im.count * INPUT_DIM);
+                for (size_t i = 0; i < (size_t)im.count * INPUT_DIM; i++) sum += im.pixels[i];
+                free(im.pixels);
+            }
+            free(idx);
+        } else {
+            PROMISE(err.msg[0] != '\0' && idx == NULL);
         }
     } else if (reader == R_IMAGES) {
         Images im = {};

@@ -7,6 +7,7 @@ OUT_DIR/<reader>/ gets the real file, its header alone, and for the idx files an
 states a small valid file cut from the real one, so that the fuzzer reaches the accepting path
 without mutating megabytes. Nothing here is committed: make fuzz rebuilds it from data/.
 """
+import gzip
 import os
 import struct
 import sys
@@ -75,6 +76,10 @@ def main():
     write(out, "idx_images", "real", images)
     write(out, "idx_images", "header", images[:16])
     write(out, "idx_images", "two_images", images[:4] + struct.pack(">I", 2) + images[8:16] + images[16:16 + 2 * 784])
+    # MNIST as shipped: gzip of the idx files (whole, and its first two images)
+    two_images = images[:4] + struct.pack(">I", 2) + images[8:16] + images[16:16 + 2 * 784]
+    write(out, "idx_gz", "real", gzip.compress(images, mtime=0))
+    write(out, "idx_gz", "two_images", gzip.compress(two_images, mtime=0))
     write(out, "idx_labels", "real", labels)
     write(out, "idx_labels", "header", labels[:8])
     write(out, "idx_labels", "two_labels", labels[:4] + struct.pack(">I", 2) + labels[8:10])
