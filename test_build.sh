@@ -5,7 +5,8 @@
 #   - GPU_ARCH in its forms (90, 9.0, sm_90, sm_90a; 86, 8.6, sm_86) and nvidia-smi's answer;
 #   - older than sm_75, or not a compute capability: make stops with one line;
 #   - vae and test_vae link cuBLASLt (the plain path's matrix products) and not cuBLAS;
-#   - a built ./vae holds the code its nvcc line promises (cuobjdump), when there is one.
+#   - a built ./vae holds the code its nvcc line promises (cuobjdump), when there is one;
+#   - README.md's command-line block is ./vae -h's output, byte for byte, when there is a ./vae.
 # Ends with "N passed, N failed, N skipped"; exits non-zero if anything failed.
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -82,6 +83,18 @@ elif [ ! -x vae ]; then
     skip "what ./vae holds" "no ./vae: make vae builds it"
 else
     skip "what ./vae holds" "no cuobjdump on PATH (CUDA's cuda-cuobjdump package)"
+fi
+echo "README.md: the command line as ./vae -h prints it"
+if [ -x vae ]; then
+    # the lines between the two markers, less the code fence's first and last line
+    awk '/^<!-- end \.\/vae -h -->$/ { f = 0 } f; /^<!-- \.\/vae -h -->$/ { f = 1 }' README.md | sed '1d;$d' \
+        > "$fake/readme_help"
+    ./vae -h > "$fake/help" 2>&1
+    cmp -s "$fake/help" "$fake/readme_help"; rc=$?
+    check "README.md's block between <!-- ./vae -h --> and <!-- end ./vae -h --> is ./vae -h's output" $rc \
+        "$(diff "$fake/help" "$fake/readme_help" | head -n 6)"
+else
+    skip "README.md's command-line block against ./vae -h" "no ./vae: make vae builds it"
 fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
