@@ -40,8 +40,10 @@ endif
 # the commit --version names, when built from a checkout
 GIT_COMMIT := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
 VERSION_FLAGS := $(if $(GIT_COMMIT),-DVAE_GIT_COMMIT='"$(GIT_COMMIT)$(shell git diff --quiet HEAD -- vae.cu 2>/dev/null || echo +changes)"')
-# the Python ./vae's hints name: the one that runs prepare_weights.py here (expanded only when a recipe runs)
-HINT_FLAGS = $(if $(PYTHON),-DVAE_PYTHON='"$(PYTHON)"')
+# What ./vae says of its build (expanded only when a recipe runs): the Python its hints name, the one that runs
+# prepare_weights.py here; and the targets --version names, sm_90a with its a (nvcc's own list says 900)
+BUILT_FOR = $(shell echo '$(ARCH_FLAGS)' | grep -oE 'code=\[?sm_[0-9]+a?|-arch=sm_[0-9]+a?' | grep -oE 'sm_[0-9]+a?')
+INFO_FLAGS = $(if $(PYTHON),-DVAE_PYTHON='"$(PYTHON)"') -DVAE_BUILT_FOR='"$(strip $(BUILT_FOR))"'
 NVCCFLAGS ?= -O3 -std=c++17 -lineinfo $(ARCH_FLAGS) -Xcompiler -Wall,-Wextra -Werror all-warnings
 # the plain path's matrix products, and zlib for MNIST's gzipped idx files
 LDLIBS ?= -lcublasLt -lz
@@ -62,10 +64,10 @@ all: vae test_vae dev
 
 # ./vae needs the weights and the test set: a fresh clone gets them with the first build
 vae: vae.cu | $(INPUTS)
-	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(HINT_FLAGS) $< -o $@ $(LDLIBS)
+	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(INFO_FLAGS) $< -o $@ $(LDLIBS)
 
 test_vae: test_vae.cu vae.cu
-	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(HINT_FLAGS) $< -o $@ $(LDLIBS)
+	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(INFO_FLAGS) $< -o $@ $(LDLIBS)
 
 # The CUDA tests, the converter's tests (against torch.load when PyTorch is there) and the Makefile's choice of GPU
 # code. All three run, each ending in "N passed, N failed, N skipped"; one line then sums them, and make test fails

@@ -3868,7 +3868,9 @@ static void print_version() {
     printf("CUDA runtime %d.%d, driver ", runtime / 1000, runtime % 1000 / 10);
     if (has_driver) printf("%d.%d\n", driver / 1000, driver % 1000 / 10);
     else printf("none found\n");
-#ifdef __CUDA_ARCH_LIST__ // nvcc's list of the architectures this binary has code for, e.g. 800,900
+#ifdef VAE_BUILT_FOR // the Makefile's targets, sm_90a included (nvcc's list below says 900 for sm_90 and sm_90a)
+    printf("built for %s\n", VAE_BUILT_FOR);
+#elif defined(__CUDA_ARCH_LIST__) // nvcc's list of the architectures this binary has code for, e.g. 800,900
 #define VAE_STRING(...) #__VA_ARGS__
 #define VAE_EXPAND(...) VAE_STRING(__VA_ARGS__)
     printf("built for");
