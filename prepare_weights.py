@@ -667,12 +667,19 @@ def fetch_inputs(src, download_dir):
         else:
             path = os.path.join(download_dir, name)
             if not (os.path.isfile(path) and md5(path) == want):
+                made = not os.path.isdir(download_dir)
                 os.makedirs(download_dir, exist_ok=True)
                 print(f"downloading {url}")
                 try:
                     with urllib.request.urlopen(url, timeout=60) as r, open(path + ".part", "wb") as f:
                         shutil.copyfileobj(r, f)
                 except OSError as e:
+                    # no partial file, and no downloads/ folder that this run made and left empty
+                    with contextlib.suppress(OSError):
+                        os.remove(path + ".part")
+                    with contextlib.suppress(OSError):
+                        if made:
+                            os.rmdir(download_dir)
                     fail(f"cannot download {url} ({e}). HINT: when offline, copy the files to a "
                          f"folder and run: {sys.executable} prepare_weights.py --src FOLDER")
                 os.replace(path + ".part", path)
@@ -997,30 +1004,31 @@ def main():
         what = "--only references" if args.only == "references" else "--reference-loss"
         fail(f"{what} needs torch, which {sys.executable} cannot import ({no_torch}). HINT: {TORCH_HINT}")
 
-    os.makedirs(out, exist_ok=True)
-    inputs = fetch_inputs(args.src, os.path.join(out, "downloads"))
-    try:
-        state = read_checkpoint(inputs[CHECKPOINT])
-    except CheckpointError as e:
-        fail(e)
-    raw_images, images = read_idx(inputs["t10k-images-idx3-ubyte.gz"])
-    raw_labels, labels = read_idx(inputs["t10k-labels-idx1-ubyte.gz"])
-    if images.shape[1:] != (28, 28) or labels.shape[0] != images.shape[0]:
-        fail(f"unexpected MNIST shapes: images {images.shape}, labels {labels.shape}")
+    # the output folder is made for the run and goes again if the run fails (offline, a bad input)
+    with folders_for(os.path.join(out, "vae_weights.bin")):
+        inputs = fetch_inputs(args.src, os.path.join(out, "downloads"))
+        try:
+            state = read_checkpoint(inputs[CHECKPOINT])
+        except CheckpointError as e:
+            fail(e)
+        raw_images, images = read_idx(inputs["t10k-images-idx3-ubyte.gz"])
+        raw_labels, labels = read_idx(inputs["t10k-labels-idx1-ubyte.gz"])
+        if images.shape[1:] != (28, 28) or labels.shape[0] != images.shape[0]:
+            fail(f"unexpected MNIST shapes: images {images.shape}, labels {labels.shape}")
 
-    if write_inputs:
-        write_weights(state, os.path.join(out, "vae_weights.bin"))
-        write_idx_files(raw_images, raw_labels, out, images.shape[0])
-    if no_torch:  # only reached without --only, where the references are optional
-        print(f"prepare_weights.py: note: skipped {' and '.join(REFERENCE_FILES)}: torch is missing "
-              f"({no_torch}), and only 'make test' needs them. HINT: {TORCH_HINT}", file=sys.stderr)
-    elif write_references or args.reference_loss:
-        model, model64 = torch_models(state)
-        if write_references:
-            write_debug_state(model, model64, images, os.path.join(out, REFERENCE_FILES[0]))
-            write_iwae_state(model, model64, images, os.path.join(out, REFERENCE_FILES[1]))
-        if args.reference_loss:
-            reference_loss(model64, images)
+        if write_inputs:
+            write_weights(state, os.path.join(out, "vae_weights.bin"))
+            write_idx_files(raw_images, raw_labels, out, images.shape[0])
+        if no_torch:  # only reached without --only, where the references are optional
+            print(f"prepare_weights.py: note: skipped {' and '.join(REFERENCE_FILES)}: torch is missing "
+                  f"({no_torch}), and only 'make test' needs them. HINT: {TORCH_HINT}", file=sys.stderr)
+        elif write_references or args.reference_loss:
+            model, model64 = torch_models(state)
+            if write_references:
+                write_debug_state(model, model64, images, os.path.join(out, REFERENCE_FILES[0]))
+                write_iwae_state(model, model64, images, os.path.join(out, REFERENCE_FILES[1]))
+            if args.reference_loss:
+                reference_loss(model64, images)
 
 
 if __name__ == "__main__":

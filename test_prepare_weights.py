@@ -668,6 +668,20 @@ def convert(env, path, out, **kwargs):
     return None, read(out)
 
 
+def check_offline(env):
+    """A run that cannot download (a proxy on a closed port stands in for no network) stops in one line with the
+    --src hint, and leaves neither its --out folder nor a downloads/ folder behind."""
+    out = os.path.join(env.folder("offline"), "new", "data")
+    proc = subprocess.run([sys.executable, SCRIPT, "--only", "inputs", "--out", out], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, https_proxy="http://127.0.0.1:9",
+                                                HTTPS_PROXY="http://127.0.0.1:9", no_proxy="", NO_PROXY=""))
+    lines = proc.stderr.strip().splitlines()
+    left = os.path.exists(os.path.dirname(out))
+    check("offline, a download fails in one line naming --src, and leaves no --out or downloads/ folder",
+          None if proc.returncode == 1 and len(lines) == 1 and "--src FOLDER" in lines[0] and not left
+          else f"exit {proc.returncode}, {os.path.dirname(out)} {'left' if left else 'gone'}: {proc.stderr[-300:]!r}")
+
+
 def check_family(env):
     """VAEs of other sizes, each written in the three formats: all convert to the same file, the right one."""
     folder = env.folder("family")
@@ -1075,7 +1089,8 @@ def main():
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="test_prepare_weights_") as root:
         env = Env(root, os.path.abspath(args.src))
-        checks = [(check_help, ()), (check_replace_when_complete, ()), (check_family, ()), (check_structures, ()),
+        checks = [(check_help, ()), (check_replace_when_complete, ()), (check_offline, ()), (check_family, ()),
+                  (check_structures, ()),
                   (check_torch_saved, ()), (check_checkpoint_refusals, ()), (check_checkpoint_cli, ()),
                   (check_corpus, ()), (check_odd_fields, ())]
         missing = [n for n in pw.SOURCES if not os.path.isfile(os.path.join(env.src, n))]
