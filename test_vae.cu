@@ -1283,6 +1283,16 @@ static void test_gzip(const char* images_path, const Images* images) {
     check(ok && strstr(err.msg, "promises") && back_size == 16 + INPUT_DIM + 1,
           "a gzip bomb (%zu bytes that expand to 64 MB, its header promising one image) stops at %zu bytes: %s",
           packed_bomb_size, back_size, err.msg);
+    // an idx header whose dimensions multiply to no data (zero images), then more bytes: refused, and the 16 bytes
+    // inflated to read the header fit the buffer (fuzz_idx_gz found them written past a buffer sized to the promise)
+    uint8_t empty[64] = {0, 0, 8, 3, 0, 0, 0, 0, 0, 0, 0, 28, 0, 0, 0, 28};
+    uint8_t* packed_empty = NULL;
+    size_t packed_empty_size = 0;
+    ok = gzip_bytes(empty, sizeof(empty), &packed_empty, &packed_empty_size) &&
+         !gunzip_idx("empty.gz", packed_empty, packed_empty_size, &back, &back_size, &err);
+    check(ok && strstr(err.msg, "promises"), "an idx header of zero images with bytes after it is refused: %s",
+          err.msg);
+    free(packed_empty);
     const char prose[] = "not an idx file, but a long enough line of text to pass sixteen bytes";
     ok = gzip_bytes((const uint8_t*)prose, sizeof(prose), &text, &text_size) &&
          !gunzip_idx("text.gz", text, text_size, &back, &back_size, &err);

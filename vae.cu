@@ -102,6 +102,9 @@ static bool gunzip_idx(const char* path, const uint8_t* in, size_t in_size, uint
     for (int d = 0; idx && d < dims; d++)
         promise = std::min((d == 0 ? 1 : promise) * read_be32(head + 4 + 4 * d), MAX_FILE_BYTES);
     if (idx) promise = std::min(promise + 4 + 4 * dims, MAX_FILE_BYTES);
+    // deflate packs at most ~1032:1, so a short stream cannot honestly fill a larger promise: no buffer beyond that;
+    // and never less than the bytes already inflated (a header whose dimensions multiply to less)
+    promise = std::max<unsigned long long>(std::min(promise, 1032ull * in_size + 64), head_size);
     *out = (uint8_t*)malloc(promise + 1);
     if (*out == NULL) return inflateEnd(&zs), set_error(err, "%s: out of host memory for %llu bytes", path, promise);
     memcpy(*out, head, head_size);
