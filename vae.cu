@@ -1005,8 +1005,8 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
                         convert_weights<float>(base + b4, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, f32,
                         1.0f, pick);
     pl->fc4_t = gemm_init(pl->lt, base + w4, INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
-                                convert_weights<T>(base + b4_type, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type,
-                                type, 1.0f, long_pick);
+                          convert_weights<T>(base + b4_type, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, type,
+                          1.0f, long_pick);
     // AIS's backward in B: dh = residual W4, then grad BCE = dh W3 in fp32 (Z_PAD wide)
     pl->fc4_backward =
         gemm_init(pl->lt, convert_weights<B>(base + w4_back, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
@@ -1152,6 +1152,7 @@ static AisIO ais_slice(AisIO io, int first, int n) {
     if (io.proposal) io.proposal += rows * 2 * LATENT_DIM;
     return io;
 }
+// The first AIS run's: both sets of buffers, the second set's stream and the events that join it to the caller's.
 static void plain_ais_alloc(Plain* pl) {
     const size_t R = PLAIN_AIS_ROWS, t = pl->type_size;
     const int zk = z_width(pl->precision);
