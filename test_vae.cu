@@ -87,9 +87,11 @@ static bool check_diff(const char* what, Diff d, double tol, const char* extra =
 
 enum { DEBUG_MAGIC = 0x44454156 /* "VAED" */, DEBUG_VERSION = 1, MAX_CASES = 8, MAX_CASE_BATCH = 4096 };
 enum { T_X, T_EPS, T_H1, T_MU, T_LOGVAR, T_Z, T_H3, T_LOGITS, T_RECON, T_BCE, T_KL, NUM_DEBUG_TENSORS };
-static const int DEBUG_WIDTH[NUM_DEBUG_TENSORS] = {INPUT_DIM,  LATENT_DIM, HIDDEN_DIM, LATENT_DIM,
-                                                   LATENT_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM,
-                                                   INPUT_DIM,  1,          1};
+// A tensor's values an image, for a model of size d.
+static int debug_width(ModelDims d, int t) {
+    const int widths[NUM_DEBUG_TENSORS] = {INPUT_DIM, d.z, d.h1, d.z, d.z, d.z, d.h3, INPUT_DIM, INPUT_DIM, 1, 1};
+    return widths[t];
+}
 static const char* DEBUG_NAMES[NUM_DEBUG_TENSORS] = {"x",  "eps",    "h1",    "mu",  "logvar", "z",
                                                      "h3", "logits", "recon", "bce", "kl"};
 
@@ -100,21 +102,30 @@ typedef struct {
 } DebugCase;
 
 typedef struct {
+    ModelDims dims;
     uint8_t* buf;      // the file, which t32 points into (float32 data is 4-byte aligned there)
     double* storage64; // the float64 tensors, copied out: in the file some are only 4-byte aligned
     int num_cases;
     DebugCase cases[MAX_CASES];
 } DebugState;
 
+// The dump's sizes (784, H1, Z in its header) against those of the model it was made from (H3: the weights file's).
+static bool state_dims_match(const uint8_t* buf, ModelDims dims, const char* name, Error* err) {
+    if (read_le32(buf + 8) != INPUT_DIM || read_le32(buf + 12) != dims.h1 || read_le32(buf + 16) != dims.z)
+        return set_error(err, "%s: dims %d/%d/%d do not match the model's 784/%d/%d. " PREPARE_HINT, name,
+                         read_le32(buf + 8), read_le32(buf + 12), read_le32(buf + 16), dims.h1, dims.z);
+    return true;
+}
 // Every count is checked against the file's size before anything is allocated or read (the
 // fuzzer in fuzz/ feeds this arbitrary bytes); num_images bounds each case's images.
-static bool parse_debug_state(uint8_t* buf, size_t size, const char* name, int num_images, DebugState* s, Error* err) {
+static bool parse_debug_state(uint8_t* buf, size_t size, const char* name, int num_images, ModelDims dims,
+                              DebugState* s, Error* err) {
     const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
     if (size < header_bytes) return set_error(err, "%s: %zu bytes, shorter than its header. " PREPARE_HINT, name, size);
     if (read_le32(buf) != DEBUG_MAGIC || read_le32(buf + 4) != DEBUG_VERSION)
         return set_error(err, "%s: not a version-%d reference state file. " PREPARE_HINT, name, DEBUG_VERSION);
-    if (read_le32(buf + 8) != INPUT_DIM || read_le32(buf + 12) != HIDDEN_DIM || read_le32(buf + 16) != LATENT_DIM)
-        return set_error(err, "%s: dims do not match the model. " PREPARE_HINT, name);
+    if (!state_dims_match(buf, dims, name, err)) return false;
+    s->dims = dims;
     s->num_cases = read_le32(buf + 20);
     if (s->num_cases < 1 || s->num_cases > MAX_CASES)
         return set_error(err, "%s: %d cases, expected 1..%d. " PREPARE_HINT, name, s->num_cases, MAX_CASES);
@@ -128,7 +139,7 @@ static bool parse_debug_state(uint8_t* buf, size_t size, const char* name, int n
             return set_error(err, "%s: case %d has batch %d from image %d, outside the %d test images. " PREPARE_HINT,
                              name, c, dc->B, dc->first_image, num_images);
         for (int t = 0; t < NUM_DEBUG_TENSORS; t++) {
-            const size_t n = (size_t)dc->B * DEBUG_WIDTH[t];
+            const size_t n = (size_t)dc->B * debug_width(dims, t);
             if (n * (sizeof(double) + sizeof(float)) > size - offset)
                 return set_error(err, "%s: truncated in case %d, tensor %s. " PREPARE_HINT, name, c, DEBUG_NAMES[t]);
             offset += n * (sizeof(double) + sizeof(float));
@@ -143,7 +154,7 @@ static bool parse_debug_state(uint8_t* buf, size_t size, const char* name, int n
     offset = header_bytes;
     for (int c = 0; c < s->num_cases; c++)
         for (int t = 0; t < NUM_DEBUG_TENSORS; t++) {
-            const size_t n = (size_t)s->cases[c].B * DEBUG_WIDTH[t];
+            const size_t n = (size_t)s->cases[c].B * debug_width(dims, t);
             memcpy(dst, buf + offset, n * sizeof(double));
             s->cases[c].t64[t] = dst;
             dst += n, offset += n * sizeof(double);
@@ -224,7 +235,8 @@ static void test_cpu_forward(const HostWeights* w, const Images* images, const D
         CpuActs a = cpu_forward(w, x, dc->t32[T_EPS], dc->B);
         const double* ours[] = {a.h1, a.mu, a.logvar, a.z, a.h3, a.logits, a.recon, a.bce, a.kl};
         for (int t = T_H1; t < NUM_DEBUG_TENSORS; t++)
-            check_diff(DEBUG_NAMES[t], diff(ours[t - T_H1], dc->t64[t], (size_t)dc->B * DEBUG_WIDTH[t]), TOL_FLOAT64);
+            check_diff(DEBUG_NAMES[t], diff(ours[t - T_H1], dc->t64[t], (size_t)dc->B * debug_width(ds->dims, t)),
+                       TOL_FLOAT64);
         cpu_free(&a);
         free(x);
         free(x32);
@@ -317,26 +329,30 @@ enum { IWAE_MAGIC = 0x49454156 /* "VAEI" */, IWAE_VERSION = 1 };
 typedef struct {
     uint8_t* buf;
     int N, K, first_image;
-    const float* eps;       // [N][K][20], drawn by PyTorch
+    const float* eps;       // [N][K][Z], drawn by PyTorch
     const double* log_px64; // PyTorch float64
     const float* log_px32;  // PyTorch float32, same eps
 } IwaeState;
 
 // Every count is checked against the file's size before anything is read (fuzz/ feeds this
-// arbitrary bytes). The float64 data starts 1024 + 80 N K bytes into the file: 8-byte aligned.
-static bool parse_iwae_state(uint8_t* buf, size_t size, const char* name, int num_images, IwaeState* s, Error* err) {
+// arbitrary bytes). The float64 data starts 1024 + 4 Z N K bytes into the file: 8-byte aligned where Z N K is even,
+// as it is for Z = 20 and the dumps' N = 4 (an odd one is refused).
+static bool parse_iwae_state(uint8_t* buf, size_t size, const char* name, int num_images, ModelDims dims, IwaeState* s,
+                             Error* err) {
     const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
     if (size < header_bytes) return set_error(err, "%s: %zu bytes, shorter than its header. " PREPARE_HINT, name, size);
     if (read_le32(buf) != IWAE_MAGIC || read_le32(buf + 4) != IWAE_VERSION)
         return set_error(err, "%s: not a version-%d IWAE reference file. " PREPARE_HINT, name, IWAE_VERSION);
-    if (read_le32(buf + 8) != INPUT_DIM || read_le32(buf + 12) != HIDDEN_DIM || read_le32(buf + 16) != LATENT_DIM)
-        return set_error(err, "%s: dims do not match the model. " PREPARE_HINT, name);
+    if (!state_dims_match(buf, dims, name, err)) return false;
     s->N = read_le32(buf + 20), s->K = read_le32(buf + 24), s->first_image = read_le32(buf + 28);
     if (s->N < 1 || s->N > 1000 || s->K < 1 || s->K > 1000 || s->first_image < 0 ||
         (int64_t)s->first_image + s->N > num_images)
         return set_error(err, "%s: %d images x %d samples from image %d, outside the %d test images. " PREPARE_HINT,
                          name, s->N, s->K, s->first_image, num_images);
-    const size_t eps_floats = (size_t)s->N * s->K * LATENT_DIM;
+    const size_t eps_floats = (size_t)s->N * s->K * dims.z;
+    if (eps_floats % 2 != 0)
+        return set_error(err, "%s: %zu eps values, an odd count (its float64 data would be unaligned). " PREPARE_HINT,
+                         name, eps_floats);
     const size_t expected = header_bytes + eps_floats * 4 + (size_t)s->N * (8 + 4);
     if (size != expected) return set_error(err, "%s: %zu bytes, expected %zu. " PREPARE_HINT, name, size, expected);
     s->eps = (const float*)(buf + header_bytes);
@@ -383,14 +399,14 @@ static bool parse_as(int r, const uint8_t* buf, size_t size, int num_images, Err
         if (copy == NULL) return set_error(err, "out of host memory");
         memcpy(copy, buf, size);
         IwaeState is = {};
-        ok = parse_iwae_state(copy, size, "corrupt", num_images, &is, err);
+        ok = parse_iwae_state(copy, size, "corrupt", num_images, PUBLISHED_DIMS, &is, err);
         free(copy);
     } else {
         uint8_t* copy = (uint8_t*)malloc(size > 0 ? size : 1); // parse_debug_state keeps pointers into it
         if (copy == NULL) return set_error(err, "out of host memory");
         memcpy(copy, buf, size);
         DebugState ds = {};
-        ok = parse_debug_state(copy, size, "corrupt", num_images, &ds, err);
+        ok = parse_debug_state(copy, size, "corrupt", num_images, PUBLISHED_DIMS, &ds, err);
         free(ds.storage64);
         free(copy);
     }
@@ -680,7 +696,7 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
         } else {
             size_t first = 0;
             for (int t = 0; t < NUM_TENSORS; t++) {
-                for (size_t i : {first, first + TENSOR_SIZES[t] - 1})
+                for (size_t i : {first, first + tensor_size(PUBLISHED_DIMS, t) - 1})
                     for (float v : {NAN, INFINITY, -INFINITY}) {
                         memcpy(bad, good[R_WEIGHTS], size[R_WEIGHTS]);
                         memcpy(bad + HEADER_INTS * 4 + 4 * i, &v, 4);
@@ -689,7 +705,7 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
                                  v != v ? "NaN" : v > 0 ? "+Inf" : "-Inf", i, TENSOR_NAMES[t]);
                         expect_refused(&c, R_WEIGHTS, bad, size[R_WEIGHTS], what);
                     }
-                first += TENSOR_SIZES[t];
+                first += tensor_size(PUBLISHED_DIMS, t);
             }
             free(bad);
         }
@@ -1039,20 +1055,28 @@ static void test_cli(int num_images, const Images* images) {
     char picks[512] = "";
     for (const auto& f : families) {
         bool fused = !f.fused;
-        const bool ok = pick_engine(KERNELS_AUTO, f.major, f.minor, f.smem, f.fused_code, &fused, &err) &&
-                        gpu_supported(f.name, f.major, f.minor, PRECISION_FP32, &err);
+        const bool ok =
+            pick_engine(KERNELS_AUTO, PUBLISHED_DIMS, f.major, f.minor, f.smem, f.fused_code, &fused, &err) &&
+            gpu_supported(f.name, f.major, f.minor, PRECISION_FP32, &err);
         picks_ok = picks_ok && ok && fused == f.fused;
         snprintf(picks + strlen(picks), sizeof(picks) - strlen(picks), "%s%s: %s", picks[0] ? ", " : "", f.name,
                  !ok ? "refused" : fused ? "fused" : "plain");
     }
     check(picks_ok, "auto picks the fused kernels only where sm_90a code runs: %s", picks);
     bool fused = true;
-    check(!pick_engine(KERNELS_FUSED, 8, 6, 101376, false, &fused, &err) && strstr(err.msg, "--kernels plain") &&
-              pick_engine(KERNELS_PLAIN, 9, 0, 232448, true, &fused, &err) && !fused,
+    check(!pick_engine(KERNELS_FUSED, PUBLISHED_DIMS, 8, 6, 101376, false, &fused, &err) &&
+              strstr(err.msg, "--kernels plain") &&
+              pick_engine(KERNELS_PLAIN, PUBLISHED_DIMS, 9, 0, 232448, true, &fused, &err) && !fused,
           "--kernels fused on an sm_86 GPU is one line naming --kernels plain; --kernels plain runs plain on Hopper");
-    check(!pick_engine(KERNELS_AUTO, 9, 0, 200000, true, &fused, &err) || !fused,
+    check(!pick_engine(KERNELS_AUTO, PUBLISHED_DIMS, 9, 0, 200000, true, &fused, &err) || !fused,
           "a Hopper GPU that gave a block less than the fused kernels' %zu bytes would run the plain path",
           fused_smem_bytes());
+    const ModelDims other = {512, 2, 512};
+    check(pick_engine(KERNELS_AUTO, other, 9, 0, 232448, true, &fused, &err) && !fused &&
+              !pick_engine(KERNELS_FUSED, other, 9, 0, 232448, true, &fused, &err) &&
+              strstr(err.msg, "784-512-2-512") && strstr(err.msg, "--kernels plain"),
+          "a 784-512-2-512 model runs the plain path on an H100; --kernels fused is one line naming its size: %s",
+          err.msg);
     // Through ./vae: each of these must end it before the GPU is touched, with one line naming
     // the problem and exit status 1 (the cases that need a GPU are in dev/sanitize.sh).
     if (vae_bin == NULL) return; // reported as skipped by scratch_open
@@ -1206,6 +1230,7 @@ static void test_cli(int num_images, const Images* images) {
 // --checkpoint with the Python the Makefile found (not 'make data', which writes data/'s file only).
 static void test_hints() {
     printf("hints name the fix for a user's weights file\n");
+    if (vae_bin == NULL) return skip("hints through ./vae", "./vae is missing or older than vae.cu: make vae");
     char why[512], not_weights[160];
     const bool refused = vae_refuses({"-w", "/nonexistent/my_vae.bin"}, "prepare_weights.py --checkpoint", why,
                                      sizeof(why));
@@ -1250,12 +1275,16 @@ static void test_gzip(const char* images_path, const Images* images) {
           im.count, err.msg[0] ? ": " : "", err.msg);
     free(im.pixels);
     // ./vae reads the folder: it goes past the inputs to the GPU (or, without one, stops only there)
-    VaeRun v = run_vae({"-d", gz_dir, "-n", "3", "-q", "--csv", "-"});
-    if (v.err != NULL) v.err[strcspn(v.err, "\n")] = '\0';
-    check(v.out != NULL && (v.status == 0 || strstr(v.err, "no CUDA device")) && !strstr(v.err, ".gz:"),
-          "./vae -d with only t10k-images-idx3-ubyte.gz: read (exit %d%s%s)", v.status, v.status ? ": " : "",
-          v.err ? v.err : "");
-    vae_run_free(&v);
+    if (vae_bin == NULL) {
+        skip("./vae -d with only the .gz images", "./vae is missing or older than vae.cu: make vae");
+    } else {
+        VaeRun v = run_vae({"-d", gz_dir, "-n", "3", "-q", "--csv", "-"});
+        if (v.err != NULL) v.err[strcspn(v.err, "\n")] = '\0';
+        check(v.out != NULL && (v.status == 0 || strstr(v.err, "no CUDA device")) && !strstr(v.err, ".gz:"),
+              "./vae -d with only t10k-images-idx3-ubyte.gz: read (exit %d%s%s)", v.status, v.status ? ": " : "",
+              v.err ? v.err : "");
+        vae_run_free(&v);
+    }
     int refused = 0, tried = 0;
     const size_t cuts[] = {0, 1, 9, 10, 18, 100, packed_size / 2, packed_size - 8, packed_size - 1};
     for (size_t cut : cuts) {
@@ -1392,15 +1421,21 @@ static void test_gpu_plain_shared_memory() {
     cudaFuncAttributes attr;
     const void* plain_kernels[] = {
         (const void*)pixels_to_input_kernel<float>,  (const void*)pixels_to_input_kernel<bf16>,
-        (const void*)sample_kernel<float>,           (const void*)sample_kernel<bf16>,
-        (const void*)z_input_kernel<float>,          (const void*)z_input_kernel<bf16>,
+        (const void*)sample_kernel<float, LATENT_DIM>, (const void*)sample_kernel<bf16, LATENT_DIM>,
+        (const void*)sample_kernel<float, MAX_LATENT>, (const void*)sample_kernel<bf16, MAX_LATENT>,
+        (const void*)z_input_kernel<float, LATENT_DIM>, (const void*)z_input_kernel<bf16, LATENT_DIM>,
+        (const void*)z_input_kernel<float, MAX_LATENT>, (const void*)z_input_kernel<bf16, MAX_LATENT>,
         (const void*)decoder_output_kernel<float>,   (const void*)decoder_output_kernel<fp16>,
         (const void*)relu_backward_kernel<float, float>, (const void*)relu_backward_kernel<fp16, bf16>,
         (const void*)plain_weights_kernel<float>,    (const void*)plain_weights_kernel<bf16>,
-        (const void*)iwae_logsumexp_kernel,          (const void*)ais_start_kernel<float>,
-        (const void*)ais_start_kernel<bf16>,         (const void*)ais_begin_kernel<float>,
-        (const void*)ais_begin_kernel<bf16>,         (const void*)ais_leapfrog_kernel<float>,
-        (const void*)ais_leapfrog_kernel<bf16>,      (const void*)ais_end_kernel,
+        (const void*)iwae_logsumexp_kernel,
+        (const void*)ais_start_kernel<float, LATENT_DIM>, (const void*)ais_start_kernel<bf16, LATENT_DIM>,
+        (const void*)ais_start_kernel<float, MAX_LATENT>, (const void*)ais_start_kernel<bf16, MAX_LATENT>,
+        (const void*)ais_begin_kernel<float, LATENT_DIM>, (const void*)ais_begin_kernel<bf16, LATENT_DIM>,
+        (const void*)ais_begin_kernel<float, MAX_LATENT>, (const void*)ais_begin_kernel<bf16, MAX_LATENT>,
+        (const void*)ais_leapfrog_kernel<float, LATENT_DIM>, (const void*)ais_leapfrog_kernel<bf16, LATENT_DIM>,
+        (const void*)ais_leapfrog_kernel<float, MAX_LATENT>, (const void*)ais_leapfrog_kernel<bf16, MAX_LATENT>,
+        (const void*)ais_end_kernel<LATENT_DIM>,     (const void*)ais_end_kernel<MAX_LATENT>,
         (const void*)ais_adapt_kernel,               (const void*)ais_estimate_kernel,
         (const void*)interp_latents_kernel,          (const void*)fc3_weights_kernel<float>,
         (const void*)fc3_weights_kernel<bf16>,
@@ -1419,14 +1454,15 @@ static Kernels kernels_of(const VAE* m) { return m->fused ? KERNELS_FUSED : KERN
 
 static void poison_activations(VAE* m) {
     const size_t B = (size_t)m->max_batch, R = (size_t)m->decoder_rows;
-    if (m->h1) poison(m->h1, B * HIDDEN_DIM * 4), poison(m->h3, B * HIDDEN_DIM * 4); // fp32 only
-    poison(m->mulv, B * MULV_DIM * 4), poison(m->z, B * LATENT_DIM * 4);
+    const ModelDims d = m->dims;
+    if (m->h1) poison(m->h1, B * d.h1 * 4), poison(m->h3, B * d.h3 * 4); // fp32 only
+    poison(m->mulv, B * 2 * d.z * 4), poison(m->z, B * d.z * 4);
     poison(m->logits, B * INPUT_DIM * 4), poison(m->recon, B * INPUT_DIM * 4);
     poison(m->row_log_ratio, R * 4), poison(m->bce_parts, R * m->bce_parts_per_row * 4);
     if (!m->fused) { // the plain path's 16-bit or fp32 activations (0xffff is a bf16 NaN too)
         const Plain* pl = &m->plain;
-        poison(pl->x, B * INPUT_DIM * pl->type_size), poison(pl->h1, B * HIDDEN_DIM * pl->type_size);
-        poison(pl->z_input, R * z_width(m->precision) * pl->type_size), poison(pl->h3, R * HIDDEN_DIM * pl->type_size);
+        poison(pl->x, B * INPUT_DIM * pl->type_size), poison(pl->h1, B * d.h1 * pl->type_size);
+        poison(pl->z_input, R * z_width(m->precision, d.z) * pl->type_size), poison(pl->h3, R * d.h3 * pl->type_size);
         return;
     }
     const int z_k = m->precision == PRECISION_FP32 ? Path<PRECISION_FP32>::Z_K : Path<PRECISION_BF16>::Z_K;
@@ -1445,36 +1481,38 @@ static void test_gpu_activations(VAE* m, const uint8_t* d_pixels, const DebugSta
     const double tol = TOLERANCE[m->precision];
     printf("GPU %s forward vs PyTorch float64, PyTorch's dumped eps (PyTorch float32's own error in brackets)\n",
            PRECISION_NAMES[m->precision]);
+    const ModelDims dims = m->dims;
+    const int Z = dims.z;
     float *d_eps, *d_bce, *d_kl;
-    cudaCheck(cudaMalloc(&d_eps, MAX_CASE_BATCH * LATENT_DIM * sizeof(float)));
+    cudaCheck(cudaMalloc(&d_eps, MAX_CASE_BATCH * Z * sizeof(float)));
     cudaCheck(cudaMalloc(&d_bce, MAX_CASE_BATCH * sizeof(float)));
     cudaCheck(cudaMalloc(&d_kl, MAX_CASE_BATCH * sizeof(float)));
     for (int c = 0; c < ds->num_cases; c++) {
         const DebugCase* dc = &ds->cases[c];
         const int B = dc->B;
         printf(" case B=%d from image %d\n", B, dc->first_image);
-        cudaCheck(cudaMemcpy(d_eps, dc->t32[T_EPS], (size_t)B * LATENT_DIM * 4, cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemcpy(d_eps, dc->t32[T_EPS], (size_t)B * Z * 4, cudaMemcpyHostToDevice));
         poison_activations(m);
         poison(d_bce, B * 4), poison(d_kl, B * 4);
         const ForwardOptions opt = {0, false, d_eps, true, true};
         vae_forward(m, d_pixels + (size_t)dc->first_image * INPUT_DIM, B, dc->first_image, &opt, d_bce, d_kl);
         cudaCheck(cudaDeviceSynchronize());
         // the bf16 path keeps h1 and h3 on chip: mu, logvar and the logits show their errors
-        float* h1 = bf16_path ? NULL : to_host(m->h1, (size_t)B * HIDDEN_DIM);
-        float* mulv = to_host(m->mulv, (size_t)B * 2 * LATENT_DIM);
-        float* z = to_host(m->z, (size_t)B * LATENT_DIM);
-        float* h3 = bf16_path ? NULL : to_host(m->h3, (size_t)B * HIDDEN_DIM);
+        float* h1 = bf16_path ? NULL : to_host(m->h1, (size_t)B * dims.h1);
+        float* mulv = to_host(m->mulv, (size_t)B * 2 * Z);
+        float* z = to_host(m->z, (size_t)B * Z);
+        float* h3 = bf16_path ? NULL : to_host(m->h3, (size_t)B * dims.h3);
         float* logits = to_host(m->logits, (size_t)B * INPUT_DIM);
         float* recon = to_host(m->recon, (size_t)B * INPUT_DIM);
         float* bce = to_host(d_bce, B);
         float* kl = to_host(d_kl, B);
         const Diff none = {};
         const Diff d[] = {
-            h1 ? diff(h1, dc->t64[T_H1], (size_t)B * HIDDEN_DIM) : none,
-            diff(mulv, dc->t64[T_MU], (size_t)B * LATENT_DIM, 2 * LATENT_DIM, LATENT_DIM),
-            diff(mulv + LATENT_DIM, dc->t64[T_LOGVAR], (size_t)B * LATENT_DIM, 2 * LATENT_DIM, LATENT_DIM),
-            diff(z, dc->t64[T_Z], (size_t)B * LATENT_DIM),
-            h3 ? diff(h3, dc->t64[T_H3], (size_t)B * HIDDEN_DIM) : none,
+            h1 ? diff(h1, dc->t64[T_H1], (size_t)B * dims.h1) : none,
+            diff(mulv, dc->t64[T_MU], (size_t)B * Z, 2 * Z, Z),
+            diff(mulv + Z, dc->t64[T_LOGVAR], (size_t)B * Z, 2 * Z, Z),
+            diff(z, dc->t64[T_Z], (size_t)B * Z),
+            h3 ? diff(h3, dc->t64[T_H3], (size_t)B * dims.h3) : none,
             diff(logits, dc->t64[T_LOGITS], (size_t)B * INPUT_DIM),
             diff(recon, dc->t64[T_RECON], (size_t)B * INPUT_DIM),
             diff(bce, dc->t64[T_BCE], B),
@@ -1482,7 +1520,7 @@ static void test_gpu_activations(VAE* m, const uint8_t* d_pixels, const DebugSta
         };
         for (int t = T_H1; t < NUM_DEBUG_TENSORS; t++) {
             if (bf16_path && (t == T_H1 || t == T_H3)) continue;
-            const size_t n = (size_t)B * DEBUG_WIDTH[t];
+            const size_t n = (size_t)B * debug_width(dims, t);
             char extra[64];
             snprintf(extra, sizeof(extra), "  [PyTorch fp32 rel %.2e]", diff(dc->t32[t], dc->t64[t], n).rel);
             check_diff(DEBUG_NAMES[t], d[t - T_H1], tol, extra);
@@ -1491,9 +1529,9 @@ static void test_gpu_activations(VAE* m, const uint8_t* d_pixels, const DebugSta
         for (float* p : all) free(p);
 
         // the decoder alone (the pictures and --interp), fed PyTorch's z
-        float* z_ref = (float*)malloc((size_t)B * LATENT_DIM * 4);
-        for (int i = 0; i < B * LATENT_DIM; i++) z_ref[i] = (float)dc->t64[T_Z][i];
-        cudaCheck(cudaMemcpy(d_eps, z_ref, (size_t)B * LATENT_DIM * 4, cudaMemcpyHostToDevice));
+        float* z_ref = (float*)malloc((size_t)B * Z * 4);
+        for (int i = 0; i < B * Z; i++) z_ref[i] = (float)dc->t64[T_Z][i];
+        cudaCheck(cudaMemcpy(d_eps, z_ref, (size_t)B * Z * 4, cudaMemcpyHostToDevice));
         poison_activations(m);
         vae_decode(m, d_eps, B);
         recon = to_host(m->recon, (size_t)B * INPUT_DIM);
@@ -1864,13 +1902,13 @@ static void gpu_iwae(VAE* m, const uint8_t* d_pixels, int first, int n, int K, u
     cudaCheck(cudaFree(d_log_px));
 }
 
-static void test_gpu_iwae(VAE* m, const HostWeights* w, const uint8_t* d_pixels, const IwaeState* s,
-                          int test_set_count) {
+// IWAE's log p(x) with PyTorch's dumped eps, against PyTorch float64.
+static void test_gpu_iwae_dump(VAE* m, const uint8_t* d_pixels, const IwaeState* s) {
     const Precision p = m->precision;
     printf("GPU %s IWAE vs PyTorch float64, PyTorch's dumped eps (PyTorch float32's own error in brackets)\n",
            PRECISION_NAMES[p]);
     float* d_eps;
-    const size_t eps_bytes = (size_t)s->N * s->K * LATENT_DIM * 4;
+    const size_t eps_bytes = (size_t)s->N * s->K * m->dims.z * 4;
     cudaCheck(cudaMalloc(&d_eps, eps_bytes));
     cudaCheck(cudaMemcpy(d_eps, s->eps, eps_bytes, cudaMemcpyHostToDevice));
     poison_activations(m);
@@ -1881,6 +1919,12 @@ static void test_gpu_iwae(VAE* m, const HostWeights* w, const uint8_t* d_pixels,
     check_diff("log p(x)", diff(log_px, s->log_px64, s->N), TOLERANCE[p], extra);
     cudaCheck(cudaFree(d_eps));
     free(log_px);
+}
+
+static void test_gpu_iwae(VAE* m, const HostWeights* w, const uint8_t* d_pixels, const IwaeState* s,
+                          int test_set_count) {
+    const Precision p = m->precision;
+    test_gpu_iwae_dump(m, d_pixels, s);
 
     // K = 1 is one sample of the ELBO path: the same eps (sample 0), so log p(x) must equal
     // -BCE + log p(z) - log q(z|x) of that path's z, mu and logvar.
@@ -2208,21 +2252,22 @@ static void test_gpu_ais_toy(const HostWeights* w, const uint8_t* d_pixels, Kern
 // is what fp32 owes. The plain path runs it again in bf16 with 256 chains, more than the fused kernel
 // holds (in fp32 its 8,192 decisions would likely put one within float32's rounding of its threshold).
 // make test names the Python with PyTorch (VAE_TEST_PYTHON).
-static void test_gpu_ais_pytorch(Precision p, Kernels kernels, int chains) {
+static void test_gpu_ais_pytorch(Precision p, Kernels kernels, int chains,
+                                 const char* weights_path = "data/vae_weights.bin") {
     const char* python = getenv("VAE_TEST_PYTHON");
     if (vae_bin == NULL || python == NULL || python[0] == '\0') {
         skip("AIS against PyTorch float64 (dev/ais_pytorch.py)", "needs ./vae and VAE_TEST_PYTHON (make test)");
         return;
     }
-    char csv[128], cmd[512], line[256], last[256] = "(no output)", c[16];
+    char csv[128], cmd[640], line[256], last[256] = "(no output)", c[16];
     snprintf(csv, sizeof(csv), "%s/ais.csv", scratch);
     snprintf(c, sizeof(c), "%d", chains);
-    VaeRun r = run_vae({"--ais", "5", "--chains", c, "--leapfrog", "3", "-n", "8", "--precision",
+    VaeRun r = run_vae({"-w", weights_path, "--ais", "5", "--chains", c, "--leapfrog", "3", "-n", "8", "--precision",
                         PRECISION_NAMES[p], "--kernels", KERNELS_NAMES[kernels], "--csv", csv, "-q"});
     const bool ran = r.status == 0;
     vae_run_free(&r);
-    snprintf(cmd, sizeof(cmd), "%s dev/ais_pytorch.py --check %s --precision %s --transitions 5 --chains %d "
-             "--leapfrog 3 2>&1", python, csv, PRECISION_NAMES[p], chains);
+    snprintf(cmd, sizeof(cmd), "%s dev/ais_pytorch.py -w %s --check %s --precision %s --transitions 5 --chains %d "
+             "--leapfrog 3 2>&1", python, weights_path, csv, PRECISION_NAMES[p], chains);
     FILE* f = ran ? popen(cmd, "r") : NULL;
     while (f != NULL && fgets(line, sizeof(line), f) != NULL) snprintf(last, sizeof(last), "%s", line);
     const int status = f != NULL ? pclose(f) : -1;
@@ -2424,6 +2469,59 @@ static const char* TEST_USAGE =
 // of 1, which racecheck would take minutes over
 enum { QUICK_IMAGES = 130, QUICK_SMALL_BATCH = 13 };
 
+// ----------------------------------------------------------------------------
+// Other sizes of the family (make family writes each model's weights and PyTorch float64 dumps): the plain path runs
+// them, and every activation, IWAE with the dumped eps and AIS's trajectory are checked against PyTorch float64.
+
+static const ModelDims FAMILY[] = {{512, 2, 512}, {256, 64, 256}, {300, 10, 500}};
+
+static void test_gpu_family(int num_images, const uint8_t* d_pixels, const bool run_precision[2]) {
+    for (ModelDims d : FAMILY) {
+        char stem[64], weights_path[96], debug_path[96], iwae_path[96];
+        snprintf(stem, sizeof(stem), "data/family/vae_784_%d_%d_%d", d.h1, d.z, d.h3);
+        snprintf(weights_path, sizeof(weights_path), "%s.bin", stem);
+        snprintf(debug_path, sizeof(debug_path), "%s_debug_state.bin", stem);
+        snprintf(iwae_path, sizeof(iwae_path), "%s_iwae_state.bin", stem);
+        printf("the 784-%d-%d-%d model (%s) on the plain path\n", d.h1, d.z, d.h3, weights_path);
+        if (access(weights_path, R_OK) != 0) {
+            skip("a model of another size", "no data/family: make family (needs PyTorch)");
+            continue;
+        }
+        Error err = {};
+        HostWeights w = {};
+        DebugState ds = {};
+        IwaeState is = {};
+        uint8_t *debug_buf = NULL, *iwae_buf = NULL;
+        size_t debug_size = 0, iwae_size = 0;
+        const bool loaded =
+            check(load_file(weights_path, parse_weights, &w, &err) && w.dims.h1 == d.h1 && w.dims.z == d.z &&
+                      w.dims.h3 == d.h3,
+                  "load %s: a 784-%d-%d-%d model", weights_path, w.dims.h1, w.dims.z, w.dims.h3) &&
+            check(read_file(debug_path, &debug_buf, &debug_size, &err) &&
+                      parse_debug_state(debug_buf, debug_size, debug_path, num_images, d, &ds, &err),
+                  "load %s", debug_path) &&
+            check(read_file(iwae_path, &iwae_buf, &iwae_size, &err) &&
+                      parse_iwae_state(iwae_buf, iwae_size, iwae_path, num_images, d, &is, &err),
+                  "load %s", iwae_path);
+        if (!loaded) printf("  %s\n", err.msg);
+        for (Precision p : {PRECISION_FP32, PRECISION_BF16}) {
+            if (!loaded || !run_precision[p]) continue;
+            if (p == PRECISION_BF16 && gpu_attribute(cudaDevAttrComputeCapabilityMajor) < 8) {
+                skip("bf16 on a model of another size", "no bf16 tensor cores before sm_80");
+                continue;
+            }
+            VAE m;
+            vae_init(&m, &w, 64, p, KERNELS_AUTO, 1024); // the dumps' cases (37 images; 4 x 37 IWAE rows)
+            check(!m.fused, "auto runs the plain path for a model of another size");
+            test_gpu_activations(&m, d_pixels, &ds);
+            test_gpu_iwae_dump(&m, d_pixels, &is);
+            vae_free(&m);
+            test_gpu_ais_pytorch(p, KERNELS_AUTO, 4, weights_path);
+        }
+        free(w.data), free(ds.storage64), free(debug_buf), free(iwae_buf);
+    }
+}
+
 #ifndef TEST_VAE_NO_MAIN // fuzz/ includes this file for parse_debug_state
 int main(int argc, char** argv) {
     bool quick = false, gpu_only = false, run_precision[2] = {true, true};
@@ -2465,10 +2563,12 @@ int main(int argc, char** argv) {
                   check(load_file(images_path, parse_idx_images, &images, &err), "load %s", images_path) &&
                   check(load_file(labels_path, parse_idx_labels, &labels, &err), "load %s", labels_path) &&
                   check(read_file(debug_path, &debug_buf, &debug_size, &err) &&
-                            parse_debug_state(debug_buf, debug_size, debug_path, images.count, &ds, &err),
+                            parse_debug_state(debug_buf, debug_size, debug_path, images.count, PUBLISHED_DIMS, &ds,
+                                              &err),
                         "load %s (its cases lie inside the test set)", debug_path) &&
                   check(read_file(iwae_path, &iwae_buf, &iwae_size, &err) &&
-                            parse_iwae_state(iwae_buf, iwae_size, iwae_path, images.count, &iwae, &err),
+                            parse_iwae_state(iwae_buf, iwae_size, iwae_path, images.count, PUBLISHED_DIMS, &iwae,
+                                             &err),
                         "load %s (its images lie inside the test set)", iwae_path);
     if (!loaded) printf("  %s\n", err.msg);
     const bool have_scratch = scratch_open(images_path, labels_path);
@@ -2506,9 +2606,10 @@ int main(int argc, char** argv) {
     // the engines here: the plain path always, the fused kernels where this GPU and build run them
     bool engine_runs[2] = {false, false}; // fused, plain
     if (no_gpu == NULL) {
-        engine_runs[0] = kernels != KERNELS_PLAIN && use_fused(KERNELS_AUTO);
+        engine_runs[0] = kernels != KERNELS_PLAIN && use_fused(KERNELS_AUTO, PUBLISHED_DIMS);
         engine_runs[1] = kernels != KERNELS_FUSED;
-        if (kernels == KERNELS_FUSED && !engine_runs[0]) use_fused(KERNELS_FUSED); // its one-line refusal
+        if (kernels == KERNELS_FUSED && !engine_runs[0])
+            use_fused(KERNELS_FUSED, PUBLISHED_DIMS); // its one-line refusal
     }
     if (no_gpu == NULL) test_gpu_plain_shared_memory();
     for (Precision precision : {PRECISION_FP32, PRECISION_BF16}) {
@@ -2561,6 +2662,16 @@ int main(int argc, char** argv) {
                 test_gpu_plain_vs_fused(&weights, precision, d_pixels, invariance_images);
             cudaCheck(cudaFree(d_pixels));
         }
+    }
+    const char* family_why = no_gpu ? no_gpu : kernels == KERNELS_FUSED ? "--kernels fused" : NULL;
+    if (family_why != NULL) {
+        skip("GPU models of other sizes (the plain path)", family_why);
+    } else {
+        uint8_t* d_pixels;
+        cudaCheck(cudaMalloc(&d_pixels, (size_t)images.count * INPUT_DIM));
+        cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)images.count * INPUT_DIM, cudaMemcpyHostToDevice));
+        test_gpu_family(images.count, d_pixels, run_precision);
+        cudaCheck(cudaFree(d_pixels));
     }
     free(fp32_bce_zmu);
     scratch_close();

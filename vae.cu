@@ -217,20 +217,33 @@ static bool outputs_commit(Error* err, FILE* report) {
 }
 
 // ---- the model's shapes, and its weights as the file formats section reads them -------------------------------------
+// The family of PyTorch's VAE example: x (784) -> fc1 -> H1 (ReLU) -> fc21, fc22 -> Z each; z -> fc3 -> H3 (ReLU) ->
+// fc4 -> 784 logits. The published model is 784-400-20-400, the size the fused kernels are built for (HIDDEN_DIM,
+// LATENT_DIM); the plain path takes the sizes of the weights file (ModelDims) at run time.
 enum { INPUT_DIM = 784, HIDDEN_DIM = 400, LATENT_DIM = 20, IMAGE_SIDE = 28, MULV_DIM = 2 * LATENT_DIM };
+enum { MAX_HIDDEN = 4096, MAX_LATENT = 64 }; // the bounds of H1, H3 and Z, as prepare_weights.py --checkpoint's
+typedef struct { int h1, z, h3; } ModelDims;
+static const ModelDims PUBLISHED_DIMS = {HIDDEN_DIM, LATENT_DIM, HIDDEN_DIM};
+static bool is_published(ModelDims d) {
+    return d.h1 == PUBLISHED_DIMS.h1 && d.z == PUBLISHED_DIMS.z && d.h3 == PUBLISHED_DIMS.h3;
+}
 typedef enum { PRECISION_FP32, PRECISION_BF16 } Precision; // both run the tensor-core kernels (Path, below)
 enum { HEADER_INTS = 256, WEIGHTS_MAGIC = 0x31454156 /* "VAE1" */, WEIGHTS_VERSION = 2, DTYPE_FLOAT32 = 1 };
 // The tensors in file order, PyTorch layout (weight[out][in], bias[out]).
 enum { FC1_W, FC1_B, FC21_W, FC21_B, FC22_W, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B, NUM_TENSORS };
-static const size_t TENSOR_SIZES[NUM_TENSORS] = {
-    HIDDEN_DIM * INPUT_DIM, HIDDEN_DIM, LATENT_DIM * HIDDEN_DIM, LATENT_DIM, LATENT_DIM * HIDDEN_DIM,
-    LATENT_DIM, HIDDEN_DIM * LATENT_DIM, HIDDEN_DIM, INPUT_DIM * HIDDEN_DIM, INPUT_DIM};
+static size_t tensor_size(ModelDims d, int t) {
+    const size_t sizes[NUM_TENSORS] = {(size_t)d.h1 * INPUT_DIM, (size_t)d.h1, (size_t)d.z * d.h1, (size_t)d.z,
+                                       (size_t)d.z * d.h1,       (size_t)d.z,  (size_t)d.h3 * d.z, (size_t)d.h3,
+                                       (size_t)INPUT_DIM * d.h3, INPUT_DIM};
+    return sizes[t];
+}
 static const char* TENSOR_NAMES[NUM_TENSORS] = {"fc1.weight", "fc1.bias", "fc21.weight", "fc21.bias", "fc22.weight",
                                                 "fc22.bias", "fc3.weight", "fc3.bias", "fc4.weight", "fc4.bias"};
 typedef struct {
     float* data; // all tensors back to back, in file order
     const float* tensor[NUM_TENSORS];
-    size_t count;
+    size_t size[NUM_TENSORS], count; // each tensor's floats, and all of them
+    ModelDims dims;
 } HostWeights;
 
 // ---- random numbers -------------------------------------------------------------------------------------------------
@@ -271,7 +284,8 @@ __host__ __device__ inline float2 box_muller(uint32_t word1, uint32_t word2) {
     return make_float2(radius * cosine, radius * sine);
 }
 // Four N(0,1) draws keyed by (seed, stream, image, sample, group): one Philox call gives four
-// words, two Box-Muller pairs. Group q holds latents 4q .. 4q+3.
+// words, two Box-Muller pairs. Group q holds latents 4q .. 4q+3 (of a Z not a multiple of four, the last group in
+// part).
 __host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
                                             uint32_t group) {
     const uint4 r =
@@ -279,7 +293,6 @@ __host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint
     const float2 a = box_muller(r.x, r.y), b = box_muller(r.z, r.w);
     return make_float4(a.x, a.y, b.x, b.y);
 }
-static_assert(LATENT_DIM % 4 == 0, "latents come in groups of four draws");
 // One draw: latent j of (seed, stream, image, sample).
 __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
                                           uint32_t latent) {
@@ -287,8 +300,8 @@ __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32
     const uint32_t i = latent % 4;
     return i == 0 ? g.x : i == 1 ? g.y : i == 2 ? g.z : g.w;
 }
-// Two N(0, 1) draws (pair `pair` of a 20-vector) and one uniform in (0, 1] keyed by (seed, stream,
-// image, chain, counter): the counter carries the transition, so no draw depends on the batch.
+// Two N(0, 1) draws (a pair of latents) and one uniform in (0, 1] keyed by (seed, stream, image, chain, counter): the
+// counter carries the transition and the pair (momentum_counter), so no draw depends on the batch.
 __host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
                                               uint32_t counter) {
     return philox4x32(make_uint4(counter, image, chain, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
@@ -298,6 +311,8 @@ __host__ __device__ inline float2 gaussian_pair(uint64_t seed, uint32_t stream, 
     const uint4 r = philox_keyed(seed, stream, image, chain, counter);
     return box_muller(r.x, r.y);
 }
+// Transition s's counter of latent pair j / 2: 16 pairs a transition, 32 for a Z above 32.
+__host__ __device__ inline uint32_t momentum_counter(int s, int j, int z) { return (z <= 32 ? 16 : 32) * s + j / 2; }
 __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
                                                uint32_t counter) {
     return ((philox_keyed(seed, stream, image, chain, counter).x >> 8) + 1) * (1.0f / 16777216.0f);
@@ -319,27 +334,29 @@ __device__ inline float latent_z(float mu, float logvar, float eps, float* kl_te
     *kl_term = 1.0f + logvar - mu * mu - expf(logvar);
     return mu + eps * expf(0.5f * logvar);
 }
-// eps of latents 4q .. 4q+3 of sample `sample` of an image: from `eps_row` when given (tests feed
-// PyTorch's), else from the counter-based generator keyed by the image's global index; zero for z = mu.
-__device__ inline float4 posterior_eps(const float* eps_row, int q, uint32_t image, uint32_t sample, uint64_t seed,
-                                       bool z_is_mu) {
+// eps of latents 4q .. 4q+3 (of nz) of sample `sample` of an image: from `eps_row` when given (tests feed PyTorch's),
+// else from the counter-based generator keyed by the image's global index; zero for z = mu.
+__device__ inline float4 posterior_eps(const float* eps_row, int q, int nz, uint32_t image, uint32_t sample,
+                                       uint64_t seed, bool z_is_mu) {
     if (z_is_mu) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (eps_row) return *reinterpret_cast<const float4*>(&eps_row[4 * q]);
-    return gaussian4(seed, STREAM_POSTERIOR, image, sample, q);
+    if (eps_row == NULL) return gaussian4(seed, STREAM_POSTERIOR, image, sample, q);
+    float e[4];
+    for (int i = 0; i < 4; i++) e[i] = 4 * q + i < nz ? eps_row[4 * q + i] : 0.0f;
+    return make_float4(e[0], e[1], e[2], e[3]);
 }
 // Latents on the straight line between two images' means: row r of the decoder's batch is step
 // r % steps of pair r / steps, z = (1 - t) mu_a + t mu_b with t = step / (steps - 1). The pairs
 // index rows of mulv ([mu | logvar] per image); rows count from first_row, so a long list of
-// pairs is decoded in passes without any host work between them. One thread per latent.
+// pairs is decoded in passes without any host work between them. One thread per latent, nz a row.
 __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* pairs, long long first_row, int rows,
-                                      int steps) {
+                                      int steps, int nz) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * LATENT_DIM) return;
-    const long long row = first_row + i / LATENT_DIM;
-    const int j = i % LATENT_DIM, step = (int)(row % steps);
+    if (i >= rows * nz) return;
+    const long long row = first_row + i / nz;
+    const int j = i % nz, step = (int)(row % steps);
     const int2 pair = pairs[row / steps];
     const float t = (float)step / (float)(steps - 1);
-    z[i] = (1.0f - t) * mulv[pair.x * 2 * LATENT_DIM + j] + t * mulv[pair.y * 2 * LATENT_DIM + j];
+    z[i] = (1.0f - t) * mulv[pair.x * 2 * nz + j] + t * mulv[pair.y * 2 * nz + j];
 }
 typedef __nv_bfloat16 bf16;
 typedef __half fp16;
@@ -353,19 +370,23 @@ __device__ inline float as_float(fp16 v) { return __half2float(v); }
 // Four consecutive values as one 4-, 8- or 16-byte access (the elementwise kernels' loads and stores).
 template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
 // fc3's input and weights, with the bias in K: the input row ends its latents with ones and fc3's rows hold
-// the bias there, so the product adds it (the epilogue only takes the ReLU). Blocks of Z_PAD = 24 keep each
-// row on a 16-byte boundary (cuBLAS's fast kernels want that):
+// the bias there, so the product adds it (the epilogue only takes the ReLU). Blocks of z_pad(Z) (24 for Z = 20) keep
+// each row on a 16-byte boundary (cuBLAS's fast kernels want that):
 //   fp32  [z | 1 | 0 0 0]                       against  [W3 | b3 | 0 0 0]
 //   bf16  [zh | 1 1 1 | 0] [zl | 0] [zh | 0]    against  [W3h | b3's three parts | 0] [W3h | 0] [W3l | 0]
 // with hi = bf16(v) and lo = bf16(v - hi) (bf16_part): one bf16 matmul of K = 72 adds zh W3h + zl W3h + zh W3l + b3,
 // W3 z + b3 to ~16 significant bits (zl W3l, 2^-16 of it, is dropped), as the fused kernels' fc3 does in
 // fp16 parts. z moves smoothly along an AIS trajectory and the energy's gradient must follow it: with z and
 // W3 in bf16 alone the gradient was 2.4e-2 of its scale from float64 (test_vae's tolerance: 2e-2).
-enum { Z_PAD = 24 };
-static_assert(Z_PAD % 4 == 0 && Z_PAD >= LATENT_DIM + 3 && HIDDEN_DIM % 4 == 0,
-              "fc3's input blocks hold z and three ones in whole groups of four; rows of 400 in groups of four");
+__host__ __device__ constexpr int z_pad(int nz) { return (nz + 3 + 3) / 4 * 4; } // z, three ones, whole fours
 template <typename T> __host__ __device__ constexpr int z_parts() { return std::is_same<T, bf16>::value ? 3 : 1; }
-__host__ __device__ constexpr int z_width(Precision p) { return Z_PAD * (p == PRECISION_BF16 ? 3 : 1); }
+__host__ __device__ constexpr int z_width(Precision p, int nz) { return z_pad(nz) * (p == PRECISION_BF16 ? 3 : 1); }
+// A row's latents live in registers, in arrays of a compile-time length ZMAX of which the first nz are used. The loops
+// over them run to ZMAX, unrolled, and skip j >= nz, so the arrays stay in registers (a loop to a run-time bound would
+// index them in local memory). ZMAX = LATENT_DIM is the published model's instance, where nz is that constant too
+// (latents()): its loops have no tests left, and sample_kernel keeps 48 registers rather than 125 for bf16. Every
+// other Z runs the MAX_LATENT instance.
+template <int ZMAX> __host__ __device__ constexpr int latents(int nz) { return ZMAX == LATENT_DIM ? LATENT_DIM : nz; }
 // Part p of v in the 16-bit type T: 0 its T value, 1 that of what it leaves, 2 of what both leave (each remainder
 // is exact in fp32). bf16's parts here; the fused kernels' parts in their T (Path).
 template <typename T> __device__ inline T split_part(float v, int p) {
@@ -375,30 +396,35 @@ template <typename T> __device__ inline T split_part(float v, int p) {
     return part;
 }
 __device__ inline float bf16_part(float v, int p) { return as_float(split_part<bf16>(v, p)); }
-// fc3's input row of latents z, as above: built in registers, stored four values at a time.
-template <typename T> __device__ inline void store_z_input(T* row, const float (&z)[LATENT_DIM]) {
+// fc3's input row of nz latents z, as above: each block of z_pad(nz) stored four values at a time.
+template <typename T, int ZMAX> __device__ inline void store_z_input(T* row, const float (&z)[ZMAX], int nz) {
     constexpr int PARTS = z_parts<T>();
-    Four<T> out[PARTS * Z_PAD / 4];
-    for (int k = 0; k < Z_PAD; k++) {
-        const float v = k < LATENT_DIM ? z[k] : 0.0f, ones = k < LATENT_DIM + PARTS ? 1.0f : 0.0f;
-        const float hi = PARTS == 1 ? v : bf16_part(v, 0);
-        store_as(&out[k / 4].v[k % 4], k < LATENT_DIM ? hi : ones);
-        if (PARTS == 1) continue;
-        store_as(&out[(Z_PAD + k) / 4].v[k % 4], bf16_part(v, 1));
-        store_as(&out[(2 * Z_PAD + k) / 4].v[k % 4], hi);
+    const int pad = z_pad(nz);
+    for (int part = 0; part < PARTS; part++) {
+        #pragma unroll
+        for (int g = 0; g < z_pad(ZMAX) / 4; g++) {
+            if (4 * g >= pad) break;
+            Four<T> out;
+            for (int i = 0; i < 4; i++) {
+                const int k = 4 * g + i;
+                const float v = k < ZMAX && k < nz ? z[k < ZMAX ? k : 0] : 0.0f, hi = PARTS == 1 ? v : bf16_part(v, 0);
+                const float ones = part == 0 && k >= nz && k < nz + PARTS ? 1.0f : 0.0f;
+                store_as(&out.v[i], k >= nz ? ones : part == 1 ? bf16_part(v, 1) : hi);
+            }
+            reinterpret_cast<Four<T>*>(row + part * pad)[g] = out;
+        }
     }
-    for (int q = 0; q < PARTS * Z_PAD / 4; q++) reinterpret_cast<Four<T>*>(row)[q] = out[q];
 }
-// fc3's rows as above, [400][Z_PAD * z_parts], from W3 [400][20] and b3 (fp32).
+// fc3's rows as above, [H3][z_width], from W3 [H3][nz] and b3 (fp32).
 template <typename T>
-__global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const float* __restrict__ b3) {
-    const int width = Z_PAD * z_parts<T>(), i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= HIDDEN_DIM * width) return;
-    const int n = i / width, block = i % width / Z_PAD, k = i % Z_PAD, bias_parts = z_parts<T>();
+__global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const float* __restrict__ b3, int h3, int nz) {
+    const int pad = z_pad(nz), width = pad * z_parts<T>(), i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= h3 * width) return;
+    const int n = i / width, block = i % width / pad, k = i % pad, bias_parts = z_parts<T>();
     const bool parts = std::is_same<T, bf16>::value;
     float v = 0.0f;
-    if (k < LATENT_DIM) v = parts ? bf16_part(w3[n * LATENT_DIM + k], block == 2) : w3[n * LATENT_DIM + k];
-    else if (block == 0 && k < LATENT_DIM + bias_parts) v = parts ? bf16_part(b3[n], k - LATENT_DIM) : b3[n];
+    if (k < nz) v = parts ? bf16_part(w3[n * nz + k], block == 2) : w3[n * nz + k];
+    else if (block == 0 && k < nz + bias_parts) v = parts ? bf16_part(b3[n], k - nz) : b3[n];
     store_as(&dst[i], v);
 }
 // The type of AIS's backward pass (sigmoid - x, dh, and their copies of W4 and W3): T, except that bf16's
@@ -421,21 +447,24 @@ template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t
 // z, the KL and log p(z) - log q(z|x) of one decoder row, sample `sample` of an image: z = mu + sigma
 // eps with eps keyed by (seed, image, sample), so sample 0 is the ELBO's draw. With z = mu + sigma eps the
 // Gaussian terms log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel.
-// The sums run over j in order. Both engines' sampling kernels call it.
-__device__ inline void sample_latents(float (&z)[LATENT_DIM], float* kl, float* log_ratio, const float* mulv_row,
+// The sums run over j in order. Both engines' sampling kernels call it; mulv_row is [mu | logvar], nz each.
+template <int ZMAX>
+__device__ inline void sample_latents(float (&z)[ZMAX], int nz, float* kl, float* log_ratio, const float* mulv_row,
                                       const float* eps_row, uint32_t image, uint32_t sample, uint64_t seed,
                                       bool z_is_mu) {
     float kl_sum = 0.0f, ratio = 0.0f;
     #pragma unroll
-    for (int q = 0; q < LATENT_DIM / 4; q++) {
-        const float4 e = posterior_eps(eps_row, q, image, sample, seed, z_is_mu);
+    for (int q = 0; q < (ZMAX + 3) / 4; q++) {
+        if (4 * q >= nz) break;
+        const float4 e = posterior_eps(eps_row, q, nz, image, sample, seed, z_is_mu);
         const float eps[4] = {e.x, e.y, e.z, e.w};
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 4 && 4 * q + i < ZMAX; i++) {
             const int j = 4 * q + i;
+            if (j >= nz) break;
             float kl_term;
-            z[j] = latent_z(mulv_row[j], mulv_row[LATENT_DIM + j], eps[i], &kl_term);
+            z[j] = latent_z(mulv_row[j], mulv_row[nz + j], eps[i], &kl_term);
             kl_sum += kl_term;
-            ratio += eps[i] * eps[i] + mulv_row[LATENT_DIM + j] - z[j] * z[j];
+            ratio += eps[i] * eps[i] + mulv_row[nz + j] - z[j] * z[j];
         }
     }
     *kl = -0.5f * kl_sum, *log_ratio = 0.5f * ratio;
@@ -443,27 +472,33 @@ __device__ inline void sample_latents(float (&z)[LATENT_DIM], float* kl, float* 
 // fc3's inputs for `rows` decoder rows from the images' [mu | logvar]: row r is sample r % K of image
 // r / K (K = 1 for the ELBO, --iwae's K importance samples otherwise). kl, log_ratio and z_out are NULL
 // when not wanted. One thread a row.
-template <typename T>
+template <typename T, int ZMAX>
 __global__ void sample_kernel(T* z_input, float* z_out, float* kl, float* log_ratio, const float* __restrict__ mulv,
-                              const float* __restrict__ eps_in, int rows, int K, uint32_t first_image, uint64_t seed,
-                              bool z_is_mu) {
+                              const float* __restrict__ eps_in, int rows, int nz, int K, uint32_t first_image,
+                              uint64_t seed, bool z_is_mu) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
-    float z[LATENT_DIM], row_kl, ratio;
-    sample_latents(z, &row_kl, &ratio, mulv + (size_t)(r / K) * MULV_DIM,
-                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, first_image + r / K, r % K, seed, z_is_mu);
-    store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), z);
-    if (z_out) for (int j = 0; j < LATENT_DIM; j++) z_out[(size_t)r * LATENT_DIM + j] = z[j];
+    nz = latents<ZMAX>(nz);
+    float z[ZMAX], row_kl, ratio;
+    sample_latents(z, nz, &row_kl, &ratio, mulv + (size_t)(r / K) * 2 * nz, eps_in ? eps_in + (size_t)r * nz : NULL,
+                   first_image + r / K, r % K, seed, z_is_mu);
+    store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), z, nz);
+    #pragma unroll
+    for (int j = 0; j < ZMAX; j++)
+        if (z_out && j < nz) z_out[(size_t)r * nz + j] = z[j];
     if (kl) kl[r] = row_kl;
     if (log_ratio) log_ratio[r] = ratio;
 }
 // fc3's inputs from latents given in fp32 (prior samples, interpolations, the tests' z). One thread a row.
-template <typename T> __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows) {
+template <typename T, int ZMAX>
+__global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows, int nz) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
-    float row[LATENT_DIM];
-    for (int j = 0; j < LATENT_DIM; j++) row[j] = z[(size_t)r * LATENT_DIM + j];
-    store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), row);
+    nz = latents<ZMAX>(nz);
+    float row[ZMAX];
+    #pragma unroll
+    for (int j = 0; j < ZMAX; j++) row[j] = j < nz ? z[(size_t)r * nz + j] : 0.0f;
+    store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), row, nz);
 }
 // What the decoder's logits give, per row r scored against image r / rows_per_image (NULL: not wanted):
 //   bce       BCE(x, sigmoid(l)) summed over the 784 pixels, as softplus(l) - x l = max(l, 0) - x l +
@@ -510,10 +545,15 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
     if (bce && x_row && lane == 0) bce[r] = sum;
 }
 // The ReLU's backward: the gradient w.r.t. a hidden layer's input is zero where its output h is. Four
-// values a thread; n is a multiple of four (rows of 400).
+// values a thread (the last thread the one to three left where n is not a multiple of four).
 template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (4 * i >= n) return;
+    if (4 * i + 4 > n) {
+        for (long long k = 4 * i; k < n; k++)
+            if (!(as_float(h[k]) > 0.0f)) store_as(&grad[k], 0.0f);
+        return;
+    }
     Four<G> g = reinterpret_cast<Four<G>*>(grad)[i];
     const Four<H> hidden = reinterpret_cast<const Four<H>*>(h)[i];
     for (int k = 0; k < 4; k++)
@@ -579,20 +619,21 @@ __global__ void __launch_bounds__(LSE_THREADS)
 // U_b(z) = -log f_b(z), a Metropolis test on U + |p|^2 / 2 (without it AIS is biased). The work is
 // the gradient of log p(x|z) = -BCE(x, logits(z)), the decoder's backward pass w.r.t. z:
 //   grad_z BCE = W3^T (mask . (W4^T (sigmoid(logits) - x)))        mask = fc3's ReLU
-// 1.29 MFLOP per evaluation (four 20x400 or 400x784 products), L evaluations per transition. BDMC (Grosse et al. 2015)
-// runs the same chains backwards from an exact posterior sample: its weights bound log p(x) from above as the forward
-// ones do from below. Both engines draw a chain's start, momenta and Metropolis uniforms keyed by (seed, image, chain,
-// transition), keep the energies in float32 (H ~ 100: the Metropolis test sees differences of ~1e-5 nats) and the
-// weights in float64, and adapt each image's step size from its C chains' acceptance.
+// 1.29 MFLOP per evaluation of the published model (four 20x400 or 400x784 products), L evaluations per transition.
+// BDMC (Grosse et al. 2015) runs the same chains backwards from an exact posterior sample: its weights bound log p(x)
+// from above as the forward ones do from below. Both engines draw a chain's start, momenta and Metropolis uniforms
+// keyed by (seed, image, chain, transition), keep the energies in float32 (H ~ 100: the Metropolis test sees
+// differences of ~1e-5 nats) and the weights in float64, and adapt each image's step size from its C chains'
+// acceptance.
 // the step size per image: its start, its bounds, and the acceptance it is adapted toward
 constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
 constexpr float AIS_TARGET_ACCEPT = 0.65f;
-constexpr double AIS_FLOPS_PER_EVAL = 4.0 * (LATENT_DIM * HIDDEN_DIM + HIDDEN_DIM * INPUT_DIM);
+static double ais_flops_per_eval(ModelDims d) { return 4.0 * ((double)d.z * d.h3 + (double)d.h3 * INPUT_DIM); }
 // What one AIS run over n images reads and writes. Row r is chain r % C of image r / C.
 struct AisIO {
     const uint8_t* pixels; // [n][784]
-    const float* mulv;     // [n][40]: p0 = N(mu, exp(logvar)): q(z|x), or zeros for the prior
-    const float* z_start;  // [n][20]: where every chain of an image starts (BDMC's reverse run), or NULL: z ~ p0
+    const float* mulv;     // [n][2 Z]: p0 = N(mu, exp(logvar)): q(z|x), or zeros for the prior
+    const float* z_start;  // [n][Z]: where every chain of an image starts (BDMC's reverse run), or NULL: z ~ p0
     const double* beta;    // [T + 1]: the schedule, 0 .. 1
     int n, chains, T, leapfrog;
     uint32_t first_image;  // the generator's image index of image 0
@@ -603,120 +644,142 @@ struct AisIO {
     double* log_w;         // [n * C]
     int* accepted;         // [n * C]: transitions accepted
     float* step_out;       // [n]: the step size at the end
-    float *z_out, *grad0, *bce0, *delta_h; // tests, or NULL: [n * C][20] final z; the first evaluation's
-                                          // grad BCE [n * C][20] and BCE [n * C]; the last H0 - H1 [n * C]
-    const float* p_start; // tests, or NULL: [n * C][20] the first transition's momentum instead of a draw
-    float* proposal;      // tests, or NULL: [n * C][40] the last leapfrog trajectory's end (z, p) before its test
+    float *z_out, *grad0, *bce0, *delta_h; // tests, or NULL: [n * C][Z] final z; the first evaluation's
+                                          // grad BCE [n * C][Z] and BCE [n * C]; the last H0 - H1 [n * C]
+    const float* p_start; // tests, or NULL: [n * C][Z] the first transition's momentum instead of a draw
+    float* proposal;      // tests, or NULL: [n * C][2 Z] the last leapfrog trajectory's end (z, p) before its test
 };
 // The plain path's chains, in memory between its kernels: per row z, p, the gradient of BCE (fc3's backward writes it,
-// row-major and Z_PAD wide), the BCE, and the transition's start (z, grad, BCE, H) that a rejected proposal returns to.
-// z, p and the start are stored latent by latent, [20][rows], so that a warp's 32 rows of one latent are 128 adjacent
-// bytes (row by row, a thread's 80 bytes would not coalesce). Each kernel below is one step of the transition for every
-// row at once, one thread a row.
+// row-major and z_pad(nz) wide), the BCE, and the transition's start (z, grad, BCE, H) that a rejected proposal returns
+// to. z, p and the start are stored latent by latent, [nz][rows], so that a warp's 32 rows of one latent are 128
+// adjacent bytes (row by row, a thread's 80 bytes would not coalesce). Each kernel below is one step of the transition
+// for every row at once, one thread a row, its latents in arrays of ZMAX.
 enum { PLAIN_AIS_ROWS = 1 << 16 }; // chains a set of buffers holds: ~650 MB of activations and chains in fp32
 struct AisChains {
-    float *z, *p, *z0, *grad0; // [20][PLAIN_AIS_ROWS]
-    float* grad;               // [rows][Z_PAD]
+    float *z, *p, *z0, *grad0; // [nz][PLAIN_AIS_ROWS]
+    float* grad;               // [rows][z_pad(nz)]
     float *bce, *bce0, *h0;    // [rows]
     int* took;                 // [rows]: this transition's proposal accepted
-    __device__ void load(const float* a, size_t r, float (&v)[LATENT_DIM]) const {
-        for (int j = 0; j < LATENT_DIM; j++) v[j] = a[j * (size_t)PLAIN_AIS_ROWS + r];
+    int nz;
+    template <int ZMAX> __device__ void load(const float* a, size_t r, float (&v)[ZMAX]) const {
+        #pragma unroll
+        for (int j = 0; j < ZMAX; j++) v[j] = j < latents<ZMAX>(nz) ? a[j * (size_t)PLAIN_AIS_ROWS + r] : 0.0f;
     }
-    __device__ void store(float* a, size_t r, const float (&v)[LATENT_DIM]) const {
-        for (int j = 0; j < LATENT_DIM; j++) a[j * (size_t)PLAIN_AIS_ROWS + r] = v[j];
+    template <int ZMAX> __device__ void store(float* a, size_t r, const float (&v)[ZMAX]) const {
+        #pragma unroll
+        for (int j = 0; j < ZMAX; j++)
+            if (j < latents<ZMAX>(nz)) a[j * (size_t)PLAIN_AIS_ROWS + r] = v[j];
     }
-    __device__ void load_grad(size_t r, float (&v)[LATENT_DIM]) const {
-        const Four<float>* row = reinterpret_cast<const Four<float>*>(grad + r * Z_PAD);
-        for (int q = 0; q < LATENT_DIM / 4; q++)
-            for (int k = 0; k < 4; k++) v[4 * q + k] = row[q].v[k];
+    template <int ZMAX> __device__ void load_grad(size_t r, float (&v)[ZMAX]) const {
+        const int used = latents<ZMAX>(nz);
+        const Four<float>* row = reinterpret_cast<const Four<float>*>(grad + r * z_pad(used));
+        #pragma unroll
+        for (int q = 0; q < (ZMAX + 3) / 4; q++) {
+            const Four<float> four = 4 * q < used ? row[q] : Four<float>{};
+            for (int k = 0; k < 4 && 4 * q + k < ZMAX; k++) v[4 * q + k] = four.v[k];
+        }
     }
 };
-// A chain's view of its image: p0's mean, inverse variance and sum of log variances.
-struct AisPrior {
-    float mu[LATENT_DIM], inv_var[LATENT_DIM], logvar_sum;
-    __device__ AisPrior(const float* mulv_row) {
+// A chain's view of its image: p0's mean, inverse variance and sum of log variances (unused latents: 0 and 1, so that
+// they add nothing below).
+template <int ZMAX> struct AisPrior {
+    float mu[ZMAX], inv_var[ZMAX], logvar_sum;
+    __device__ AisPrior(const float* mulv_row, int nz) {
         logvar_sum = 0.0f;
-        for (int j = 0; j < LATENT_DIM; j++) {
-            mu[j] = mulv_row[j], inv_var[j] = expf(-mulv_row[LATENT_DIM + j]), logvar_sum += mulv_row[LATENT_DIM + j];
+        #pragma unroll
+        for (int j = 0; j < ZMAX; j++) {
+            mu[j] = j < nz ? mulv_row[j] : 0.0f, inv_var[j] = j < nz ? expf(-mulv_row[nz + j]) : 1.0f;
+            if (j < nz) logvar_sum += mulv_row[nz + j];
         }
     }
     // log p(x, z) = -BCE - |z|^2 / 2 and log p0(z) = -(sum (z - mu)^2 / var + logvar) / 2 (the log 2 pi cancel)
-    __device__ void log_densities(const float (&z)[LATENT_DIM], float bce, float* lpxz, float* lp0) const {
+    __device__ void log_densities(const float (&z)[ZMAX], float bce, float* lpxz, float* lp0) const {
         float sq = 0.0f, mahal = 0.0f;
-        for (int j = 0; j < LATENT_DIM; j++) {
+        #pragma unroll
+        for (int j = 0; j < ZMAX; j++) {
             const float d = z[j] - mu[j];
             sq = fmaf(z[j], z[j], sq), mahal = fmaf(d * d, inv_var[j], mahal);
         }
         *lpxz = -bce - 0.5f * sq, *lp0 = -0.5f * (mahal + logvar_sum);
     }
     // p -= scale eps grad U_b(z): U_b = -b log p(x, z) - (1 - b) log p0(z)
-    __device__ void kick(float (&p)[LATENT_DIM], const float (&z)[LATENT_DIM], const float (&grad_bce)[LATENT_DIM],
-                         float beta, float scaled_step) const {
-        for (int j = 0; j < LATENT_DIM; j++) {
+    __device__ void kick(float (&p)[ZMAX], const float (&z)[ZMAX], const float (&grad_bce)[ZMAX], float beta,
+                         float scaled_step) const {
+        #pragma unroll
+        for (int j = 0; j < ZMAX; j++) {
             const float grad_u = beta * (grad_bce[j] + z[j]) + (1.0f - beta) * (z[j] - mu[j]) * inv_var[j];
             p[j] = fmaf(-scaled_step, grad_u, p[j]);
         }
     }
 };
 // z += eps p, stored, and as fc3's input for the next gradient evaluation.
-template <typename T>
-__device__ inline void ais_drift(const AisChains& c, T* z_input, size_t r, float (&z)[LATENT_DIM],
-                                 const float (&p)[LATENT_DIM], float step) {
-    for (int j = 0; j < LATENT_DIM; j++) z[j] = fmaf(step, p[j], z[j]);
+template <typename T, int ZMAX>
+__device__ inline void ais_drift(const AisChains& c, T* z_input, size_t r, float (&z)[ZMAX], const float (&p)[ZMAX],
+                                 float step) {
+    #pragma unroll
+    for (int j = 0; j < ZMAX; j++) z[j] = fmaf(step, p[j], z[j]);
     c.store(c.z, r, z);
-    store_z_input(z_input + r * Z_PAD * z_parts<T>(), z);
+    store_z_input(z_input + r * z_pad(latents<ZMAX>(c.nz)) * z_parts<T>(), z, latents<ZMAX>(c.nz));
 }
 // The chains' start: z ~ p0 (keyed like the ELBO's eps, chain c as sample c) or the given z_start; no
 // weight yet, nothing accepted, each image at the first step size.
-template <typename T> __global__ void ais_start_kernel(AisIO io, AisChains c, T* z_input) {
+template <typename T, int ZMAX> __global__ void ais_start_kernel(AisIO io, AisChains c, T* z_input) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
-    const int image = r / io.chains, chain = r % io.chains;
-    const float* mulv = io.mulv + (size_t)image * MULV_DIM;
-    float z[LATENT_DIM];
-    for (int j = 0; j < LATENT_DIM; j++) {
+    const int image = r / io.chains, chain = r % io.chains, nz = latents<ZMAX>(c.nz);
+    const float* mulv = io.mulv + (size_t)image * 2 * nz;
+    float z[ZMAX];
+    #pragma unroll
+    for (int j = 0; j < ZMAX; j++) {
         float kl_term;
-        z[j] = io.z_start ? io.z_start[(size_t)image * LATENT_DIM + j]
-                          : latent_z(mulv[j], mulv[LATENT_DIM + j],
-                                     gaussian(io.seed, STREAM_POSTERIOR, io.first_image + image, chain, j), &kl_term);
+        z[j] = j >= nz      ? 0.0f
+               : io.z_start ? io.z_start[(size_t)image * nz + j]
+                            : latent_z(mulv[j], mulv[nz + j],
+                                       gaussian(io.seed, STREAM_POSTERIOR, io.first_image + image, chain, j), &kl_term);
     }
     c.store(c.z, r, z);
-    store_z_input(z_input + (size_t)r * Z_PAD * z_parts<T>(), z);
+    store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), z, nz);
     io.log_w[r] = 0.0, io.accepted[r] = 0;
     if (chain == 0) io.step_out[image] = io.step0;
 }
 // Step s = 1..T of the schedule, at the chain's z (the last transition's end): its term of the log weight.
 // Then, unless s = T, the next transition's start: momentum p, H0, the start kept for a rejection, half a
 // kick and the first drift. At s = T the chain's results.
-template <typename T> __global__ void ais_begin_kernel(AisIO io, AisChains c, T* z_input, int s) {
+template <typename T, int ZMAX> __global__ void ais_begin_kernel(AisIO io, AisChains c, T* z_input, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
-    const int image = r / io.chains, chain = r % io.chains;
-    const AisPrior prior(io.mulv + (size_t)image * MULV_DIM);
-    float z[LATENT_DIM], grad[LATENT_DIM], p[LATENT_DIM];
+    const int image = r / io.chains, chain = r % io.chains, nz = latents<ZMAX>(c.nz);
+    const AisPrior<ZMAX> prior(io.mulv + (size_t)image * 2 * nz, nz);
+    float z[ZMAX], grad[ZMAX], p[ZMAX];
     c.load(c.z, r, z), c.load_grad(r, grad);
     const float bce = c.bce[r];
-    if (s == 1 && io.grad0) {
-        for (int j = 0; j < LATENT_DIM; j++) io.grad0[(size_t)r * LATENT_DIM + j] = grad[j];
-        io.bce0[r] = bce;
-    }
+    #pragma unroll
+    for (int j = 0; j < ZMAX; j++)
+        if (s == 1 && io.grad0 && j < nz) io.grad0[(size_t)r * nz + j] = grad[j];
+    if (s == 1 && io.grad0) io.bce0[r] = bce;
     float lpxz, lp0;
     prior.log_densities(z, bce, &lpxz, &lp0);
     const int at = io.reverse ? io.T + 1 - s : s; // the weight's step of the schedule
     const double d_beta = io.beta[at] - io.beta[at - 1];
     io.log_w[r] += (io.reverse ? -d_beta : d_beta) * (double)(lpxz - lp0);
     if (s == io.T) {
-        if (io.z_out)
-            for (int j = 0; j < LATENT_DIM; j++) io.z_out[(size_t)r * LATENT_DIM + j] = z[j];
+        #pragma unroll
+        for (int j = 0; j < ZMAX; j++)
+            if (io.z_out && j < nz) io.z_out[(size_t)r * nz + j] = z[j];
         return;
     }
     const float beta = (float)io.beta[io.reverse ? io.T - s : s]; // the transition's target f_beta
     float kinetic = 0.0f;
-    for (int j = 0; j < LATENT_DIM; j += 2) {
-        const float* given = io.p_start && s == 1 ? io.p_start + (size_t)r * LATENT_DIM + j : NULL;
-        const float2 e = given ? make_float2(given[0], given[1])
-                               : gaussian_pair(io.seed, STREAM_MOMENTUM, io.first_image + image, chain, 16 * s + j / 2);
-        p[j] = e.x, p[j + 1] = e.y;
+    #pragma unroll
+    for (int j = 0; j < ZMAX; j += 2) { // an odd Z's last pair draws two and keeps one
+        const float* given = io.p_start && s == 1 ? io.p_start + (size_t)r * nz + j : NULL;
+        float2 e = j >= nz ? make_float2(0.0f, 0.0f)
+                   : given ? make_float2(given[0], j + 1 < nz ? given[1] : 0.0f)
+                           : gaussian_pair(io.seed, STREAM_MOMENTUM, io.first_image + image, chain,
+                                           momentum_counter(s, j, nz));
+        if (j + 1 >= nz) e.y = 0.0f;
+        p[j] = e.x;
+        if (j + 1 < ZMAX) p[j + 1] = e.y;
         kinetic = fmaf(e.x, e.x, fmaf(e.y, e.y, kinetic));
     }
     c.h0[r] = -beta * lpxz - (1.0f - beta) * lp0 + 0.5f * kinetic;
@@ -728,13 +791,13 @@ template <typename T> __global__ void ais_begin_kernel(AisIO io, AisChains c, T*
     ais_drift(c, z_input, r, z, p, step);
 }
 // A leapfrog step between two gradient evaluations: a whole kick, then the next drift.
-template <typename T> __global__ void ais_leapfrog_kernel(AisIO io, AisChains c, T* z_input, int s) {
+template <typename T, int ZMAX> __global__ void ais_leapfrog_kernel(AisIO io, AisChains c, T* z_input, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
     const int image = r / io.chains;
-    const AisPrior prior(io.mulv + (size_t)image * MULV_DIM);
+    const AisPrior<ZMAX> prior(io.mulv + (size_t)image * 2 * latents<ZMAX>(c.nz), latents<ZMAX>(c.nz));
     const float beta = (float)io.beta[io.reverse ? io.T - s : s], step = io.step_out[image];
-    float z[LATENT_DIM], grad[LATENT_DIM], p[LATENT_DIM];
+    float z[ZMAX], grad[ZMAX], p[ZMAX];
     c.load(c.z, r, z), c.load_grad(r, grad), c.load(c.p, r, p);
     prior.kick(p, z, grad, beta, step);
     c.store(c.p, r, p);
@@ -742,22 +805,23 @@ template <typename T> __global__ void ais_leapfrog_kernel(AisIO io, AisChains c,
 }
 // A transition's end: the last half kick, H1, and the Metropolis test; a rejected proposal returns to the
 // start (z, grad, BCE).
-__global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
+template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
-    const int image = r / io.chains, chain = r % io.chains;
-    const AisPrior prior(io.mulv + (size_t)image * MULV_DIM);
+    const int image = r / io.chains, chain = r % io.chains, nz = latents<ZMAX>(c.nz);
+    const AisPrior<ZMAX> prior(io.mulv + (size_t)image * 2 * nz, nz);
     const float beta = (float)io.beta[io.reverse ? io.T - s : s], step = io.step_out[image];
-    float z[LATENT_DIM], grad[LATENT_DIM], p[LATENT_DIM];
+    float z[ZMAX], grad[ZMAX], p[ZMAX];
     c.load(c.z, r, z), c.load_grad(r, grad), c.load(c.p, r, p);
     prior.kick(p, z, grad, beta, 0.5f * step);
     if (io.proposal && s == io.T - 1)
-        for (int j = 0; j < LATENT_DIM; j++)
-            io.proposal[(size_t)r * 2 * LATENT_DIM + j] = z[j],
-            io.proposal[((size_t)r * 2 + 1) * LATENT_DIM + j] = p[j];
+        #pragma unroll
+        for (int j = 0; j < ZMAX && j < nz; j++)
+            io.proposal[(size_t)r * 2 * nz + j] = z[j], io.proposal[((size_t)r * 2 + 1) * nz + j] = p[j];
     float lpxz, lp0, kinetic = 0.0f;
     prior.log_densities(z, c.bce[r], &lpxz, &lp0);
-    for (int j = 0; j < LATENT_DIM; j++) kinetic = fmaf(p[j], p[j], kinetic);
+    #pragma unroll
+    for (int j = 0; j < ZMAX; j++) kinetic = fmaf(p[j], p[j], kinetic);
     const float h1 = -beta * lpxz - (1.0f - beta) * lp0 + 0.5f * kinetic;
     const float u = uniform_open0(io.seed, STREAM_ACCEPT, io.first_image + image, chain, s);
     const bool accept = logf(u) < c.h0[r] - h1; // false for a non-finite proposal
@@ -766,7 +830,9 @@ __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
         c.bce[r] = c.bce0[r];
         c.load(c.z0, r, z), c.load(c.grad0, r, grad);
         c.store(c.z, r, z);
-        for (int j = 0; j < LATENT_DIM; j++) c.grad[(size_t)r * Z_PAD + j] = grad[j];
+        #pragma unroll
+        for (int j = 0; j < ZMAX; j++)
+            if (j < nz) c.grad[(size_t)r * z_pad(nz) + j] = grad[j];
     }
     io.accepted[r] += accept, c.took[r] = accept;
 }
@@ -917,10 +983,11 @@ typedef struct {
     AisChains chains;
     cudaStream_t stream;
 } AisWork;
-// The plain path's model: its weights in the path's type, its products, and its activations for up to
-// max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples). The buffers hold T
-// values where the path's type is used and fp32 where the text says so.
+// The plain path's model of any size (dims): its weights in the path's type, its products, and its activations for up
+// to max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples). The buffers hold T values where
+// the path's type is used and fp32 where the text says so.
 typedef struct {
+    ModelDims dims;
     Precision precision;
     cudaDataType_t type;   // T: CUDA_R_32F or CUDA_R_16BF
     cudaDataType_t backward_type; // AIS's backward (Backward<T>): CUDA_R_32F or CUDA_R_16F
@@ -930,10 +997,10 @@ typedef struct {
     void* weights;         // W1, b1, W2, fc3's [W3 | b3], W4 in T; b2, b4 in fp32 (an fp32 output's bias);
                            // AIS's backward copies of W4 and W3 in Backward<T>
     Gemm fc1, fc2, fc3, fc4, fc4_t; // fc4_t: fc4 with its logits in T, where only the BCE or gradient reads them
-    void *x, *h1;          // [max_batch][784], [max_batch][400]
-    float* mulv;           // [max_batch][40] fp32: [mu | logvar]
-    float* z;              // [max_batch][20] fp32
-    void *z_input, *h3;    // [rows][Z_PAD * parts], [rows][400]
+    void *x, *h1;          // [max_batch][784], [max_batch][H1]
+    float* mulv;           // [max_batch][2 Z] fp32: [mu | logvar]
+    float* z;              // [max_batch][Z] fp32
+    void *z_input, *h3;    // [rows][z_width], [rows][H3]
     float *logits, *bce, *log_ratio; // [rows][784], [rows], [rows] fp32
     float* recon;          // [max_batch][784] fp32
     Gemm fc4_backward, fc3_backward;
@@ -967,19 +1034,19 @@ static U* convert_weights(uint8_t* at, const float* w, int rows, int cols, int p
 // the path's types, each at a 256-byte boundary, and the products of the four layers and of AIS's backward pass.
 template <typename T> static void plain_init_weights(Plain* pl, const float* const* t, cudaStream_t stream) {
     typedef typename Backward<T>::type B;
-    const int zk = Z_PAD * z_parts<T>();
+    const int H1 = pl->dims.h1, Z = pl->dims.z, H3 = pl->dims.h3, MULV = 2 * Z, pad = z_pad(Z), zk = pad * z_parts<T>();
     size_t bytes = 0;
     auto slot = [&](size_t size) {
         const size_t at = bytes;
         bytes += (size + 255) / 256 * 256;
         return at;
     };
-    const size_t w1 = slot(HIDDEN_DIM * INPUT_DIM * sizeof(T)), b1 = slot(HIDDEN_DIM * sizeof(T));
-    const size_t w2 = slot(MULV_DIM * HIDDEN_DIM * sizeof(T)), b2 = slot(MULV_DIM * sizeof(float));
-    const size_t w3 = slot(HIDDEN_DIM * zk * sizeof(T)); // with b3 in it
-    const size_t w4 = slot(INPUT_DIM * HIDDEN_DIM * sizeof(T)), b4 = slot(INPUT_DIM * sizeof(float));
+    const size_t w1 = slot((size_t)H1 * INPUT_DIM * sizeof(T)), b1 = slot(H1 * sizeof(T));
+    const size_t w2 = slot((size_t)MULV * H1 * sizeof(T)), b2 = slot(MULV * sizeof(float));
+    const size_t w3 = slot((size_t)H3 * zk * sizeof(T)); // with b3 in it
+    const size_t w4 = slot((size_t)INPUT_DIM * H3 * sizeof(T)), b4 = slot(INPUT_DIM * sizeof(float));
     const size_t b4_type = slot(INPUT_DIM * sizeof(T));
-    const size_t w3_back = slot(HIDDEN_DIM * Z_PAD * sizeof(B)), w4_back = slot(INPUT_DIM * HIDDEN_DIM * sizeof(B));
+    const size_t w3_back = slot((size_t)H3 * pad * sizeof(B)), w4_back = slot((size_t)INPUT_DIM * H3 * sizeof(B));
     uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights", pl->max_batch);
     pl->weights = base;
     const cudaDataType_t f32 = CUDA_R_32F, type = pl->type, back = pl->backward_type;
@@ -989,50 +1056,46 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
     // 65,536 in bf16 (AIS runs parts of 40,000 rows at n = 10,000).
     const int pick = type == f32 ? 1024 : 4096, long_pick = type == f32 ? 4096 : 65536;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
-    pl->fc1 = gemm_init(pl->lt, convert_weights<T>(base + w1, t[FC1_W], HIDDEN_DIM, INPUT_DIM, INPUT_DIM, 1, stream),
-                        HIDDEN_DIM, INPUT_DIM, INPUT_DIM, false, true,
-                        convert_weights<T>(base + b1, t[FC1_B], 1, HIDDEN_DIM, HIDDEN_DIM, 1, stream), type, type,
-                        1.0f / 255.0f, pick);
-    pl->fc2 = gemm_init(pl->lt, convert_weights<T>(base + w2, t[FC21_W], MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
-                        MULV_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
-                        convert_weights<float>(base + b2, t[FC21_B], 1, MULV_DIM, MULV_DIM, 1, stream), type, f32,
-                        1.0f, pick);
+    pl->fc1 = gemm_init(pl->lt, convert_weights<T>(base + w1, t[FC1_W], H1, INPUT_DIM, INPUT_DIM, 1, stream), H1,
+                        INPUT_DIM, INPUT_DIM, false, true,
+                        convert_weights<T>(base + b1, t[FC1_B], 1, H1, H1, 1, stream), type, type, 1.0f / 255.0f, pick);
+    pl->fc2 = gemm_init(pl->lt, convert_weights<T>(base + w2, t[FC21_W], MULV, H1, H1, 1, stream), MULV, H1, H1, false,
+                        false, convert_weights<float>(base + b2, t[FC21_B], 1, MULV, MULV, 1, stream), type, f32, 1.0f,
+                        pick);
     // fc3: h3 = ReLU([z | 1] [W3 | b3]^T) in T (the bias in K; bf16 in parts); fc4: logits = h3 W4^T + b4 in fp32
-    launch(fc3_weights_kernel<T>, HIDDEN_DIM * zk, 256, 256, stream, (T*)(base + w3), t[FC3_W], t[FC3_B]);
-    pl->fc3 = gemm_init(pl->lt, base + w3, HIDDEN_DIM, zk, zk, false, true, NULL, type, type, 1.0f, pick);
-    pl->fc4 = gemm_init(pl->lt, convert_weights<T>(base + w4, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
-                        INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
+    launch(fc3_weights_kernel<T>, (long long)H3 * zk, 256, 256, stream, (T*)(base + w3), t[FC3_W], t[FC3_B], H3, Z);
+    pl->fc3 = gemm_init(pl->lt, base + w3, H3, zk, zk, false, true, NULL, type, type, 1.0f, pick);
+    pl->fc4 = gemm_init(pl->lt, convert_weights<T>(base + w4, t[FC4_W], INPUT_DIM, H3, H3, 1, stream), INPUT_DIM, H3,
+                        H3, false, false,
                         convert_weights<float>(base + b4, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, f32,
                         1.0f, pick);
-    pl->fc4_t = gemm_init(pl->lt, base + w4, INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, false, false,
+    pl->fc4_t = gemm_init(pl->lt, base + w4, INPUT_DIM, H3, H3, false, false,
                           convert_weights<T>(base + b4_type, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, type,
                           1.0f, long_pick);
-    // AIS's backward in B: dh = residual W4, then grad BCE = dh W3 in fp32 (Z_PAD wide)
-    pl->fc4_backward =
-        gemm_init(pl->lt, convert_weights<B>(base + w4_back, t[FC4_W], INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, 1, stream),
-                  INPUT_DIM, HIDDEN_DIM, HIDDEN_DIM, true, false, NULL, back, back, 1.0f, long_pick);
-    pl->fc3_backward =
-        gemm_init(pl->lt, convert_weights<B>(base + w3_back, t[FC3_W], HIDDEN_DIM, LATENT_DIM, Z_PAD, 1, stream),
-                  HIDDEN_DIM, Z_PAD, Z_PAD, true, false, NULL, back, f32, 1.0f, long_pick);
+    // AIS's backward in B: dh = residual W4, then grad BCE = dh W3 in fp32 (z_pad(Z) wide)
+    pl->fc4_backward = gemm_init(pl->lt, convert_weights<B>(base + w4_back, t[FC4_W], INPUT_DIM, H3, H3, 1, stream),
+                                 INPUT_DIM, H3, H3, true, false, NULL, back, back, 1.0f, long_pick);
+    pl->fc3_backward = gemm_init(pl->lt, convert_weights<B>(base + w3_back, t[FC3_W], H3, Z, pad, 1, stream), H3, pad,
+                                 pad, true, false, NULL, back, f32, 1.0f, long_pick);
 }
 // The plain model for up to max_batch images a forward pass and `rows` decoder rows a pass.
-static void plain_init(Plain* pl, const float* const* tensors, Precision precision, int max_batch, int rows,
-                       cudaStream_t stream) {
+static void plain_init(Plain* pl, const float* const* tensors, ModelDims dims, Precision precision, int max_batch,
+                       int rows, cudaStream_t stream) {
     memset(pl, 0, sizeof(*pl));
-    pl->precision = precision, pl->max_batch = max_batch, pl->rows = rows;
+    pl->dims = dims, pl->precision = precision, pl->max_batch = max_batch, pl->rows = rows;
     pl->type = precision == PRECISION_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     pl->type_size = precision == PRECISION_BF16 ? sizeof(bf16) : sizeof(float);
     pl->backward_type = precision == PRECISION_BF16 ? CUDA_R_16F : CUDA_R_32F;
     cublasCheck(cublasLtCreate(&pl->lt));
     (precision == PRECISION_BF16 ? plain_init_weights<bf16> : plain_init_weights<float>)(pl, tensors, stream);
     const size_t B = (size_t)max_batch, R = (size_t)rows, t = pl->type_size;
-    const int zk = z_width(precision);
+    const int zk = z_width(precision, dims.z);
     pl->x = device_alloc(B * INPUT_DIM * t, "the pixels as fc1's input", max_batch);
-    pl->h1 = device_alloc(B * HIDDEN_DIM * t, "h1", max_batch);
-    pl->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar", max_batch);
-    pl->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z", max_batch);
+    pl->h1 = device_alloc(B * dims.h1 * t, "h1", max_batch);
+    pl->mulv = (float*)device_alloc(B * 2 * dims.z * sizeof(float), "mu/logvar", max_batch);
+    pl->z = (float*)device_alloc(B * dims.z * sizeof(float), "z", max_batch);
     pl->z_input = device_alloc(R * zk * t, "fc3's input", max_batch);
-    pl->h3 = device_alloc(R * HIDDEN_DIM * t, "h3", max_batch);
+    pl->h3 = device_alloc(R * dims.h3 * t, "h3", max_batch);
     pl->logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the logits", max_batch);
     pl->bce = (float*)device_alloc(R * sizeof(float), "the rows' BCE", max_batch);
     pl->log_ratio = (float*)device_alloc(R * sizeof(float), "the rows' log-density ratios", max_batch);
@@ -1064,22 +1127,31 @@ static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t s
     gemm(pl->lt, pl->fc1, pl->h1, pl->x, B, stream);
     gemm(pl->lt, pl->fc2, pl->mulv, pl->h1, B, stream);
 }
+// Calls f(T(), ZMAX) for the plain path's type T and its latents' array length ZMAX (a std::integral_constant): the
+// place where the precision and Z, known at run time, pick the kernels' template instances.
+template <typename F> static void with_type_and_zmax(const Plain* pl, F f) {
+    const std::integral_constant<int, LATENT_DIM> published;
+    const std::integral_constant<int, MAX_LATENT> largest;
+    const bool small = pl->dims.z == LATENT_DIM;
+    if (pl->precision == PRECISION_BF16) small ? f(bf16(), published) : f(bf16(), largest);
+    else small ? f(0.0f, published) : f(0.0f, largest);
+}
 // fc3's inputs for `rows` rows of K samples of images (sample_kernel; mulv: their [mu | logvar]). Blocks of 64 rows:
 // the ELBO's 10,000 rows in blocks of 128 kept 53 of 132 SMs idle.
 static void plain_sample(Plain* pl, int rows, int K, const float* mulv, const float* eps, uint32_t first_image,
                          uint64_t seed, bool z_is_mu, float* z_out, float* kl, float* log_ratio, cudaStream_t stream) {
-    if (pl->precision == PRECISION_BF16)
-        launch(sample_kernel<bf16>, rows, 64, 64, stream, (bf16*)pl->z_input, z_out, kl, log_ratio, mulv, eps, rows,
-               K, first_image, seed, z_is_mu);
-    else
-        launch(sample_kernel<float>, rows, 64, 64, stream, (float*)pl->z_input, z_out, kl, log_ratio, mulv, eps,
-               rows, K, first_image, seed, z_is_mu);
+    with_type_and_zmax(pl, [&](auto t, auto zmax) {
+        typedef decltype(t) T;
+        launch(sample_kernel<T, decltype(zmax)::value>, rows, 64, 64, stream, (T*)pl->z_input, z_out, kl, log_ratio,
+               mulv, eps, rows, pl->dims.z, K, first_image, seed, z_is_mu);
+    });
 }
-// fc3's inputs from latents given in fp32 ([rows][20] on the device).
+// fc3's inputs from latents given in fp32 ([rows][Z] on the device).
 static void plain_set_z(Plain* pl, const float* z, int rows, cudaStream_t stream) {
-    if (pl->precision == PRECISION_BF16)
-        launch(z_input_kernel<bf16>, rows, 128, 128, stream, (bf16*)pl->z_input, z, rows);
-    else launch(z_input_kernel<float>, rows, 128, 128, stream, (float*)pl->z_input, z, rows);
+    with_type_and_zmax(pl, [&](auto t, auto zmax) {
+        typedef decltype(t) T;
+        launch(z_input_kernel<T, decltype(zmax)::value>, rows, 128, 128, stream, (T*)pl->z_input, z, rows, pl->dims.z);
+    });
 }
 // The decoder over `rows` rows of pl->z_input: logits, then each row's BCE against image r /
 // rows_per_image into bce (with pixels), recon when given. With t_logits (--iwae's passes, and bf16's ELBO where no
@@ -1115,59 +1187,59 @@ static void plain_ais_gradient(Plain* pl, const AisIO& io, const AisWork& w, int
                (const T*)w.logits, io.pixels, rows, io.chains);
     }
     gemm(pl->lt, pl->fc4_backward, w.dh, w.residual, rows, w.stream);
-    const long long hidden = (long long)rows * HIDDEN_DIM;
-    launch(relu_backward_kernel<B, T>, hidden / 4, 256, 256, w.stream, (B*)w.dh, (const T*)w.h3, hidden);
+    const long long hidden = (long long)rows * pl->dims.h3;
+    launch(relu_backward_kernel<B, T>, (hidden + 3) / 4, 256, 256, w.stream, (B*)w.dh, (const T*)w.h3, hidden);
     gemm(pl->lt, pl->fc3_backward, w.chains.grad, w.dh, rows, w.stream);
 }
 // Step s of an AIS run over io.n * C chains in one set of buffers, a kernel for each part of a transition over every
 // chain (part 1), the gradient between them. s = 0: the chains' start and their first gradient; s = 1 .. T - 1: the
 // weight's term at step s, then transition s; s = T: the last term.
-template <typename T> static void plain_ais_step(Plain* pl, const AisIO& io, const AisWork& w, int s) {
+template <typename T, int ZMAX> static void plain_ais_step(Plain* pl, const AisIO& io, const AisWork& w, int s) {
     const int rows = io.n * io.chains;
     T* z_input = (T*)w.z_input;
     if (s == 0) {
-        launch(ais_start_kernel<T>, rows, 128, 128, w.stream, io, w.chains, z_input);
+        launch(ais_start_kernel<T, ZMAX>, rows, 128, 128, w.stream, io, w.chains, z_input);
         return plain_ais_gradient<T>(pl, io, w, rows, true);
     }
-    launch(ais_begin_kernel<T>, rows, 128, 128, w.stream, io, w.chains, z_input, s);
+    launch(ais_begin_kernel<T, ZMAX>, rows, 128, 128, w.stream, io, w.chains, z_input, s);
     if (s == io.T) return;
     for (int l = 1; l <= io.leapfrog; l++) {
         plain_ais_gradient<T>(pl, io, w, rows, l == io.leapfrog);
-        if (l < io.leapfrog) launch(ais_leapfrog_kernel<T>, rows, 128, 128, w.stream, io, w.chains, z_input, s);
+        if (l < io.leapfrog) launch(ais_leapfrog_kernel<T, ZMAX>, rows, 128, 128, w.stream, io, w.chains, z_input, s);
     }
-    launch(ais_end_kernel, rows, 128, 128, w.stream, io, w.chains, s);
+    launch(ais_end_kernel<ZMAX>, rows, 128, 128, w.stream, io, w.chains, s);
     launch(ais_adapt_kernel, io.n, 128, 128, w.stream, io, w.chains);
 }
-// The same run on n of io's images, from image `first`.
-static AisIO ais_slice(AisIO io, int first, int n) {
+// The same run on n of io's images, from image `first`, for nz latents.
+static AisIO ais_slice(AisIO io, int first, int n, int nz) {
     const size_t rows = (size_t)first * io.chains;
     io.n = n, io.first_image += (uint32_t)first;
-    io.pixels += (size_t)first * INPUT_DIM, io.mulv += (size_t)first * MULV_DIM;
-    if (io.z_start) io.z_start += (size_t)first * LATENT_DIM;
+    io.pixels += (size_t)first * INPUT_DIM, io.mulv += (size_t)first * 2 * nz;
+    if (io.z_start) io.z_start += (size_t)first * nz;
     io.log_w += rows, io.accepted += rows, io.step_out += first;
-    if (io.z_out) io.z_out += rows * LATENT_DIM;
-    if (io.grad0) io.grad0 += rows * LATENT_DIM, io.bce0 += rows;
+    if (io.z_out) io.z_out += rows * nz;
+    if (io.grad0) io.grad0 += rows * nz, io.bce0 += rows;
     if (io.delta_h) io.delta_h += rows;
-    if (io.p_start) io.p_start += rows * LATENT_DIM;
-    if (io.proposal) io.proposal += rows * 2 * LATENT_DIM;
+    if (io.p_start) io.p_start += rows * nz;
+    if (io.proposal) io.proposal += rows * 2 * nz;
     return io;
 }
 // The first AIS run's: both sets of buffers, the second set's stream and the events that join it to the caller's.
 static void plain_ais_alloc(Plain* pl) {
-    const size_t R = PLAIN_AIS_ROWS, t = pl->type_size;
-    const int zk = z_width(pl->precision);
+    const size_t R = PLAIN_AIS_ROWS, t = pl->type_size, Z = pl->dims.z, H3 = pl->dims.h3;
+    const int zk = z_width(pl->precision, pl->dims.z);
     for (AisWork& w : pl->ais) {
         w.z_input = device_alloc(R * zk * t, "the AIS chains' fc3 input", pl->max_batch);
-        w.h3 = device_alloc(R * HIDDEN_DIM * t, "the AIS chains' h3", pl->max_batch);
+        w.h3 = device_alloc(R * H3 * t, "the AIS chains' h3", pl->max_batch);
         w.logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the AIS chains' logits", pl->max_batch);
         w.residual = device_alloc(R * INPUT_DIM * t, "the AIS chains' sigmoid - x", pl->max_batch);
-        w.dh = device_alloc(R * HIDDEN_DIM * t, "the AIS chains' dh", pl->max_batch);
-        const size_t floats = R * (4 * LATENT_DIM + Z_PAD + 3) + R; // z p z0 grad0 | grad | bce bce0 h0 | took
+        w.dh = device_alloc(R * H3 * t, "the AIS chains' dh", pl->max_batch);
+        const size_t floats = R * (4 * Z + z_pad(Z) + 3) + R; // z p z0 grad0 | grad | bce bce0 h0 | took
         float* f = (float*)device_alloc(floats * sizeof(float), "the AIS chains", pl->max_batch);
         AisChains& c = w.chains;
-        c.z = f, c.p = f + R * LATENT_DIM, c.z0 = f + 2 * R * LATENT_DIM, c.grad0 = f + 3 * R * LATENT_DIM;
-        c.grad = f + 4 * R * LATENT_DIM, c.bce = c.grad + R * Z_PAD, c.bce0 = c.bce + R, c.h0 = c.bce0 + R;
-        c.took = (int*)(c.h0 + R);
+        c.z = f, c.p = f + R * Z, c.z0 = f + 2 * R * Z, c.grad0 = f + 3 * R * Z;
+        c.grad = f + 4 * R * Z, c.bce = c.grad + R * z_pad(Z), c.bce0 = c.bce + R, c.h0 = c.bce0 + R;
+        c.took = (int*)(c.h0 + R), c.nz = (int)Z;
     }
     cudaCheck(cudaStreamCreateWithFlags(&pl->ais[1].stream, cudaStreamNonBlocking));
     cudaCheck(cudaEventCreateWithFlags(&pl->fork, cudaEventDisableTiming));
@@ -1186,11 +1258,12 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
         AisIO part[2];
         int count = 0;
         for (int at = first; at < io.n && count < 2; at += images)
-            part[count++] = ais_slice(io, at, io.n - at < images ? io.n - at : images);
-        for (int s = 0; s <= io.T; s++)
-            for (int k = 0; k < count; k++)
-                (pl->precision == PRECISION_BF16 ? plain_ais_step<bf16> : plain_ais_step<float>)(pl, part[k],
-                                                                                               pl->ais[k], s);
+            part[count++] = ais_slice(io, at, io.n - at < images ? io.n - at : images, pl->dims.z);
+        with_type_and_zmax(pl, [&](auto t, auto zmax) {
+            for (int s = 0; s <= io.T; s++)
+                for (int k = 0; k < count; k++)
+                    plain_ais_step<decltype(t), decltype(zmax)::value>(pl, part[k], pl->ais[k], s);
+        });
     }
     cudaCheck(cudaEventRecord(pl->join, pl->ais[1].stream));
     cudaCheck(cudaStreamWaitEvent(stream, pl->join, 0));
@@ -1555,8 +1628,8 @@ __device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
         const int r = i / GROUPS, q = i % GROUPS, row = row16 + r;
         if (row >= M) continue;
         const float* p = io.partials + (size_t)row * SLICES * MULV_DIM;
-        const float4 eps = posterior_eps(io.eps ? io.eps + (size_t)row * LATENT_DIM : NULL, q, io.first_image + row,
-                                         0, io.seed, io.z_is_mu);
+        const float4 eps = posterior_eps(io.eps ? io.eps + (size_t)row * LATENT_DIM : NULL, q, LATENT_DIM,
+                                         io.first_image + row, 0, io.seed, io.z_is_mu);
         const float e[4] = {eps.x, eps.y, eps.z, eps.w};
         for (int j = 0; j < 4; j++) {
             const int latent = 4 * q + j;
@@ -2024,8 +2097,8 @@ __global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, c
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     float z[LATENT_DIM], kl, ratio;
-    sample_latents(z, &kl, &ratio, mulv + (size_t)(r / K) * MULV_DIM, eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL,
-                   first_image + r / K, r % K, seed, z_is_mu);
+    sample_latents(z, LATENT_DIM, &kl, &ratio, mulv + (size_t)(r / K) * MULV_DIM,
+                   eps_in ? eps_in + (size_t)r * LATENT_DIM : NULL, first_image + r / K, r % K, seed, z_is_mu);
     if (out.z_rows) store_z_row<P>(out.z_rows + (size_t)r * Path<P>::Z_K / 8, z);
     if (out.kl) out.kl[r] = kl;
     if (out.log_ratio) out.log_ratio[r] = ratio;
@@ -2446,7 +2519,8 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
                     const float* given = injected ? io.p_start + (row0 + 8 * half) * LATENT_DIM + j : NULL;
                     const float2 e = j >= LATENT_DIM ? make_float2(0.0f, 0.0f)
                                      : injected      ? make_float2(given[0], given[1])
-                                          : gaussian_pair(io.seed, STREAM_MOMENTUM, im, chain[half], 16 * s + j / 2);
+                                          : gaussian_pair(io.seed, STREAM_MOMENTUM, im, chain[half],
+                                                          momentum_counter(s, j, LATENT_DIM));
                     p[half][i] = e.x, p[half][i + 1] = e.y;
                     kinetic = fmaf(e.x, e.x, fmaf(e.y, e.y, kinetic));
                 }
@@ -3033,9 +3107,11 @@ static const char* PRECISION_NAMES[] = {"fp32", "bf16"};
 typedef enum { KERNELS_AUTO, KERNELS_PLAIN, KERNELS_FUSED } Kernels;
 static const char* KERNELS_NAMES[] = {"auto", "plain", "fused"};
 typedef struct {
+    ModelDims dims;
     int max_batch;
     Precision precision;
-    bool fused;   // the fused kernels; else the plain path (m->plain), and none of the fused state below
+    bool fused;   // the fused kernels (the published size only); else the plain path (m->plain), and none of the
+                  // fused state below
     Plain plain;
     cudaStream_t stream;
     float* params;                   // one device allocation holding the fp32 tensors below
@@ -3063,7 +3139,7 @@ typedef struct {
 typedef struct {
     uint64_t seed;
     bool z_is_mu;          // z = mu (no noise): the deterministic reconstruction
-    const float* eps;      // device [B][20] noise to use instead of the generator (tests), or NULL
+    const float* eps;      // device [B][Z] noise to use instead of the generator (tests), or NULL
     bool want_recon;       // also write recon = sigmoid(logits)
     bool keep_activations; // also write mulv, z and logits (and fp32's h1 and h3)
 } ForwardOptions;
@@ -3107,13 +3183,16 @@ static size_t fused_smem_bytes() {
                      (size_t)dec_wg_smem<PRECISION_FP32>(), (size_t)dec_wg_smem<PRECISION_BF16>(),
                      (size_t)ais_smem<PRECISION_FP32>(), (size_t)ais_smem<PRECISION_BF16>()});
 }
-// The engine for a GPU of compute capability major.minor that gives a block smem_optin bytes of shared
-// memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels`
-// as asked, auto being the fused kernels wherever they can run and the plain path elsewhere. False, with
-// the reason, where the fused kernels are asked for and cannot run.
-static bool pick_engine(Kernels kernels, int major, int minor, size_t smem_optin, bool fused_code, bool* fused,
-                        Error* err) {
-    const bool can = fused_code && major == 9 && smem_optin >= fused_smem_bytes();
+// The engine for a model of size dims on a GPU of compute capability major.minor that gives a block smem_optin bytes
+// of shared memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels` as
+// asked, auto being the fused kernels wherever they can run and the plain path elsewhere. False, with the reason,
+// where the fused kernels are asked for and cannot run.
+static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, size_t smem_optin, bool fused_code,
+                        bool* fused, Error* err) {
+    if (kernels == KERNELS_FUSED && !is_published(dims))
+        return set_error(err, "--kernels fused: the fused kernels are built for the 784-400-20-400 model; this one is "
+                         "784-%d-%d-%d. HINT: --kernels plain (or auto) runs every size", dims.h1, dims.z, dims.h3);
+    const bool can = fused_code && major == 9 && smem_optin >= fused_smem_bytes() && is_published(dims);
     if (kernels == KERNELS_FUSED && !can)
         return set_error(err, "--kernels fused: the fused kernels need an sm_90 GPU (H100, H200) and a binary with "
                          "sm_90a code; this is sm_%d%d%s. HINT: --kernels plain (or auto) runs every mode on any GPU",
@@ -3128,15 +3207,16 @@ static int gpu_attribute(cudaDeviceAttr attribute) {
     cudaCheck(cudaDeviceGetAttribute(&value, attribute, device));
     return value;
 }
-// The engine `kernels` names, resolved for this GPU: whether the fused kernels run (auto: whether they can).
-static bool use_fused(Kernels kernels) {
+// The engine `kernels` names, resolved for this GPU and a model of size dims: whether the fused kernels run (auto:
+// whether they can).
+static bool use_fused(Kernels kernels, ModelDims dims) {
     const int major = gpu_attribute(cudaDevAttrComputeCapabilityMajor);
     const int minor = gpu_attribute(cudaDevAttrComputeCapabilityMinor);
     const int smem = gpu_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+    const bool fused_code = kernels != KERNELS_PLAIN && is_published(dims) && gpu_has_wgmma();
     bool fused = false;
     Error err;
-    if (!pick_engine(kernels, major, minor, (size_t)smem, kernels != KERNELS_PLAIN && gpu_has_wgmma(), &fused, &err))
-        fail("%s", err.msg);
+    if (!pick_engine(kernels, dims, major, minor, (size_t)smem, fused_code, &fused, &err)) fail("%s", err.msg);
     return fused;
 }
 // The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a
@@ -3149,7 +3229,7 @@ enum { PLAIN_DECODER_ROWS = 1 << 18 };
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
                      int decoder_rows = 0) {
     memset(m, 0, sizeof(*m));
-    m->max_batch = max_batch, m->precision = precision;
+    m->dims = w->dims, m->max_batch = max_batch, m->precision = precision;
     cudaCheck(cudaStreamCreate(&m->stream));
     // device layout: fc1.w fc1.b | fc21.w fc22.w | fc21.b fc22.b | fc3.w fc3.b fc4.w fc4.b
     const int order[NUM_TENSORS] = {FC1_W, FC1_B, FC21_W, FC22_W, FC21_B, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B};
@@ -3157,15 +3237,15 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     size_t offset = 0;
     for (int t : order) {
         float* at = m->params + offset;
-        cudaCheck(cudaMemcpy(at, w->tensor[t], TENSOR_SIZES[t] * sizeof(float), cudaMemcpyHostToDevice));
-        m->tensor[t] = at, offset += TENSOR_SIZES[t];
+        cudaCheck(cudaMemcpy(at, w->tensor[t], w->size[t] * sizeof(float), cudaMemcpyHostToDevice));
+        m->tensor[t] = at, offset += w->size[t];
     }
 
     m->sms = gpu_attribute(cudaDevAttrMultiProcessorCount);
-    m->fused = use_fused(kernels);
+    m->fused = use_fused(kernels, m->dims);
     if (!m->fused) {
         const int rows = std::max(std::min(decoder_rows, (int)PLAIN_DECODER_ROWS), max_batch);
-        plain_init(&m->plain, m->tensor, precision, max_batch, rows, m->stream);
+        plain_init(&m->plain, m->tensor, m->dims, precision, max_batch, rows, m->stream);
         Plain* pl = &m->plain; // the model's views are the plain path's buffers (h1, h3: fp32's only)
         m->mulv = pl->mulv, m->z = pl->z, m->logits = pl->logits, m->recon = pl->recon;
         m->decoder_rows = rows, m->bce_parts = pl->bce, m->bce_parts_per_row = 1, m->row_log_ratio = pl->log_ratio;
@@ -3239,8 +3319,8 @@ static void vae_decode(VAE* m, const float* z, int B) {
 // Decodes rows first_row .. first_row + rows - 1 of the interpolations between pairs of images (row r: step r % steps
 // of pair r / steps; the pairs index the images' [mu | logvar] rows in m->mulv) into m->recon.
 static void vae_decode_interpolations(VAE* m, const int2* d_pairs, long long first_row, int rows, int steps) {
-    launch(interp_latents_kernel, (long long)rows * LATENT_DIM, 256, 256, m->stream, m->z, m->mulv, d_pairs, first_row,
-           rows, steps);
+    launch(interp_latents_kernel, (long long)rows * m->dims.z, 256, 256, m->stream, m->z, m->mulv, d_pairs, first_row,
+           rows, steps, m->dims.z);
     vae_decode(m, m->z, rows);
 }
 // The whole forward pass and loss for images first_image .. first_image+B-1, whose pixels are
@@ -3269,7 +3349,7 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
 static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
 // Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels), K samples each, into the
 // device array log_px[n]. The encoder runs once per image, the n x K decoder rows in passes of as many images as
-// m->decoder_rows hold; all in the model's precision. eps: device [n][K][20] noise to use instead of the generator
+// m->decoder_rows hold; all in the model's precision. eps: device [n][K][Z] noise to use instead of the generator
 // (tests), or NULL. Asynchronous on m->stream.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
@@ -3287,8 +3367,8 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
             const int rows = images * K;
             const uint32_t image = first_image + (uint32_t)first;
             const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
-            const float* mulv = m->mulv + (size_t)(first - group) * MULV_DIM;
-            const float* e = eps ? eps + (size_t)first * K * LATENT_DIM : NULL;
+            const float* mulv = m->mulv + (size_t)(first - group) * 2 * m->dims.z;
+            const float* e = eps ? eps + (size_t)first * K * m->dims.z : NULL;
             if (m->fused) { // no tickets: the logsumexp adds each row's parts in the order they would
                 launch(sample, rows, 128, 128, m->stream, out, mulv, e, rows, K, image, seed, false);
                 vae_decoder(m, x, rows, K, NULL, NULL, NULL);
@@ -3319,7 +3399,7 @@ static void require_ais(const VAE* m) {
 static void vae_ais(VAE* m, AisIO io, bool from_prior) {
     require_ais(m);
     if (io.n < 1 || io.n > m->max_batch) fail("internal: %d AIS images outside 1..%d", io.n, m->max_batch);
-    if (from_prior) cudaCheck(cudaMemsetAsync(m->mulv, 0, (size_t)io.n * MULV_DIM * sizeof(float), m->stream));
+    if (from_prior) cudaCheck(cudaMemsetAsync(m->mulv, 0, (size_t)io.n * 2 * m->dims.z * sizeof(float), m->stream));
     else vae_encode(m, io.pixels, io.n);
     io.mulv = m->mulv;
     if (!m->fused) return plain_ais(&m->plain, io, m->stream);
@@ -3342,14 +3422,15 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
         return set_error(err, "%s: version %d, this program reads version %d. " WEIGHTS_HINT, name, version,
                          WEIGHTS_VERSION);
     // the sizes: input, fc1's hidden units, the latents, fc3's hidden units (header[8])
-    int32_t in = read_le32(buf + 8), hidden = read_le32(buf + 12), latent = read_le32(buf + 16);
-    int32_t hidden3 = read_le32(buf + 32);
-    if (in != INPUT_DIM || hidden != HIDDEN_DIM || latent != LATENT_DIM || hidden3 != HIDDEN_DIM)
-        return set_error(err, "%s: a %d-%d-%d-%d VAE; this vae.cu evaluates the %d-%d-%d-%d model only. " WEIGHTS_HINT,
-                         name, in, hidden, latent, hidden3, INPUT_DIM, HIDDEN_DIM, LATENT_DIM, HIDDEN_DIM);
+    const int32_t in = read_le32(buf + 8);
+    const ModelDims dims = {read_le32(buf + 12), read_le32(buf + 16), read_le32(buf + 32)};
+    if (in != INPUT_DIM || dims.h1 < 1 || dims.h1 > MAX_HIDDEN || dims.z < 1 || dims.z > MAX_LATENT || dims.h3 < 1 ||
+        dims.h3 > MAX_HIDDEN)
+        return set_error(err, "%s: a %d-%d-%d-%d VAE; vae.cu evaluates 784-H1-Z-H3 with H1 and H3 in 1..%d and Z in "
+                         "1..%d. " CHECKPOINT_HINT, name, in, dims.h1, dims.z, dims.h3, MAX_HIDDEN, MAX_LATENT);
     int32_t dtype = read_le32(buf + 20), num_tensors = read_le32(buf + 24), total = read_le32(buf + 28);
     size_t expected = 0;
-    for (int i = 0; i < NUM_TENSORS; i++) expected += TENSOR_SIZES[i];
+    for (int i = 0; i < NUM_TENSORS; i++) expected += tensor_size(dims, i);
     if (dtype != DTYPE_FLOAT32 || num_tensors != NUM_TENSORS || total < 0 || (size_t)total != expected)
         return set_error(err, "%s: header says dtype %d, %d tensors, %d floats; expected dtype %d, %d tensors, %zu "
                          "floats. " WEIGHTS_HINT, name, dtype, num_tensors, total, DTYPE_FLOAT32, NUM_TENSORS,
@@ -3357,14 +3438,14 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
     if (size != header_bytes + expected * sizeof(float))
         return set_error(err, "%s: %zu bytes, the header promises %zu (truncated or padded). " WEIGHTS_HINT, name, size,
                          header_bytes + expected * sizeof(float));
-    w->count = expected;
+    w->count = expected, w->dims = dims;
     w->data = (float*)malloc(expected * sizeof(float));
     if (w->data == NULL) return set_error(err, "%s: out of host memory", name);
     memcpy(w->data, buf + header_bytes, expected * sizeof(float));
     size_t offset = 0;
     for (int t = 0; t < NUM_TENSORS; t++) {
-        w->tensor[t] = w->data + offset;
-        for (size_t i = 0; i < TENSOR_SIZES[t]; i++)
+        w->tensor[t] = w->data + offset, w->size[t] = tensor_size(dims, t);
+        for (size_t i = 0; i < w->size[t]; i++)
             if (!isfinite(w->tensor[t][i])) {
                 set_error(err, "%s: %s[%zu] is %f; the weights must be finite. " WEIGHTS_HINT, name, TENSOR_NAMES[t], i,
                           w->tensor[t][i]);
@@ -3372,7 +3453,7 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
                 w->data = NULL;
                 return false;
             }
-        offset += TENSOR_SIZES[t];
+        offset += w->size[t];
     }
     return true;
 }
@@ -3937,11 +4018,13 @@ static void print_row(const char* key, const char* fmt, ...) {
 }
 // The engine AIS runs on: --chains above the fused kernel's AIS_ROWS run on the plain path.
 static Kernels ais_kernels(const Config* cfg) { return cfg->chains > AIS_ROWS ? KERNELS_PLAIN : cfg->kernels; }
-// Which engine runs, and why, for the start-up table.
-static void print_kernels_row(const Config* cfg) {
+// Which engine runs a model of size dims, and why, for the start-up table.
+static void print_kernels_row(const Config* cfg, ModelDims dims) {
     const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
-    if (use_fused(ais ? ais_kernels(cfg) : cfg->kernels)) print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
+    if (use_fused(ais ? ais_kernels(cfg) : cfg->kernels, dims))
+        print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
     else if (cfg->kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
+    else if (!is_published(dims)) print_row("kernels", "plain: cuBLASLt (fused: 784-400-20-400 only)");
     else if (ais && cfg->chains > AIS_ROWS) print_row("kernels", "plain: cuBLASLt (--chains above %d)", AIS_ROWS);
     else print_row("kernels", "plain: cuBLASLt (no sm_90a code for this GPU)");
 }
@@ -3980,11 +4063,12 @@ enum { RECON_COLS = 16, SAMPLE_SIDE = 8, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
 static_assert(SAMPLE_SIDE * SAMPLE_SIDE <= IMAGE_TILES_MAX && 2 * RECON_COLS <= IMAGE_TILES_MAX, "image batches fit");
 static void write_images(VAE* m, const Images* images, const Labels* labels, int count, const uint8_t* d_pixels,
                          const Config* cfg) {
-    float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * (INPUT_DIM + LATENT_DIM) * sizeof(float));
+    const int Z = m->dims.z;
+    float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * (INPUT_DIM + Z) * sizeof(float));
     if (tiles == NULL) fail("out of host memory for the images");
     float *z = tiles + (size_t)IMAGE_TILES_MAX * INPUT_DIM, *d_z, *d_loss;
-    cudaCheck(cudaMalloc(&d_z, (IMAGE_TILES_MAX * LATENT_DIM + 2 * RECON_COLS) * sizeof(float)));
-    d_loss = d_z + IMAGE_TILES_MAX * LATENT_DIM;
+    cudaCheck(cudaMalloc(&d_z, (IMAGE_TILES_MAX * Z + 2 * RECON_COLS) * sizeof(float)));
+    d_loss = d_z + IMAGE_TILES_MAX * Z;
 
     // recon.ppm: the first images over their reconstructions
     const int n_recon = count < RECON_COLS ? count : RECON_COLS;
@@ -4002,8 +4086,8 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     // samples.ppm: decodes of z ~ N(0, I)
     const int n_samples = SAMPLE_SIDE * SAMPLE_SIDE;
     for (int s = 0; s < n_samples; s++)
-        for (int j = 0; j < LATENT_DIM; j++) z[s * LATENT_DIM + j] = gaussian(cfg->seed, STREAM_PRIOR, s, 0, j);
-    cudaCheck(cudaMemcpy(d_z, z, (size_t)n_samples * LATENT_DIM * sizeof(float), cudaMemcpyHostToDevice));
+        for (int j = 0; j < Z; j++) z[s * Z + j] = gaussian(cfg->seed, STREAM_PRIOR, s, 0, j);
+    cudaCheck(cudaMemcpy(d_z, z, (size_t)n_samples * Z * sizeof(float), cudaMemcpyHostToDevice));
     vae_decode(m, d_z, n_samples);
     cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)n_samples * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
     write_grid(cfg, "samples.ppm", "decodes of z ~ N(0, I)", tiles, SAMPLE_SIDE, SAMPLE_SIDE);
@@ -4233,7 +4317,7 @@ static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, 
     for (int first = 0; first < n; first += slice) {
         io.n = n - first < slice ? n - first : slice, io.first_image = (uint32_t)first;
         io.pixels = d_pixels + (size_t)first * INPUT_DIM;
-        io.z_start = d_z_start ? d_z_start + (size_t)first * LATENT_DIM : NULL;
+        io.z_start = d_z_start ? d_z_start + (size_t)first * m->dims.z : NULL;
         io.log_w = b->log_w + (size_t)first * C, io.accepted = b->accepted + (size_t)first * C;
         io.step_out = b->step + first;
         vae_ais(m, io, cfg->ais_from_prior);
@@ -4295,7 +4379,7 @@ static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pix
         fprintf(console, "acceptance  %10.4f   (mean; step sizes %.4g .. %.4g; effective sample size %.2f of %d)\n",
                 accept / count, step_min, step_max, ess_sum / count, C);
     fprintf(console, "time        %10.3f s  (%.3g gradient evaluations/s, %.1f TFLOP/s of decoder work)\n", ms * 1e-3,
-            evals / (ms * 1e-3), evals * AIS_FLOPS_PER_EVAL / (ms * 1e9));
+            evals / (ms * 1e-3), evals * ais_flops_per_eval(m.dims) / (ms * 1e9));
     if (iwae)
         fprintf(console, "inference gap: -ELBO %.4f > IWAE (K = %lld, as many decoder evaluations) %.4f > AIS %.4f "
                 "nats\n", -elbo, evals_per_image, -iwae_sum / count, -mean);
@@ -4312,19 +4396,20 @@ static void run_bdmc(const HostWeights* w, const Config* cfg) {
     const int n = cfg->bdmc_n;
     VAE m;
     ais_init(&m, w, cfg, 0);
-    float* z = (float*)malloc((size_t)n * LATENT_DIM * sizeof(float) + (size_t)AIS_BATCH * INPUT_DIM * sizeof(float));
+    const int Z = w->dims.z;
+    float* z = (float*)malloc((size_t)n * Z * sizeof(float) + (size_t)AIS_BATCH * INPUT_DIM * sizeof(float));
     uint8_t* pixels = (uint8_t*)malloc((size_t)n * INPUT_DIM);
     double* bounds = (double*)malloc((size_t)2 * n * sizeof(double));
     if (z == NULL || pixels == NULL || bounds == NULL) fail("out of host memory for %d simulated images", n);
-    float* recon = z + (size_t)n * LATENT_DIM;
+    float* recon = z + (size_t)n * Z;
     for (int i = 0; i < n; i++)
-        for (int j = 0; j < LATENT_DIM; j++) z[i * LATENT_DIM + j] = gaussian(cfg->seed, STREAM_SIMULATE, i, 0, j);
-    float* d_z = (float*)device_alloc((size_t)n * LATENT_DIM * sizeof(float), "the simulated z", n);
+        for (int j = 0; j < Z; j++) z[(size_t)i * Z + j] = gaussian(cfg->seed, STREAM_SIMULATE, i, 0, j);
+    float* d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the simulated z", n);
     uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)n * INPUT_DIM, "the simulated images", n);
-    cudaCheck(cudaMemcpy(d_z, z, (size_t)n * LATENT_DIM * sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(d_z, z, (size_t)n * Z * sizeof(float), cudaMemcpyHostToDevice));
     for (int first = 0; first < n; first += AIS_BATCH) {
         const int B = n - first < AIS_BATCH ? n - first : AIS_BATCH;
-        vae_decode(&m, d_z + (size_t)first * LATENT_DIM, B);
+        vae_decode(&m, d_z + (size_t)first * Z, B);
         cudaCheck(cudaMemcpy(recon, m.recon, (size_t)B * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
         for (int k = 0; k < B * INPUT_DIM; k++) { // pixel k % 784 of image first + k / 784
             const float u = uniform_open0(cfg->seed, STREAM_SIMULATE, first + k / INPUT_DIM, 1, k % INPUT_DIM);
@@ -4362,9 +4447,9 @@ static void run_bdmc(const HostWeights* w, const Config* cfg) {
 // dev/bench_pytorch.py times PyTorch's modes by the same two definitions.
 static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Config* cfg) {
     enum { WARMUP = 20, REPS = 200 };
-    const double flops_per_image =
-        2.0 * ((double)INPUT_DIM * HIDDEN_DIM + HIDDEN_DIM * 2 * LATENT_DIM + LATENT_DIM * HIDDEN_DIM +
-               (double)HIDDEN_DIM * INPUT_DIM);
+    const ModelDims d = w->dims;
+    const double flops_per_image = 2.0 * ((double)INPUT_DIM * d.h1 + 2.0 * d.h1 * d.z + (double)d.z * d.h3 +
+                                          (double)d.h3 * INPUT_DIM);
     // the floor: the matrix work at the dense bf16 rate an H200 sustains, or the bytes that must move
     // (pixels in, two losses out, the weights once) at its memory bandwidth, whichever is longer
     const double floor_flops = 770e12, floor_bytes_per_s = 4.2e12;
@@ -4380,7 +4465,7 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
     // both engines wherever both run, unless --kernels names one
     Kernels engines[2] = {cfg->kernels, KERNELS_FUSED};
     int num_engines = 1;
-    if (cfg->kernels == KERNELS_AUTO) engines[0] = KERNELS_PLAIN, num_engines = use_fused(KERNELS_AUTO) ? 2 : 1;
+    if (cfg->kernels == KERNELS_AUTO) engines[0] = KERNELS_PLAIN, num_engines = use_fused(KERNELS_AUTO, d) ? 2 : 1;
     const bool has_bf16 = gpu_attribute(cudaDevAttrComputeCapabilityMajor) >= 8; // bf16 tensor cores: sm_80 on
     for (int run = 0; run < 2 * num_engines; run++) { // each engine in both precisions
         const int p = run % 2;
@@ -4566,12 +4651,13 @@ int main(int argc, char** argv) {
     print_row("device", "%s", prop.name);
     print_row("arch", "sm_%d%d, %d SMs", prop.major, prop.minor, prop.multiProcessorCount);
     print_row("weights", "%s", cfg.weights_path);
-    print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, HIDDEN_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM);
+    const ModelDims dims = weights.dims;
+    print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, dims.h1, dims.z, dims.h3, INPUT_DIM);
     if (cfg.mode != MODE_BDMC) print_row("images", "%d from %s", count, images_path);
     if (labels.labels == NULL && cfg.mode != MODE_BDMC) print_row("labels", "none (each image's label is -1)");
     if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
     print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
-    if (cfg.mode != MODE_BENCH) print_kernels_row(&cfg);
+    if (cfg.mode != MODE_BENCH) print_kernels_row(&cfg, dims);
     if (cfg.mode == MODE_ELBO || cfg.mode == MODE_BENCH)
         print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
     if (cfg.mode != MODE_INTERP) print_row("seed", "%llu", (unsigned long long)cfg.seed);

@@ -54,7 +54,7 @@ int main() {
         {"fc4", INPUT_DIM, HIDDEN_DIM, false, false, true, true, CUBLASLT_EPILOGUE_DEFAULT},
         {"fc4 long", INPUT_DIM, HIDDEN_DIM, false, false, true, false, CUBLASLT_EPILOGUE_DEFAULT},
         {"fc4 back", INPUT_DIM, HIDDEN_DIM, true, false, false, false, CUBLASLT_EPILOGUE_DEFAULT},
-        {"fc3 back", HIDDEN_DIM, Z_PAD, true, false, false, true, CUBLASLT_EPILOGUE_DEFAULT},
+        {"fc3 back", HIDDEN_DIM, z_pad(LATENT_DIM), true, false, false, true, CUBLASLT_EPILOGUE_DEFAULT},
         {"fc3 mask", HIDDEN_DIM, 0, false, true, false, false, CUBLASLT_EPILOGUE_RELU_AUX},
         {"fc4 back drelu", INPUT_DIM, HIDDEN_DIM, true, false, false, false, CUBLASLT_EPILOGUE_DRELU},
     };
@@ -72,7 +72,7 @@ int main() {
         for (int r : TIME_ROWS) printf(" %d rows |", r);
         printf(" sum |\n");
         for (const Product& pr : products) {
-            const int in = pr.in ? pr.in : z_width(precision);
+            const int in = pr.in ? pr.in : z_width(precision, LATENT_DIM);
             const cudaDataType_t out_type = pr.out_fp32 ? CUDA_R_32F : type;
             // the bias in the output's type, as cuBLASLt reads it: fp32 or bf16 (random bytes either way)
             // vae.cu's picks (plain_init_weights): fp32 for 1,024 rows, bf16 for 4,096; the long passes' products

@@ -232,7 +232,7 @@ int main() {
     bool from_file = false;
     const std::vector<uint8_t> px = vae::load_pixels(kMaxM, &from_file);
     if (!from_file) fail("data/t10k-images-idx3-ubyte is missing. HINT: make data");
-    auto tensor = [&](int t) { return std::vector<float>(hw.tensor[t], hw.tensor[t] + TENSOR_SIZES[t]); };
+    auto tensor = [&](int t) { return std::vector<float>(hw.tensor[t], hw.tensor[t] + hw.size[t]); };
 
     // the layers, each fed the float64 forward pass's activations rounded to fp32 (z = mu)
     SplitLayer fc1{"fc1", INPUT_DIM, HIDDEN_DIM, true, true, 1.0f / 255.0f, {}, tensor(FC1_W), tensor(FC1_B), {}};

@@ -89,7 +89,7 @@ int fuzz_one(int reader, const uint8_t* data, size_t size) {
         memcpy(buf, data, size);
         IwaeState is = {};
         const int num_images = 10000; // the MNIST test set
-        if (parse_iwae_state(buf, size, "fuzz", num_images, &is, &err)) {
+        if (parse_iwae_state(buf, size, "fuzz", num_images, PUBLISHED_DIMS, &is, &err)) {
             PROMISE(is.N >= 1 && is.K >= 1 && is.first_image >= 0 && is.first_image + is.N <= num_images);
             PROMISE((uintptr_t)is.log_px64 % 8 == 0);
             for (size_t i = 0; i < (size_t)is.N * is.K * LATENT_DIM; i++) sum += is.eps[i];
@@ -105,13 +105,14 @@ int fuzz_one(int reader, const uint8_t* data, size_t size) {
         memcpy(buf, data, size);
         DebugState ds = {};
         const int num_images = 10000; // the MNIST test set
-        if (parse_debug_state(buf, size, "fuzz", num_images, &ds, &err)) {
+        if (parse_debug_state(buf, size, "fuzz", num_images, PUBLISHED_DIMS, &ds, &err)) {
             for (int c = 0; c < ds.num_cases; c++) {
                 const DebugCase* dc = &ds.cases[c];
                 PROMISE(dc->B >= 1 && dc->B <= MAX_CASE_BATCH && dc->first_image >= 0 &&
                         dc->first_image + dc->B <= num_images);
                 for (int t = 0; t < NUM_DEBUG_TENSORS; t++)
-                    for (size_t i = 0; i < (size_t)dc->B * DEBUG_WIDTH[t]; i++) sum += dc->t64[t][i] + dc->t32[t][i];
+                    for (size_t i = 0; i < (size_t)dc->B * debug_width(ds.dims, t); i++)
+                        sum += dc->t64[t][i] + dc->t32[t][i];
             }
         } else {
             PROMISE(err.msg[0] != '\0' && ds.storage64 == NULL);
