@@ -1,4 +1,4 @@
-# vae.cu: make vae | make test | make dev | make data | make fuzz | make sanitize | make clean
+# vae.cu: make vae | make test | make dev | make data | make family | make fuzz | make sanitize | make clean
 NVCC ?= nvcc
 # The GPU architecture: GPU_ARCH (90, 9.0, sm_90 and sm_90a all mean Hopper), else the first GPU's compute
 # capability from nvidia-smi. With neither, a portable fat binary: sm_75 and sm_80 code, sm_80's PTX (which
@@ -58,8 +58,12 @@ DATA_SRC ?= $(wildcard ../shared/data)
 INPUTS = data/vae_weights.bin data/t10k-images-idx3-ubyte data/t10k-labels-idx1-ubyte
 REFERENCES = data/vae_debug_state.bin data/vae_iwae_state.bin
 DATA = $(INPUTS) $(REFERENCES)
+# make family: test models of other sizes (prepare_weights.py's FAMILY_DIMS), each a zip checkpoint, its weights
+# file and its two reference dumps, trained on the test set that make data writes
+FAMILY_NAMES = vae_784_512_2_512 vae_784_256_64_256 vae_784_300_10_500
+FAMILY = $(foreach n,$(FAMILY_NAMES),$(addprefix data/family/$(n),.pth .bin _debug_state.bin _iwae_state.bin))
 
-.PHONY: all test dev data fuzz fuzz-build sanitize clean help
+.PHONY: all test dev data family fuzz fuzz-build sanitize clean help
 all: vae test_vae dev
 
 # ./vae needs the weights and the test set: a fresh clone gets them with the first build
@@ -97,6 +101,11 @@ $(INPUTS) &: prepare_weights.py
 $(REFERENCES) &: prepare_weights.py | $(INPUTS)
 	@test -n "$(PYTHON_TORCH)" || { echo "error: no python with torch found; make test checks against PyTorch's dumps. HINT: apt-get install -y python3-torch python3-numpy, or make PYTHON_TORCH=/path/to/python"; exit 1; }
 	$(PYTHON_TORCH) prepare_weights.py --only references $(if $(DATA_SRC),--src $(DATA_SRC))
+
+family: $(FAMILY)
+$(FAMILY) &: prepare_weights.py | $(INPUTS)
+	@test -n "$(PYTHON_TORCH)" || { echo "error: no python with torch found; make family trains its models with PyTorch. HINT: apt-get install -y python3-torch python3-numpy, or make PYTHON_TORCH=/path/to/python"; exit 1; }
+	$(PYTHON_TORCH) prepare_weights.py --family
 
 # libFuzzer on each file reader, FUZZ_SECONDS each (fuzz/run.sh). Needs clang and its libFuzzer
 # runtime (Debian: apt-get install clang libclang-rt-dev); nvcc compiles the host code with clang
@@ -138,6 +147,7 @@ help:
 	@echo "make vae        build ./vae (and data/ on first use: the weights and MNIST's test set, numpy only)"
 	@echo "make test       test_vae, test_prepare_weights.py and test_build.sh, then one summary line"
 	@echo "make data       data/: the weights file, the test set and the reference dumps (those need PyTorch)"
+	@echo "make family     data/family/: test models of other sizes, their weights files and dumps (needs PyTorch)"
 	@echo "make dev        the kernel studies in dev/ (make -C dev NAME builds one; -j speeds it up)"
 	@echo "make fuzz       libFuzzer on each file reader, FUZZ_SECONDS each (default 60)"
 	@echo "make sanitize   compute-sanitizer on ./vae and test_vae (needs a GPU)"

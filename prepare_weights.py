@@ -22,6 +22,7 @@ or, without --src, are downloaded; either way their MD5s are checked.
   python3 prepare_weights.py --src ../shared/data --only references    # torch (Debian's: /usr/bin/python3)
   python3 prepare_weights.py --reference-loss     # also print full-test-set float64 losses (torch)
   python3 prepare_weights.py --checkpoint my_vae.pt [--out data/my_vae.bin]    # one weights file, numpy only
+  python3 prepare_weights.py --family [--out data/family]   # test models of other sizes and their dumps (torch)
 
 --checkpoint converts a VAE of any size of the family, x (784) -> fc1 -> H1 -> fc21, fc22 -> Z;
 z -> fc3 -> H3 -> fc4 -> 784, with 1 <= H1, H3 <= 4096 and 1 <= Z <= 64, from a state_dict that is
@@ -30,6 +31,16 @@ optimizer, ...), its keys perhaps prefixed 'module.' (DataParallel), its tensors
 bfloat16 or float64. The file is judged by its keys, shapes and finite values (an MD5 checks only
 the published checkpoint), and only the weights file is written: to --out, by default
 data/<the checkpoint's name without its suffix>.bin.
+
+--family makes the test models of other sizes (FAMILY_DIMS: 784-512-2-512, 784-256-64-256 and
+784-300-10-500), each trained from torch.manual_seed(FAMILY_SEED) for FAMILY_EPOCHS epoch of Adam on the
+MNIST test images that 'make data' writes (data/t10k-images-idx3-ubyte), on the CPU. For each, in --out
+(default data/family), with NAME = vae_784_H1_Z_H3:
+  NAME.pth                  torch.save(model.state_dict()) in the zip format
+  NAME.bin                  its weights file, converted from NAME.pth as --checkpoint converts
+  NAME_debug_state.bin      its reference activations (the debug state format below)
+  NAME_iwae_state.bin       its reference IWAE log-likelihoods (the IWAE state format below)
+All twelve files take their places only once every one is complete.
 
 Each output is written to a temporary file beside it and renamed into place once complete, so a
 failure leaves the earlier file as it was; a folder that --checkpoint's output needs is created
@@ -47,20 +58,21 @@ The published checkpoint gives H1 = H3 = 400, Z = 20.
 
 Debug state file: a header of 256 int32 then, for each case, tensors as float64 and float32:
   header[0] magic 0x44454156 ("VAED")  header[1] version 1
-  header[2..4] dims 784/400/20  header[5] case count C
+  header[2..4] dims 784/H1/Z  header[5] case count C  header[6] H3
   header[8 + 2c] batch size B of case c, header[9 + 2c] index of its first test image
   per case, for each tensor t of x eps h1 mu logvar z h3 logits recon bce kl (B rows each;
-  widths 784 20 400 20 20 20 400 784 784 1 1): t in float64, then t in float32.
+  widths 784 Z H1 Z Z Z H3 784 784 1 1): t in float64, then t in float32.
   The float64 values come from a float64 forward pass, the float32 values from PyTorch's own
   float32 forward pass; both use the same eps (drawn in float32, so it is exact in both).
 
 IWAE state file: a header of 256 int32 then eps, then log p(x) in float64 and in float32:
-  header[0] magic 0x49454156 ("VAEI")  header[1] version 1  header[2..4] dims 784/400/20
-  header[5] image count N  header[6] samples per image K  header[7] index of the first image
-  eps float32 [N][K][20]; log p(x) float64 [N]; log p(x) float32 [N], where
+  header[0] magic 0x49454156 ("VAEI")  header[1] version 1  header[2..4] dims 784/H1/Z
+  header[5] image count N  header[6] samples per image K  header[7] index of the first image  header[8] H3
+  eps float32 [N][K][Z]; log p(x) float64 [N]; log p(x) float32 [N], where
   log p(x) = logsumexp_k [log p(x|z_k) + log N(z_k; 0, I) - log N(z_k; mu, sigma^2)] - log K,
   z_k = mu + sigma eps_k, log p(x|z) = -BCE, each Gaussian with its -1/2 log(2 pi).
-(Both dumps are made from the published checkpoint; their dims are its 784/H1/Z.)
+Both dumps of the published checkpoint have dims 784/400/20 and H3 = 400. (Dumps written before H3 joined
+the header hold 0 in its place: read it as H1.) The rest of each header is zero.
 """
 import argparse
 import collections
@@ -129,6 +141,12 @@ SOURCES = {
         "ec29112dd5afa0611ce80d1b7f02629c"),
 }
 REFERENCE_FILES = ["vae_debug_state.bin", "vae_iwae_state.bin"]
+# --family: the test models of other sizes (H1 != H3 in the last), trained briefly so that their numbers mean
+# something; one epoch of the 10,000 test images takes 6-11 s a model on one CPU core
+FAMILY_DIMS = [Dims(512, 2, 512), Dims(256, 64, 256), Dims(300, 10, 500)]
+FAMILY_SEED = 0
+FAMILY_EPOCHS, FAMILY_BATCH, FAMILY_LR = 1, 128, 1e-3
+FAMILY_SUFFIXES = [".pth", ".bin", "_debug_state.bin", "_iwae_state.bin"]
 TORCH_HINT = "apt-get install -y python3-torch python3-numpy (Debian's torch, for /usr/bin/python3)"
 
 
@@ -712,18 +730,43 @@ def read_idx(path, gz=True):
 # ----------------------------------------------------------------------------
 # outputs
 
+# inside all_or_nothing(): the (temporary, path) pairs of the complete outputs, renamed when the whole block completes
+deferred = None
+
+
 @contextlib.contextmanager
 def replace_when_complete(path):
     """A file for path's new contents: a temporary beside it, renamed over path only when the block
-    completes, so that a failure part way (even sys.exit) leaves the earlier path as it was."""
+    completes (inside all_or_nothing(), when that block completes), so that a failure part way (even
+    sys.exit) leaves the earlier path as it was."""
     part = f"{path}.{os.getpid()}.part"
     try:
         with open(part, "wb") as f:
             yield f
-        os.replace(part, path)
+        if deferred is None:
+            os.replace(part, path)
+        else:
+            deferred.append((part, path))
     finally:
-        if os.path.exists(part):
+        if deferred is None and os.path.exists(part):
             os.remove(part)
+
+
+@contextlib.contextmanager
+def all_or_nothing():
+    """Holds back every replace_when_complete inside the block until the whole block completes: then each
+    output takes its path; if the block fails, none does, and no temporary stays behind."""
+    global deferred
+    deferred = []
+    try:
+        yield
+        for part, path in deferred:
+            os.replace(part, path)
+    finally:
+        for part, _ in deferred:
+            if os.path.exists(part):
+                os.remove(part)
+        deferred = None
 
 
 @contextlib.contextmanager
@@ -877,7 +920,7 @@ DEBUG_TENSORS = ["x", "eps", "h1", "mu", "logvar", "z", "h3", "logits", "recon",
 def write_debug_state(model, model64, images, path):
     import torch
     dims = model_dims(model)
-    extra = {5: len(DEBUG_CASES)}
+    extra = {5: len(DEBUG_CASES), 6: dims.h3}
     for c, (b, first) in enumerate(DEBUG_CASES):
         extra[8 + 2 * c], extra[9 + 2 * c] = b, first
     gen = torch.Generator().manual_seed(DEBUG_SEED)
@@ -926,7 +969,7 @@ def write_iwae_state(model, model64, images, path):
         ref64 = iwae_log_px(model64, pixels / 255.0, eps32.double())
         ref32 = iwae_log_px(model, pixels.float() / 255.0, eps32)
     with replace_when_complete(path) as f:
-        f.write(header(IWAE_MAGIC, STATE_VERSION, dims, {5: n, 6: k, 7: first}).tobytes())
+        f.write(header(IWAE_MAGIC, STATE_VERSION, dims, {5: n, 6: k, 7: first, 8: dims.h3}).tobytes())
         f.write(eps32.numpy().astype("<f4").tobytes())
         f.write(ref64.numpy().astype("<f8").tobytes())
         f.write(ref32.numpy().astype("<f4").tobytes())
@@ -950,6 +993,75 @@ def reference_loss(model64, images):
           f"(BCE from probabilities {bce_prob.mean():.4f})")
     print(f"float64, sampled:  mean BCE {sampled['bce'].mean():.4f}  mean KL {sampled['kl'].mean():.4f}  "
           f"loss {(sampled['bce'] + sampled['kl']).mean():.4f}")
+
+
+def family_name(dims):
+    return f"vae_784_{dims.h1}_{dims.z}_{dims.h3}"
+
+
+def train_family_vae(dims, images, seed=FAMILY_SEED, epochs=None):
+    """A float32 VAE of these dims from torch.manual_seed(seed), trained on the CPU for `epochs` (default
+    FAMILY_EPOCHS) epochs of Adam on images (uint8 [N][28][28]) as pytorch/examples' vae/main.py trains it:
+    x = byte / 255, the BCE summed over pixels (here from the logits) plus the KL, one eps per image and step."""
+    import torch
+    import torch.nn.functional as F
+    torch.manual_seed(seed)
+    model = vae_class()(dims)
+    x = torch.from_numpy(images.reshape(len(images), -1).astype(np.float32)) / 255.0
+    optimizer = torch.optim.Adam(model.parameters(), lr=FAMILY_LR)
+    epochs = FAMILY_EPOCHS if epochs is None else epochs
+    for epoch in range(epochs):
+        total = 0.0
+        for batch in torch.randperm(len(x)).split(FAMILY_BATCH):
+            xb = x[batch]
+            mu, logvar = model.encode(xb)
+            logits = model.fc4(F.relu(model.fc3(model.reparameterize(mu, logvar, torch.randn_like(mu)))))
+            loss = (F.binary_cross_entropy_with_logits(logits, xb, reduction="sum")
+                    - 0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).sum())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += loss.item()
+        print(f"{family_name(dims)}: epoch {epoch + 1} of {epochs}, mean loss {total / len(x):.4f} (training, "
+              f"sampled z)")
+    return model.eval()
+
+
+def write_family_model(dims, images, out):
+    """--family's four files of one size in folder out: the zip checkpoint, its weights file as --checkpoint
+    converts it, and the two reference dumps of those weights."""
+    import torch
+    paths = {suffix: os.path.join(out, family_name(dims) + suffix) for suffix in FAMILY_SUFFIXES}
+    model = train_family_vae(dims, images)
+    with replace_when_complete(paths[".pth"]) as f:
+        torch.save(model.state_dict(), f)  # torch.save's default: the zip format
+        f.flush()
+        try:  # read back from the file, as --checkpoint reads it: the .bin and the dumps hold its weights
+            state = read_checkpoint(f.name)
+        except CheckpointError as e:
+            fail(e)
+    print(f"wrote {paths['.pth']}: torch.save(model.state_dict()), zip format")
+    write_weights(state, paths[".bin"])
+    model, model64 = torch_models(state)
+    write_debug_state(model, model64, images, paths["_debug_state.bin"])
+    write_iwae_state(model, model64, images, paths["_iwae_state.bin"])
+
+
+def make_family(out, images_path):
+    """--family: the test models of FAMILY_DIMS and their reference dumps in folder out, all or nothing; trained
+    on the idx file images_path."""
+    no_torch = torch_missing()
+    if no_torch:
+        fail(f"--family needs torch, which {sys.executable} cannot import ({no_torch}). HINT: {TORCH_HINT}")
+    if not os.path.isfile(images_path):
+        fail(f"{images_path} not found: --family trains on the MNIST test images. HINT: run 'make data'")
+    _, images = read_idx(images_path, gz=False)
+    if images.ndim != 3 or images.shape[1:] != (28, 28) or len(images) < max(f + b for b, f in DEBUG_CASES):
+        fail(f"{images_path} holds images of shape {images.shape}, expected the 10,000 28x28 MNIST test images. "
+             f"HINT: run 'make data'")
+    with folders_for(os.path.join(out, family_name(FAMILY_DIMS[0]))), all_or_nothing():
+        for dims in FAMILY_DIMS:
+            write_family_model(dims, images, out)
 
 
 def convert_checkpoint(args):
@@ -978,14 +1090,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--src", help="folder holding vae_epoch_25.pth and the t10k .gz files "
                                  "(default: download them)")
-    p.add_argument("--out", help="output folder (default: data); with --checkpoint, the output file "
-                                 "(default: data/<FILE's name without its suffix>.bin)")
+    p.add_argument("--out", help="output folder (default: data; with --family, data/family); with --checkpoint, "
+                                 "the output file (default: data/<FILE's name without its suffix>.bin)")
     p.add_argument("--only", choices=["inputs", "references"],
                    help="inputs: vae_weights.bin and the two idx files, numpy only; references: "
                         f"{' and '.join(REFERENCE_FILES)}, needs torch (default: both, the references only "
                         "when torch imports)")
     p.add_argument("--reference-loss", action="store_true",
                    help="also print the float64 mean losses over the whole test set (needs torch)")
+    p.add_argument("--family", action="store_true",
+                   help="train the test models of other sizes (" + ", ".join(f"784-{d.h1}-{d.z}-{d.h3}" for d in
+                   FAMILY_DIMS) + ") on data/t10k-images-idx3-ubyte and write each as a zip checkpoint, its "
+                   "weights file and its two reference dumps to --out (default data/family); needs torch")
     p.add_argument("--checkpoint", metavar="FILE",
                    help="convert FILE alone to a weights file, numpy only: a VAE state_dict of any size of the "
                         f"family (1 <= H1, H3 <= {MAX_HIDDEN}, 1 <= Z <= {MAX_LATENT}) saved by torch.save (zip or "
@@ -993,8 +1109,16 @@ def main():
     args = p.parse_args()
     if np is None:
         sys.exit(NUMPY_MISSING)
+    if args.checkpoint and args.family:
+        fail("--checkpoint converts one file; --family makes the test models. HINT: pass one of them")
     if args.checkpoint:
         return convert_checkpoint(args)
+    if args.family:
+        if args.src or args.only or args.reference_loss:
+            fail("--family trains on data/t10k-images-idx3-ubyte and takes no --src, --only or --reference-loss. "
+                 "HINT: run 'make data' first, then prepare_weights.py --family")
+        return make_family(args.out or os.path.join("data", "family"),
+                           os.path.join("data", "t10k-images-idx3-ubyte"))
     out = args.out or "data"
 
     write_inputs, write_references = args.only != "references", args.only != "inputs"

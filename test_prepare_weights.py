@@ -13,6 +13,7 @@ raises ImportError, first on PYTHONPATH), so they test the numpy-only path whate
 """
 import argparse
 import collections
+import contextlib
 import gzip
 import hashlib
 import io
@@ -468,10 +469,114 @@ def check_references(env):
     problems = []
     for name, (magic, size) in sizes.items():
         blob = read(os.path.join(out, name))
-        head = list(struct.unpack_from("<5i", blob))
-        if len(blob) != size or head != [magic, 1, 784, 400, 20]:
+        head = list(struct.unpack_from("<9i", blob))
+        h3 = head[6] if magic == pw.DEBUG_MAGIC else head[8]
+        if len(blob) != size or head[:5] != [magic, 1, 784, 400, 20] or h3 != 400:
             problems.append(f"{name}: {len(blob)} bytes, expected {size}; header {head}")
     check(what, "; ".join(problems) or None)
+
+
+def dump_problems(folder, name, dims):
+    """Why the weights file and the two dumps NAME*.bin in folder are not those of a VAE of dims (their headers and
+    sizes, from the formats as documented), or an empty list."""
+    n, k, first = pw.IWAE_CASE
+    row = 784 + dims.z + dims.h1 + 3 * dims.z + dims.h3 + 2 * 784 + 2  # x eps h1 mu logvar z h3 logits recon bce kl
+    cases = [v for b, f in pw.DEBUG_CASES for v in (b, f)]
+    total = 784 * dims.h1 + dims.h1 + 2 * (dims.h1 * dims.z + dims.z) + dims.z * dims.h3 + dims.h3 + dims.h3 * 784 + 784
+    expected = {  # suffix: (the first header ints, size)
+        ".bin": ([0x31454156, 2, 784, dims.h1, dims.z, 1, 10, total, dims.h3], 1024 + 4 * total),
+        "_debug_state.bin": ([0x44454156, 1, 784, dims.h1, dims.z, len(pw.DEBUG_CASES), dims.h3, 0] + cases,
+                             1024 + 12 * row * sum(cases[::2])),
+        "_iwae_state.bin": ([0x49454156, 1, 784, dims.h1, dims.z, n, k, first, dims.h3],
+                            1024 + 4 * n * k * dims.z + 12 * n),
+    }
+    problems = []
+    for suffix, (head, size) in expected.items():
+        blob = read(os.path.join(folder, name + suffix))
+        got = list(struct.unpack_from(f"<{len(head)}i", blob))
+        rest = set(struct.unpack_from(f"<{256 - len(head)}i", blob, 4 * len(head)))
+        if got != head or rest != {0} or len(blob) != size:
+            problems.append(f"{name}{suffix}: header {got} (rest {sorted(rest)[:4]}), {len(blob)} bytes; expected "
+                            f"{head}, {size} bytes")
+    return problems
+
+
+def check_family_cli(env):
+    """--family's refusals, without torch: one error line each, nothing written."""
+    for args, what in ((["--family"], "--family without torch"),
+                       (["--family", "--checkpoint", env.checkpoint], "--family with --checkpoint"),
+                       (["--family", "--only", "inputs"], "--family with --only")):
+        out = env.folder("family_refused")
+        proc = env.run(*args, "--out", os.path.join(out, "family"), cwd=out)
+        problem = one_error_line(proc) or (f"wrote {os.listdir(out)}" if os.listdir(out) else None)
+        check(f"{what}: one error line, exit 1, nothing written", problem)
+
+
+def check_all_or_nothing(env):
+    folder = env.folder("all_or_nothing")
+    paths = [write(os.path.join(folder, name), b"old") for name in ("a.bin", "b.bin")]
+    try:
+        with pw.all_or_nothing():
+            for path in paths:
+                with pw.replace_when_complete(path) as f:
+                    f.write(b"new")
+            raise RuntimeError("the last output failed")
+    except RuntimeError:
+        pass
+    kept = [read(p) for p in paths] == [b"old", b"old"] and sorted(os.listdir(folder)) == ["a.bin", "b.bin"]
+    with pw.all_or_nothing():
+        for path in paths:
+            with pw.replace_when_complete(path) as f:
+                f.write(b"new")
+            held = read(path) == b"old"
+    replaced = (held and [read(p) for p in paths] == [b"new", b"new"]
+                and sorted(os.listdir(folder)) == ["a.bin", "b.bin"])
+    check("all_or_nothing: outputs complete in a failed block leave every earlier file and no temporary; in a "
+          "complete block they take their places at its end", None if kept and replaced else
+          f"kept {kept}, replaced {replaced}, folder {os.listdir(folder)}")
+
+
+def check_family_files(env):
+    """--family's twelve files (untrained models: FAMILY_EPOCHS = 0, for speed): their headers and sizes, each .pth
+    converting without torch to its .bin byte for byte; and a failure part way leaves nothing."""
+    what = "--family's files: weights and dump headers carry 784/H1/Z and H3, sizes match, .pth -> .bin bitwise"
+    failed = "--family failing part way (the last dump) leaves no file, temporary or folder"
+    if torch is None:
+        return skip(what, NO_TORCH), skip(failed, NO_TORCH)
+    folder = env.folder("family_dumps")
+    images = write(os.path.join(folder, "t10k-images-idx3-ubyte"),
+                   gzip.decompress(read(os.path.join(env.src, "t10k-images-idx3-ubyte.gz"))))
+    epochs, pw.FAMILY_EPOCHS = pw.FAMILY_EPOCHS, 0
+    try:
+        out = os.path.join(folder, "family")
+        with contextlib.redirect_stdout(io.StringIO()):  # its 'wrote' lines
+            pw.make_family(out, images)
+        names = [pw.family_name(d) for d in pw.FAMILY_DIMS]
+        problems = []
+        if sorted(os.listdir(out)) != sorted(n + s for n in names for s in pw.FAMILY_SUFFIXES):
+            problems.append(f"wrote {sorted(os.listdir(out))}")
+        for name, dims in zip(names, pw.FAMILY_DIMS):
+            problems += dump_problems(out, name, dims)
+            problem, got = convert(env, os.path.join(out, name + ".pth"), os.path.join(folder, name + ".bin"))
+            if problem or got != read(os.path.join(out, name + ".bin")):
+                problems.append(f"{name}.pth: {problem or 'converts to another file than ' + name + '.bin'}")
+        check(what, "; ".join(problems) or None)
+
+        def broken(*_):
+            raise RuntimeError("disk full")
+        write_iwae_state, pw.write_iwae_state = pw.write_iwae_state, broken
+        out = os.path.join(folder, "failed", "family")
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                pw.make_family(out, images)
+        except RuntimeError:
+            pass
+        finally:
+            pw.write_iwae_state = write_iwae_state
+        # folders_for removes the folders it made only when they are empty: no file and no temporary stayed
+        check(failed, f"left {os.listdir(os.path.dirname(out))}" if os.path.exists(os.path.dirname(out)) else None)
+    finally:
+        pw.FAMILY_EPOCHS = epochs
 
 
 def os_system_pickle(command):
@@ -1089,7 +1194,8 @@ def main():
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="test_prepare_weights_") as root:
         env = Env(root, os.path.abspath(args.src))
-        checks = [(check_help, ()), (check_replace_when_complete, ()), (check_offline, ()), (check_family, ()),
+        checks = [(check_help, ()), (check_replace_when_complete, ()), (check_all_or_nothing, ()), (check_offline, ()),
+                  (check_family, ()),
                   (check_structures, ()),
                   (check_torch_saved, ()), (check_checkpoint_refusals, ()), (check_checkpoint_cli, ()),
                   (check_corpus, ()), (check_odd_fields, ())]
@@ -1105,7 +1211,8 @@ def main():
                 not_ok("reader reads the published checkpoint", f"{type(e).__name__}: {e}")
             else:
                 checks += [(check_inputs, (state,)), (check_against_torch, (state,)), (check_torch_made, (state,))]
-            checks += [(check_without_torch, ()), (check_references, ()), (check_damaged, (real,)),
+            checks += [(check_without_torch, ()), (check_references, ()), (check_family_cli, ()),
+                       (check_family_files, ()), (check_damaged, (real,)),
                        (check_cli_refusals, (real,))]
         for fn, fn_args in checks:
             try:

@@ -6,15 +6,23 @@ its trajectories are checked against.
   python3 dev/ais_pytorch.py --check CSV [--precision fp32]   float64 AIS with vae.cu's noise against
                                                               ./vae --ais 5 --chains 4 --leapfrog 3 -n 8 --csv CSV
                                                               (test_vae runs this check)
+  python3 dev/ais_pytorch.py -w data/family/vae_784_512_2_512.bin --check CSV    the same for another size
+                                                              (CSV from ./vae -w that file)
 
 PyTorch's time for ./vae --ais's run is dev/bench_pytorch.py --ais T (every mode, the whole test set
 at once).
 
-The noise is injected, not drawn by PyTorch: a Python Philox4x32-10 and Box-Muller give the start
-eps (seed, image, chain, latent), the momenta (seed, image, chain, 16 t + latent pair) and the
+The noise is injected, not drawn by PyTorch: a Python Philox4x32-10 and Box-Muller (numpy, vectorised) give
+the start eps (seed, image, chain, latent), the momenta (seed, image, chain, 16 t + latent pair) and the
 Metropolis uniforms (seed, image, chain, t) that vae.cu's counter-based generator gives, so both
 run the same chains: in fp32 every Metropolis decision must come out the same (the per-image acceptance)
-and the per-image log p(x) agree to float32 rounding (1e-5 relative).
+and the per-image log p(x) agree to float32 rounding (1e-5 relative). The model's size (H1, Z, H3) comes
+from the weights file's header, and the noise is keyed for any Z: latent j of a start (as of any posterior
+or prior draw) is word j % 4 of the Philox call of counter j / 4 (vae.cu's gaussian()), and momentum
+coordinates 2i and 2i + 1 come from one call of counter MOMENTUM_STRIDE t + i, Box-Muller of its first two
+words; for odd Z the last pair's second draw goes unused. MOMENTUM_STRIDE is 16 while the pairs fit (Z <= 32,
+the keys of Z = 20 as they were), and the next multiple of 16 above Z / 2 beyond, so no two transitions share
+a counter.
 The schedule (sigmoid, delta = 4), the step-size rule (x1.02 / x0.98 toward acceptance 0.65,
 clamped to [1e-4, 0.5], start 0.05) and the weights are the issue's definitions.
 """
@@ -28,46 +36,82 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_pytorch import load_images, load_weights  # noqa: E402
+from bench_pytorch import load_images, load_weights, model_dims  # noqa: E402
 
 M32 = 0xFFFFFFFF
-STREAM_POSTERIOR, STREAM_MOMENTUM, STREAM_ACCEPT = 0, 2, 3
+STREAM_POSTERIOR, STREAM_PRIOR, STREAM_MOMENTUM, STREAM_ACCEPT, STREAM_SIMULATE = 0, 1, 2, 3, 4  # vae.cu's streams
+U64 = np.uint64
 
 
 def philox(counter, seed):
-    c0, c1, c2, c3 = counter
-    k0, k1 = seed & M32, (seed >> 32) & M32
+    """vae.cu's philox4x32 (Philox4x32-10) of the counters (c0, c1, c2, c3), each an int or an array of them,
+    broadcast together, under a 64-bit seed: four uint64 arrays of 32-bit words."""
+    c0, c1, c2, c3 = np.broadcast_arrays(*(np.asarray(c, dtype=U64) for c in counter))
+    k0, k1, mask, s32 = U64(seed & M32), U64(seed >> 32), U64(M32), U64(32)
     for _ in range(10):
-        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
-        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0) & M32, p1 & M32, ((p0 >> 32) ^ c3 ^ k1) & M32, p0 & M32
-        k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
+        p0, p1 = U64(0xD2511F53) * c0, U64(0xCD9E8D57) * c2  # 32 x 32 bits: exact in 64
+        c0, c1, c2, c3 = (p1 >> s32) ^ c1 ^ k0, p1 & mask, (p0 >> s32) ^ c3 ^ k1, p0 & mask
+        k0, k1 = (k0 + U64(0x9E3779B9)) & mask, (k1 + U64(0xBB67AE85)) & mask
     return c0, c1, c2, c3
 
 
 def box_muller(w1, w2):
-    u1, u2 = ((w1 >> 8) + 1) / 16777216.0, (w2 >> 8) / 16777216.0
-    r = math.sqrt(-2.0 * math.log(u1))
-    return r * math.cos(2 * math.pi * u2), r * math.sin(2 * math.pi * u2)
+    """Two N(0, 1) arrays from two arrays of 32-bit words, in float64 (vae.cu's box_muller, in float32)."""
+    u1, u2 = ((w1 >> U64(8)) + U64(1)) / 16777216.0, (w2 >> U64(8)) / 16777216.0
+    r = np.sqrt(-2.0 * np.log(u1))
+    return r * np.cos(2 * np.pi * u2), r * np.sin(2 * np.pi * u2)
 
 
-def start_eps(seed, image, chain):
-    out = []
-    for group in range(5):
-        r = philox((group, image, chain, STREAM_POSTERIOR), seed)
-        out += [*box_muller(r[0], r[1]), *box_muller(r[2], r[3])]
-    return out
+def uniform_open0(seed, stream, image, chain, counter):
+    """vae.cu's uniform_open0, in (0, 1], as float32."""
+    return (((philox((counter, image, chain, stream), seed)[0] >> U64(8)) + U64(1)) / 16777216.0).astype(np.float32)
 
 
-def momentum(seed, image, chain, t):
-    out = []
-    for pair in range(10):
-        r = philox((16 * t + pair, image, chain, STREAM_MOMENTUM), seed)
-        out += box_muller(r[0], r[1])
-    return out
+def gaussians(seed, stream, image, sample, z):
+    """vae.cu's gaussian(seed, stream, image, sample, j) for j = 0 .. z - 1, as float32: latents 4q .. 4q + 3 are
+    the four Box-Muller draws of one Philox call of counter (q, image, sample, stream). image and sample (ints
+    or arrays) broadcast together; the latents are the last axis."""
+    q = np.arange((z + 3) // 4, dtype=U64)
+    r = philox((q, np.asarray(image, dtype=U64)[..., None], np.asarray(sample, dtype=U64)[..., None], stream), seed)
+    g = np.stack([*box_muller(r[0], r[1]), *box_muller(r[2], r[3])], -1)  # [..., group, 4]
+    return g.reshape(*g.shape[:-2], -1)[..., :z].astype(np.float32)
 
 
-def uniform(seed, image, chain, t):
-    return ((philox((t, image, chain, STREAM_ACCEPT), seed)[0] >> 8) + 1) / 16777216.0
+def momentum_stride(z):
+    """Counters per transition of the momentum draws: 16 while Z / 2 pairs fit, else the next multiple of 16."""
+    return 16 * max(1, -(-((z + 1) // 2) // 16))
+
+
+def momenta(seed, image, chain, t, z):
+    """Transition t's momentum, float32 [..., z]: pair i from Box-Muller of the first two words of the Philox
+    call of counter (momentum_stride(z) t + i, image, chain, STREAM_MOMENTUM)."""
+    pairs = momentum_stride(z) * t + np.arange((z + 1) // 2, dtype=U64)
+    r = philox((pairs, np.asarray(image, dtype=U64)[..., None], np.asarray(chain, dtype=U64)[..., None],
+                STREAM_MOMENTUM), seed)
+    g = np.stack(box_muller(r[0], r[1]), -1)  # [..., pair, 2]
+    return g.reshape(*g.shape[:-2], -1)[..., :z].astype(np.float32)
+
+
+class KeyedNoise:
+    """vae.cu's AIS noise for n images (the generator's image indices first_image ..) of C chains and Z latents,
+    as float64 tensors on device, [n, C, Z] or [n, C]; each value is the float32 that vae.cu draws."""
+
+    def __init__(self, seed, n, C, Z, device="cpu", first_image=0):
+        self.seed, self.Z, self.device = seed, Z, device
+        self.image = (first_image + np.arange(n, dtype=U64))[:, None]
+        self.chain = np.arange(C, dtype=U64)[None, :]
+
+    def tensor(self, values):
+        return torch.from_numpy(values).to(self.device, torch.float64)
+
+    def start(self):  # a chain's start eps: chain c as sample c of the posterior stream
+        return self.tensor(gaussians(self.seed, STREAM_POSTERIOR, self.image, self.chain, self.Z))
+
+    def momentum(self, t):
+        return self.tensor(momenta(self.seed, self.image, self.chain, t, self.Z))
+
+    def uniform(self, t):
+        return self.tensor(uniform_open0(self.seed, STREAM_ACCEPT, self.image, self.chain, t))
 
 
 def schedule(T):
@@ -84,18 +128,21 @@ def bce_and_grad(model, x, z):
     return bce.detach().double(), grad.double()
 
 
-def ais(model, x, T, C, L, noise):
-    """log p(x) and the acceptance rate per image in float64, with vae.cu's keyed noise (start, momentum,
-    uniform)."""
-    n, dev = x.shape[0], x.device
+def ais(model, x, T, C, L, noise, z_start=None):
+    """log p(x) and the acceptance rate per image in float64, with vae.cu's keyed noise (a KeyedNoise). With z_start
+    ([n, Z]), BDMC's reverse run: every chain starts there and the schedule runs from b_T to b_0, and the estimate
+    is then an upper bound of log p(x)."""
+    n, dev, reverse = x.shape[0], x.device, z_start is not None
     with torch.no_grad():
         h1 = F.relu(model.fc1(x))
         mu, logvar = model.fc21(h1).double(), model.fc22(h1).double()
     xs = x[:, None, :]
     mu, logvar = mu[:, None, :], logvar[:, None, :]
     inv_var = torch.exp(-logvar)
-    eps = noise["start"]
-    z = mu + torch.exp(0.5 * logvar) * eps
+    if z_start is None:
+        z = mu + torch.exp(0.5 * logvar) * noise.start()
+    else:
+        z = z_start.double()[:, None, :].repeat(1, C, 1)
     beta = schedule(T)
     step = torch.full((n, 1, 1), 0.05, device=dev, dtype=torch.float64)
 
@@ -112,11 +159,12 @@ def ais(model, x, T, C, L, noise):
     taken = torch.zeros(n, device=dev, dtype=torch.float64)
     for t in range(1, T + 1):
         lpxz, lp0 = densities(z, bce)
-        log_w += (beta[t] - beta[t - 1]) * (lpxz - lp0)
+        at = T + 1 - t if reverse else t  # the weight's step of the schedule
+        log_w += (beta[at - 1] - beta[at] if reverse else beta[at] - beta[at - 1]) * (lpxz - lp0)
         if t == T:
             break
-        b = beta[t]
-        p = noise["momentum"][t]
+        b = beta[T - t] if reverse else beta[t]
+        p = noise.momentum(t)
         h0 = -b * lpxz - (1 - b) * lp0 + 0.5 * (p * p).sum(-1)
         z0, g0, bce0 = z, g, bce
         p = p - 0.5 * step * grad_u(z, g, b)
@@ -126,7 +174,7 @@ def ais(model, x, T, C, L, noise):
             p = p - (1.0 if step_index < L else 0.5) * step * grad_u(z, g, b)
         lpxz, lp0 = densities(z, bce)
         h1 = -b * lpxz - (1 - b) * lp0 + 0.5 * (p * p).sum(-1)
-        u = noise["uniform"][t]
+        u = noise.uniform(t)
         accept = torch.log(u) < h0 - h1
         taken += accept.double().sum(1)
         z = torch.where(accept[..., None], z, z0)
@@ -134,11 +182,12 @@ def ais(model, x, T, C, L, noise):
         bce = torch.where(accept, bce, bce0)
         rate = accept.double().mean(1)[:, None, None]
         step = torch.clamp(step * torch.where(rate > 0.65, 1.02, 0.98), 1e-4, 0.5)
-    return torch.logsumexp(log_w, 1) - math.log(C), taken / (C * max(T - 1, 1))
+    estimate = torch.logsumexp(log_w, 1) - math.log(C)
+    return -estimate if reverse else estimate, taken / (C * max(T - 1, 1))
 
 
 def check(args):
-    model = load_weights("data/vae_weights.bin").double()
+    model = load_weights(args.weights).double()
     images = load_images("data/t10k-images-idx3-ubyte")
     rows = [line.split(",") for line in open(args.check) if line[0].isdigit()]
     n, T, C, L, seed = len(rows), args.transitions, args.chains, args.leapfrog, args.seed
@@ -146,13 +195,7 @@ def check(args):
         print(f"FAIL: {args.check} holds no rows of per-image results")
         return 1
     x = images[:n].double() / 255.0
-    f32 = lambda v: float(np.float32(v))  # noqa: E731  vae.cu draws in float32
-    noise = {"start": torch.tensor([[[f32(e) for e in start_eps(seed, i, c)] for c in range(C)] for i in range(n)]),
-             "momentum": {t: torch.tensor([[[f32(e) for e in momentum(seed, i, c, t)] for c in range(C)]
-                                           for i in range(n)]) for t in range(1, T)},
-             "uniform": {t: torch.tensor([[f32(uniform(seed, i, c, t)) for c in range(C)] for i in range(n)],
-                                         dtype=torch.float64) for t in range(1, T)}}
-    ref, ref_acceptance = ais(model, x, T, C, L, noise)
+    ref, ref_acceptance = ais(model, x, T, C, L, KeyedNoise(seed, n, C, model_dims(model).z))
     worst, decisions_differ = 0.0, 0
     for i, row in enumerate(rows):
         got, acceptance = float(row[2]), float(row[4])
@@ -174,6 +217,8 @@ def check(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--check", metavar="CSV", help="./vae --ais --csv output to check")
+    p.add_argument("-w", "--weights", metavar="FILE", default="data/vae_weights.bin",
+                   help="the weights file ./vae ran with: any size of the family (default data/vae_weights.bin)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--transitions", type=int, default=5, help="T (default 5)")
     p.add_argument("--chains", type=int, default=4)

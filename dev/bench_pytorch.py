@@ -105,19 +105,27 @@ IWAE_MODES = ["eager-fp32", "eager-bf16", "compiled-fp32", "compiled-bf16"]
 
 # the model as it was trained: one definition, prepare_weights.py's
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from prepare_weights import vae_class  # noqa: E402
+from prepare_weights import MAX_HIDDEN, MAX_LATENT, Dims, model_dims, vae_class  # noqa: E402
 
 VAE = vae_class()
 
 
 def load_weights(path):
+    """A vae.cu weights file as the float32 model of its size: H1, Z and H3 from its header (ints 3, 4 and 8;
+    version 1, before H3, had H3 = H1)."""
     if not os.path.exists(path):
         sys.exit(f"{path}: no such file. HINT: make data")
     blob = np.fromfile(path, dtype="<i4")
-    if blob.size < 256 or blob[0] != 0x31454156:
-        sys.exit(f"{path}: not a vae.cu weights file. HINT: make data")
+    if blob.size < 256 or blob[0] != 0x31454156 or blob[1] not in (1, 2) or blob[2] != 784:
+        sys.exit(f"{path}: not a vae.cu weights file. HINT: make data, or prepare_weights.py --checkpoint FILE")
+    dims = Dims(int(blob[3]), int(blob[4]), int(blob[8] if blob[1] == 2 else blob[3]))
+    if not (1 <= dims.h1 <= MAX_HIDDEN and 1 <= dims.z <= MAX_LATENT and 1 <= dims.h3 <= MAX_HIDDEN):
+        sys.exit(f"{path}: header gives H1 = {dims.h1}, Z = {dims.z}, H3 = {dims.h3}, outside the family's bounds")
     floats = blob[256:].view("<f4")
-    model, offset = VAE(), 0
+    model, offset = VAE(dims), 0
+    if floats.size != sum(p.numel() for p in model.parameters()):
+        sys.exit(f"{path}: {floats.size} floats after the header, where a 784-{dims.h1}-{dims.z}-{dims.h3} VAE has "
+                 f"{sum(p.numel() for p in model.parameters())}. HINT: convert its checkpoint again")
     for name in ["fc1", "fc21", "fc22", "fc3", "fc4"]:
         layer = getattr(model, name)
         for p in (layer.weight, layer.bias):
@@ -321,7 +329,7 @@ def run_gpu_modes(keys, model, images, batches, device="cuda"):
     results[(key, batch)] = (latency us, throughput us), checks[(key, batch)] = dict."""
     results, checks, failed = {}, {}, set()
     m32 = model.to(device)
-    m16 = VAE().to(device).to(torch.bfloat16)
+    m16 = VAE(model_dims(model)).to(device).to(torch.bfloat16)
     m16.load_state_dict(model.state_dict())
     m64 = copy.deepcopy(model).double()
     with torch.no_grad():
