@@ -109,11 +109,14 @@ typedef struct {
     DebugCase cases[MAX_CASES];
 } DebugState;
 
-// The dump's sizes (784, H1, Z in its header) against those of the model it was made from (H3: the weights file's).
-static bool state_dims_match(const uint8_t* buf, ModelDims dims, const char* name, Error* err) {
-    if (read_le32(buf + 8) != INPUT_DIM || read_le32(buf + 12) != dims.h1 || read_le32(buf + 16) != dims.z)
-        return set_error(err, "%s: dims %d/%d/%d do not match the model's 784/%d/%d. " PREPARE_HINT, name,
-                         read_le32(buf + 8), read_le32(buf + 12), read_le32(buf + 16), dims.h1, dims.z);
+// The dump's sizes (784, H1 and Z in header[2..4], H3 in header[h3_at], or 0 there for H1) against those of the model
+// it was made from.
+static bool state_dims_match(const uint8_t* buf, int h3_at, ModelDims dims, const char* name, Error* err) {
+    const int h3 = read_le32(buf + 4 * h3_at) != 0 ? read_le32(buf + 4 * h3_at) : read_le32(buf + 12);
+    if (read_le32(buf + 8) != INPUT_DIM || read_le32(buf + 12) != dims.h1 || read_le32(buf + 16) != dims.z ||
+        h3 != dims.h3)
+        return set_error(err, "%s: dims 784-%d-%d-%d do not match the model's 784-%d-%d-%d. " PREPARE_HINT, name,
+                         read_le32(buf + 12), read_le32(buf + 16), h3, dims.h1, dims.z, dims.h3);
     return true;
 }
 // Every count is checked against the file's size before anything is allocated or read (the
@@ -124,7 +127,7 @@ static bool parse_debug_state(uint8_t* buf, size_t size, const char* name, int n
     if (size < header_bytes) return set_error(err, "%s: %zu bytes, shorter than its header. " PREPARE_HINT, name, size);
     if (read_le32(buf) != DEBUG_MAGIC || read_le32(buf + 4) != DEBUG_VERSION)
         return set_error(err, "%s: not a version-%d reference state file. " PREPARE_HINT, name, DEBUG_VERSION);
-    if (!state_dims_match(buf, dims, name, err)) return false;
+    if (!state_dims_match(buf, 6, dims, name, err)) return false;
     s->dims = dims;
     s->num_cases = read_le32(buf + 20);
     if (s->num_cases < 1 || s->num_cases > MAX_CASES)
@@ -343,7 +346,7 @@ static bool parse_iwae_state(uint8_t* buf, size_t size, const char* name, int nu
     if (size < header_bytes) return set_error(err, "%s: %zu bytes, shorter than its header. " PREPARE_HINT, name, size);
     if (read_le32(buf) != IWAE_MAGIC || read_le32(buf + 4) != IWAE_VERSION)
         return set_error(err, "%s: not a version-%d IWAE reference file. " PREPARE_HINT, name, IWAE_VERSION);
-    if (!state_dims_match(buf, dims, name, err)) return false;
+    if (!state_dims_match(buf, 8, dims, name, err)) return false;
     s->N = read_le32(buf + 20), s->K = read_le32(buf + 24), s->first_image = read_le32(buf + 28);
     if (s->N < 1 || s->N > 1000 || s->K < 1 || s->K > 1000 || s->first_image < 0 ||
         (int64_t)s->first_image + s->N > num_images)
@@ -2496,7 +2499,7 @@ static void test_gpu_family(int num_images, const uint8_t* d_pixels, const bool 
         const bool loaded =
             check(load_file(weights_path, parse_weights, &w, &err) && w.dims.h1 == d.h1 && w.dims.z == d.z &&
                       w.dims.h3 == d.h3,
-                  "load %s: a 784-%d-%d-%d model", weights_path, w.dims.h1, w.dims.z, w.dims.h3) &&
+                  "load %s: a 784-%d-%d-%d model", weights_path, d.h1, d.z, d.h3) &&
             check(read_file(debug_path, &debug_buf, &debug_size, &err) &&
                       parse_debug_state(debug_buf, debug_size, debug_path, num_images, d, &ds, &err),
                   "load %s", debug_path) &&
