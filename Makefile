@@ -66,7 +66,7 @@ all: vae test_vae dev
 vae: vae.cu | $(INPUTS)
 	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(INFO_FLAGS) $< -o $@ $(LDLIBS)
 
-test_vae: test_vae.cu vae.cu
+test_vae: test_vae.cu vae.cu cpu_reference.h
 	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(INFO_FLAGS) $< -o $@ $(LDLIBS)
 
 # The CUDA tests, the converter's tests (against torch.load when PyTorch is there) and the Makefile's choice of GPU
@@ -112,7 +112,7 @@ fuzz: fuzz-build fuzz/build/seeds/.made
 
 fuzz-build: $(addprefix fuzz/build/fuzz_,$(FUZZ_READERS))
 
-fuzz/build/readers.o: fuzz/readers.cu test_vae.cu vae.cu
+fuzz/build/readers.o: fuzz/readers.cu test_vae.cu vae.cu cpu_reference.h
 	@mkdir -p fuzz/build
 	$(NVCC) $(FUZZ_FLAGS) -Xcompiler -fsanitize=fuzzer-no-link -c $< -o $@
 
