@@ -70,7 +70,7 @@ all: vae test_vae dev
 vae: vae.cu | $(INPUTS)
 	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(INFO_FLAGS) $< -o $@ $(LDLIBS)
 
-test_vae: test_vae.cu vae.cu
+test_vae: test_vae.cu vae.cu cpu_reference.h
 	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(INFO_FLAGS) $< -o $@ $(LDLIBS)
 
 # The CUDA tests, the converter's tests (against torch.load when PyTorch is there) and the Makefile's choice of GPU
@@ -78,7 +78,7 @@ test_vae: test_vae.cu vae.cu
 # if any program failed a check or stopped without its count.
 COUNT_LINE = ^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped$$
 run_test = { $(2); echo $$? > $$log/$(1).rc; } 2>&1 | tee $$log/$(1).out;
-test: vae test_vae $(DATA)
+test: vae test_vae $(DATA) $(FAMILY)
 	@log=$$(mktemp -d); \
 	$(call run_test,1,VAE_TEST_PYTHON=$(PYTHON_TORCH) ./test_vae) \
 	$(call run_test,2,$(or $(PYTHON_TORCH),$(PYTHON)) test_prepare_weights.py $(if $(DATA_SRC),--src $(DATA_SRC))) \
@@ -121,7 +121,7 @@ fuzz: fuzz-build fuzz/build/seeds/.made
 
 fuzz-build: $(addprefix fuzz/build/fuzz_,$(FUZZ_READERS))
 
-fuzz/build/readers.o: fuzz/readers.cu test_vae.cu vae.cu
+fuzz/build/readers.o: fuzz/readers.cu test_vae.cu vae.cu cpu_reference.h
 	@mkdir -p fuzz/build
 	$(NVCC) $(FUZZ_FLAGS) -Xcompiler -fsanitize=fuzzer-no-link -c $< -o $@
 

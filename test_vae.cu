@@ -6,12 +6,12 @@ test_vae.cu: checks vae.cu against PyTorch.
     ./test_vae --quick --precision bf16    a GPU subset for compute-sanitizer (dev/sanitize.sh)
 
 Host checks (run everywhere, GPU or not): the weight, idx and reference-state files load; a
-plain-loop float64 CPU forward pass over our weights and pixel reader reproduces PyTorch's
-float64 activations; the generator matches the published Philox4x32-10 answers; a corpus of
-corrupt files (truncated at every header byte, every header field set to 0, 1, -1, huge, off by
-one, byte-swapped, non-finite weights, bad labels, directories, empty and oversized files) is
-refused with a message by the parsers, and by ./vae as one line and exit status 1 when ./vae is
-built; bad flags likewise.
+plain-loop float64 CPU forward pass (cpu_reference.h) over our weights and pixel reader
+reproduces PyTorch's float64 activations; the generator matches the published Philox4x32-10
+answers; a corpus of corrupt files (truncated at every header byte, every header field set to 0,
+1, -1, huge, off by one, byte-swapped, non-finite weights, bad labels, directories, empty and
+oversized files) is refused with a message by the parsers, and by ./vae as one line and exit
+status 1 when ./vae is built; bad flags likewise.
 GPU checks: every activation of vae_forward against PyTorch's float64 reference (outputs
 poisoned with NaN beforehand, so an unwritten element fails); per-image results identical across
 batch sizes; the same seed reproduces bit for bit; full-test-set mean losses; a batch too large
@@ -20,6 +20,7 @@ Ends with "N passed, N failed, N skipped"; exits non-zero if anything failed.
 */
 #define TESTING
 #include "vae.cu"
+#include "cpu_reference.h" // the float64 CPU model the checks compare against
 
 #include <fcntl.h>
 #include <ftw.h>
@@ -169,52 +170,6 @@ static bool parse_debug_state(uint8_t* buf, size_t size, const char* name, int n
 }
 
 // ----------------------------------------------------------------------------
-// a plain-loop float64 forward pass: the simplest statement of the model
-
-typedef struct {
-    double *h1, *mu, *logvar, *z, *h3, *logits, *recon, *bce, *kl;
-} CpuActs;
-
-static void cpu_linear(double* y, const double* x, const float* W, const float* b, int B, int out, int in, bool relu) {
-    for (int i = 0; i < B; i++)
-        for (int o = 0; o < out; o++) {
-            double acc = b[o];
-            for (int k = 0; k < in; k++) acc += (double)W[(size_t)o * in + k] * x[(size_t)i * in + k];
-            y[(size_t)i * out + o] = relu && acc < 0 ? 0.0 : acc;
-        }
-}
-
-static CpuActs cpu_forward(const HostWeights* w, const double* x, const float* eps, int B) {
-    CpuActs a;
-    double** all[] = {&a.h1, &a.mu, &a.logvar, &a.z, &a.h3, &a.logits, &a.recon, &a.bce, &a.kl};
-    const int widths[] = {HIDDEN_DIM, LATENT_DIM, LATENT_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM, INPUT_DIM, 1, 1};
-    for (int i = 0; i < 9; i++) *all[i] = (double*)calloc((size_t)B * widths[i], sizeof(double));
-    cpu_linear(a.h1, x, w->tensor[FC1_W], w->tensor[FC1_B], B, HIDDEN_DIM, INPUT_DIM, true);
-    cpu_linear(a.mu, a.h1, w->tensor[FC21_W], w->tensor[FC21_B], B, LATENT_DIM, HIDDEN_DIM, false);
-    cpu_linear(a.logvar, a.h1, w->tensor[FC22_W], w->tensor[FC22_B], B, LATENT_DIM, HIDDEN_DIM, false);
-    for (int i = 0; i < B * LATENT_DIM; i++) a.z[i] = a.mu[i] + eps[i] * exp(0.5 * a.logvar[i]);
-    cpu_linear(a.h3, a.z, w->tensor[FC3_W], w->tensor[FC3_B], B, HIDDEN_DIM, LATENT_DIM, true);
-    cpu_linear(a.logits, a.h3, w->tensor[FC4_W], w->tensor[FC4_B], B, INPUT_DIM, HIDDEN_DIM, false);
-    for (int i = 0; i < B; i++) {
-        for (int j = 0; j < INPUT_DIM; j++) {
-            const double l = a.logits[(size_t)i * INPUT_DIM + j], xi = x[(size_t)i * INPUT_DIM + j];
-            a.recon[(size_t)i * INPUT_DIM + j] = 1.0 / (1.0 + exp(-l));
-            a.bce[i] += fmax(l, 0.0) - xi * l + log1p(exp(-fabs(l)));
-        }
-        for (int j = 0; j < LATENT_DIM; j++) {
-            const double mu = a.mu[i * LATENT_DIM + j], lv = a.logvar[i * LATENT_DIM + j];
-            a.kl[i] += -0.5 * (1.0 + lv - mu * mu - exp(lv));
-        }
-    }
-    return a;
-}
-
-static void cpu_free(CpuActs* a) {
-    double* all[] = {a->h1, a->mu, a->logvar, a->z, a->h3, a->logits, a->recon, a->bce, a->kl};
-    for (double* p : all) free(p);
-}
-
-// ----------------------------------------------------------------------------
 // host checks
 
 static void test_cpu_forward(const HostWeights* w, const Images* images, const DebugState* ds) {
@@ -235,12 +190,12 @@ static void test_cpu_forward(const HostWeights* w, const Images* images, const D
         Diff dx32_torch = diff(dc->t32[T_X], dc->t64[T_X], npix);
         check(dx32.max_abs == dx32_torch.max_abs && !memcmp(x32, dc->t32[T_X], npix * sizeof(float)),
               "x float32 from uint8 / 255 equals PyTorch's float32 x bit for bit");
-        CpuActs a = cpu_forward(w, x, dc->t32[T_EPS], dc->B);
-        const double* ours[] = {a.h1, a.mu, a.logvar, a.z, a.h3, a.logits, a.recon, a.bce, a.kl};
+        const CpuActs a = cpu_forward(w, ds->dims, x, dc->t32[T_EPS], dc->B);
+        const double* ours[] = {a.h1.data(), a.mu.data(),     a.logvar.data(), a.z.data(), a.h3.data(),
+                                a.logits.data(), a.recon.data(), a.bce.data(), a.kl.data()};
         for (int t = T_H1; t < NUM_DEBUG_TENSORS; t++)
             check_diff(DEBUG_NAMES[t], diff(ours[t - T_H1], dc->t64[t], (size_t)dc->B * debug_width(ds->dims, t)),
                        TOL_FLOAT64);
-        cpu_free(&a);
         free(x);
         free(x32);
     }
@@ -1554,18 +1509,16 @@ static void test_gpu_interpolation(VAE* m, const HostWeights* w, const Images* i
     enum { N = 4, PAIRS = 3, ROWS = PAIRS * INTERP_STEPS };
     const int2 pairs[PAIRS] = {{0, 1}, {2, 3}, {3, 0}};
     double x[N * INPUT_DIM];
-    float zero_eps[N * LATENT_DIM] = {};
     for (int i = 0; i < N * INPUT_DIM; i++) x[i] = images->pixels[i] / 255.0;
-    CpuActs a = cpu_forward(w, x, zero_eps, N);
-    double z[ROWS * LATENT_DIM], h3[ROWS * HIDDEN_DIM], logits[ROWS * INPUT_DIM];
+    const CpuActs a = cpu_forward(w, PUBLISHED_DIMS, x, NULL, N);
+    double z[ROWS * LATENT_DIM], logits[ROWS * INPUT_DIM];
     for (int r = 0; r < ROWS; r++) {
         const double t = (double)(r % INTERP_STEPS) / (INTERP_STEPS - 1);
         const int2 p = pairs[r / INTERP_STEPS];
         for (int j = 0; j < LATENT_DIM; j++)
             z[r * LATENT_DIM + j] = (1 - t) * a.mu[p.x * LATENT_DIM + j] + t * a.mu[p.y * LATENT_DIM + j];
     }
-    cpu_linear(h3, z, w->tensor[FC3_W], w->tensor[FC3_B], ROWS, HIDDEN_DIM, LATENT_DIM, true);
-    cpu_linear(logits, h3, w->tensor[FC4_W], w->tensor[FC4_B], ROWS, INPUT_DIM, HIDDEN_DIM, false);
+    cpu_decode(w, PUBLISHED_DIMS, z, ROWS, NULL, logits);
     for (double& l : logits) l = 1.0 / (1.0 + exp(-l));
     int2* d_pairs;
     cudaCheck(cudaMalloc(&d_pairs, sizeof(pairs)));
@@ -1578,7 +1531,6 @@ static void test_gpu_interpolation(VAE* m, const HostWeights* w, const Images* i
     check_diff("interp", diff(tiles, logits, ROWS * INPUT_DIM), TOLERANCE[m->precision],
                "  (3 pairs x 11 steps between latent means, vs float64)");
     cudaCheck(cudaFree(d_pairs));
-    cpu_free(&a);
 }
 
 // Per-image BCE and KL of images 0..count-1 evaluated in batches of `batch` with generated eps.
@@ -1740,19 +1692,17 @@ static void check_per_image_fp32(const HostWeights* w, const Images* images, int
                                  const float* kl) {
     enum { CHUNK = 500 };
     static double x[CHUNK * INPUT_DIM];
-    static float zero_eps[CHUNK * LATENT_DIM];
     double worst_bce = 0.0, worst_kl = 0.0;
     int at_bce = 0, at_kl = 0;
     for (int first = 0; first < count; first += CHUNK) {
         const int n = count - first < CHUNK ? count - first : CHUNK;
         for (int i = 0; i < n * INPUT_DIM; i++) x[i] = images->pixels[(size_t)first * INPUT_DIM + i] / 255.0;
-        CpuActs a = cpu_forward(w, x, zero_eps, n);
+        const CpuActs a = cpu_forward(w, PUBLISHED_DIMS, x, NULL, n);
         for (int i = 0; i < n; i++) {
             const double eb = fabs(bce[first + i] - a.bce[i]) / a.bce[i], ek = fabs(kl[first + i] - a.kl[i]) / a.kl[i];
             if (eb > worst_bce) worst_bce = eb, at_bce = first + i;
             if (ek > worst_kl) worst_kl = ek, at_kl = first + i;
         }
-        cpu_free(&a);
     }
     check(worst_bce <= 1e-4 && worst_kl <= 1e-4,
           "z = mu: every image's BCE and KL within 1e-4 of float64 (relative): max %.2e (image %d), %.2e (image %d)",
@@ -1862,7 +1812,7 @@ static void cpu_iwae(const HostWeights* w, const Images* images, const IwaeState
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < INPUT_DIM; j++)
             x[(size_t)r * INPUT_DIM + j] = images->pixels[(size_t)(s->first_image + r / s->K) * INPUT_DIM + j] / 255.0;
-    CpuActs a = cpu_forward(w, x, s->eps, rows);
+    const CpuActs a = cpu_forward(w, PUBLISHED_DIMS, x, s->eps, rows);
     for (int i = 0; i < s->N; i++) {
         double top = -INFINITY, sum = 0.0;
         double* log_w = (double*)malloc(s->K * sizeof(double));
@@ -1880,7 +1830,6 @@ static void cpu_iwae(const HostWeights* w, const Images* images, const IwaeState
         log_px[i] = top + log(sum) - log((double)s->K);
         free(log_w);
     }
-    cpu_free(&a);
     free(x);
 }
 
@@ -1993,29 +1942,6 @@ static void test_gpu_iwae(VAE* m, const HostWeights* w, const uint8_t* d_pixels,
 // ----------------------------------------------------------------------------
 // AIS (--ais, --bdmc): the gradient, the transitions, the estimator
 
-// BCE(x, logits(z)) and grad_z BCE in float64: the decoder forward, then its backward pass w.r.t. z.
-static double cpu_bce_grad(const HostWeights* w, const uint8_t* pixels, const double* z, double* grad) {
-    double pre[HIDDEN_DIM], h[HIDDEN_DIM], dh[HIDDEN_DIM] = {}, bce = 0.0;
-    for (int k = 0; k < HIDDEN_DIM; k++) {
-        pre[k] = w->tensor[FC3_B][k];
-        for (int j = 0; j < LATENT_DIM; j++) pre[k] += (double)w->tensor[FC3_W][k * LATENT_DIM + j] * z[j];
-        h[k] = fmax(pre[k], 0.0);
-    }
-    for (int i = 0; i < INPUT_DIM; i++) {
-        const float* row = w->tensor[FC4_W] + (size_t)i * HIDDEN_DIM;
-        double l = w->tensor[FC4_B][i];
-        for (int k = 0; k < HIDDEN_DIM; k++) l += (double)row[k] * h[k];
-        const double x = pixels[i] / 255.0, g = 1.0 / (1.0 + exp(-l)) - x;
-        bce += fmax(l, 0.0) - x * l + log1p(exp(-fabs(l)));
-        for (int k = 0; k < HIDDEN_DIM; k++) dh[k] += g * row[k];
-    }
-    for (int j = 0; j < LATENT_DIM; j++) grad[j] = 0.0;
-    for (int k = 0; k < HIDDEN_DIM; k++)
-        if (pre[k] > 0.0)
-            for (int j = 0; j < LATENT_DIM; j++) grad[j] += dh[k] * w->tensor[FC3_W][k * LATENT_DIM + j];
-    return bce;
-}
-
 // The reference itself, by central differences (h = 1e-5: truncation ~1e-10, rounding ~1e-9).
 static void test_cpu_ais_gradient(const HostWeights* w, const Images* images) {
     printf("host float64 gradient of BCE w.r.t. z against central differences\n");
@@ -2024,13 +1950,13 @@ static void test_cpu_ais_gradient(const HostWeights* w, const Images* images) {
         double z[LATENT_DIM], grad[LATENT_DIM], unused[LATENT_DIM];
         for (int j = 0; j < LATENT_DIM; j++) z[j] = 0.8 * sin(1.7 * j + image);
         const uint8_t* x = images->pixels + (size_t)image * INPUT_DIM;
-        cpu_bce_grad(w, x, z, grad);
+        cpu_bce_grad(w, PUBLISHED_DIMS, x, z, grad);
         for (int j = 0; j < LATENT_DIM; j++) {
             const double h = 1e-5, zj = z[j];
             z[j] = zj + h;
-            const double up = cpu_bce_grad(w, x, z, unused);
+            const double up = cpu_bce_grad(w, PUBLISHED_DIMS, x, z, unused);
             z[j] = zj - h;
-            const double down = cpu_bce_grad(w, x, z, unused);
+            const double down = cpu_bce_grad(w, PUBLISHED_DIMS, x, z, unused);
             z[j] = zj;
             worst = fmax(worst, fabs((up - down) / (2 * h) - grad[j])), scale = fmax(scale, fabs(grad[j]));
         }
@@ -2296,7 +2222,8 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
     for (int r = 0; r < n * C; r++) {
         double z[LATENT_DIM];
         for (int j = 0; j < LATENT_DIM; j++) z[j] = a.z[r * LATENT_DIM + j]; // T = 1: no transition, z is the start
-        bce64[r] = cpu_bce_grad(w, images->pixels + (size_t)(first + r / C) * INPUT_DIM, z, grad64 + r * LATENT_DIM);
+        const uint8_t* x = images->pixels + (size_t)(first + r / C) * INPUT_DIM;
+        bce64[r] = cpu_bce_grad(w, PUBLISHED_DIMS, x, z, grad64 + r * LATENT_DIM);
     }
     check_diff("grad", diff(a.grad0, grad64, (size_t)n * C * LATENT_DIM), tol, "  (112 chains' grad_z BCE)");
     check_diff("BCE", diff(a.bce0, bce64, (size_t)n * C), tol);
@@ -2478,7 +2405,10 @@ enum { QUICK_IMAGES = 130, QUICK_SMALL_BATCH = 13 };
 
 static const ModelDims FAMILY[] = {{512, 2, 512}, {256, 64, 256}, {300, 10, 500}};
 
-static void test_gpu_family(int num_images, const uint8_t* d_pixels, const bool run_precision[2]) {
+// The CPU reference against each model's dumps always; the GPU checks with d_pixels (NULL: skipped for gpu_skip).
+static void test_family(const Images* images, const uint8_t* d_pixels, const char* gpu_skip,
+                        const bool run_precision[2]) {
+    const int num_images = images->count;
     for (ModelDims d : FAMILY) {
         char stem[64], weights_path[96], debug_path[96], iwae_path[96];
         snprintf(stem, sizeof(stem), "data/family/vae_784_%d_%d_%d", d.h1, d.z, d.h3);
@@ -2487,7 +2417,7 @@ static void test_gpu_family(int num_images, const uint8_t* d_pixels, const bool 
         snprintf(iwae_path, sizeof(iwae_path), "%s_iwae_state.bin", stem);
         printf("the 784-%d-%d-%d model (%s) on the plain path\n", d.h1, d.z, d.h3, weights_path);
         if (access(weights_path, R_OK) != 0) {
-            skip("a model of another size", "no data/family: make family (needs PyTorch)");
+            skip("models of other sizes", "no data/family: make family (needs PyTorch)");
             continue;
         }
         Error err = {};
@@ -2507,8 +2437,10 @@ static void test_gpu_family(int num_images, const uint8_t* d_pixels, const bool 
                       parse_iwae_state(iwae_buf, iwae_size, iwae_path, num_images, d, &is, &err),
                   "load %s", iwae_path);
         if (!loaded) printf("  %s\n", err.msg);
+        if (loaded) test_cpu_forward(&w, images, &ds);
+        if (loaded && d_pixels == NULL) skip("GPU: the plain path on a model of another size", gpu_skip);
         for (Precision p : {PRECISION_FP32, PRECISION_BF16}) {
-            if (!loaded || !run_precision[p]) continue;
+            if (!loaded || !run_precision[p] || d_pixels == NULL) continue;
             if (p == PRECISION_BF16 && gpu_attribute(cudaDevAttrComputeCapabilityMajor) < 8) {
                 skip("bf16 on a model of another size", "no bf16 tensor cores before sm_80");
                 continue;
@@ -2666,16 +2598,14 @@ int main(int argc, char** argv) {
             cudaCheck(cudaFree(d_pixels));
         }
     }
-    const char* family_why = no_gpu ? no_gpu : kernels == KERNELS_FUSED ? "--kernels fused" : NULL;
-    if (family_why != NULL) {
-        skip("GPU models of other sizes (the plain path)", family_why);
-    } else {
-        uint8_t* d_pixels;
+    const char* family_gpu_skip = no_gpu ? no_gpu : kernels == KERNELS_FUSED ? "--kernels fused" : NULL;
+    uint8_t* d_pixels = NULL;
+    if (family_gpu_skip == NULL) {
         cudaCheck(cudaMalloc(&d_pixels, (size_t)images.count * INPUT_DIM));
         cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)images.count * INPUT_DIM, cudaMemcpyHostToDevice));
-        test_gpu_family(images.count, d_pixels, run_precision);
-        cudaCheck(cudaFree(d_pixels));
     }
+    if (loaded) test_family(&images, d_pixels, family_gpu_skip, run_precision);
+    if (d_pixels != NULL) cudaCheck(cudaFree(d_pixels));
     free(fp32_bce_zmu);
     scratch_close();
     free(weights.data);

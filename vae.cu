@@ -3187,11 +3187,15 @@ static size_t fused_smem_bytes() {
 // of shared memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels` as
 // asked, auto being the fused kernels wherever they can run and the plain path elsewhere. False, with the reason,
 // where the fused kernels are asked for and cannot run.
+// Whether `kernels` can serve a model of size dims: the fused kernels are built for the published size only.
+static bool kernels_fit(Kernels kernels, ModelDims dims, Error* err) {
+    if (kernels != KERNELS_FUSED || is_published(dims)) return true;
+    return set_error(err, "--kernels fused: the fused kernels are built for the 784-400-20-400 model; this one is "
+                     "784-%d-%d-%d. HINT: --kernels plain (or auto) runs every size", dims.h1, dims.z, dims.h3);
+}
 static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, size_t smem_optin, bool fused_code,
                         bool* fused, Error* err) {
-    if (kernels == KERNELS_FUSED && !is_published(dims))
-        return set_error(err, "--kernels fused: the fused kernels are built for the 784-400-20-400 model; this one is "
-                         "784-%d-%d-%d. HINT: --kernels plain (or auto) runs every size", dims.h1, dims.z, dims.h3);
+    if (!kernels_fit(kernels, dims, err)) return false;
     const bool can = fused_code && major == 9 && smem_optin >= fused_smem_bytes() && is_published(dims);
     if (kernels == KERNELS_FUSED && !can)
         return set_error(err, "--kernels fused: the fused kernels need an sm_90 GPU (H100, H200) and a binary with "
@@ -4612,7 +4616,8 @@ int main(int argc, char** argv) {
     Labels labels = {}; // none: every label is -1
     char images_path[MAX_PATH], labels_path[MAX_PATH];
     const bool own_weights = cfg.given & OPT_BIT(OPT_WEIGHTS); // -w: a missing file is the user's, not make data's
-    if (!load_file(cfg.weights_path, parse_weights, &weights, &err, own_weights ? WEIGHTS_HINT : PREPARE_HINT))
+    if (!load_file(cfg.weights_path, parse_weights, &weights, &err, own_weights ? WEIGHTS_HINT : PREPARE_HINT) ||
+        !kernels_fit(cfg.kernels, weights.dims, &err))
         fail("%s", err.msg);
     if (cfg.num_image_files > 0) {
         load_image_files(&cfg, &images);

@@ -27,7 +27,7 @@
 //
 // Build and run from the repository root (needs data/: make data; sm_90a, thread block clusters):
 //   make -C dev ais_gradient_v1 && ./dev/ais_gradient_v1
-#include "common.h"
+#include "ais_common.h"
 
 // The block's shared memory: fc4's and fc3's rows as ldmatrix and the fragment loads read them.
 template <Precision P> struct AisSmem {

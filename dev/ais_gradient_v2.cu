@@ -65,7 +65,7 @@
 //
 // Build and run from the repository root (needs data/: make data; sm_90a):
 //   make -C dev ais_gradient_v2 && ./dev/ais_gradient_v2
-#include "common.h"
+#include "ais_common.h"
 
 template <Precision P>
 __global__ void __launch_bounds__(AIS_THREADS, 1)

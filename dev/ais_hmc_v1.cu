@@ -26,19 +26,19 @@
 // 19% and 14% over the gradient alone (25.41 and 36.00 us on the H100): missed, the HMC state in
 // registers costs 7-10x the 2% predicted. A transition 303.27 and 412.10 us, 10.01 and 10.03 steps:
 // held; its projection of --ais 1000, 12.64 s and 34.34 s, against ./vae's 12.70 s and 34.51 s. fp32
-// matches float64 within 4.5e-6 at every trajectory's end; bf16 as dev/common.h's run_ais_chain_driver
+// matches float64 within 4.5e-6 at every trajectory's end; bf16 as dev/ais_common.h's run_ais_chain_driver
 // says. Since then part of that state left the registers (vae.cu's AIS_STATE_SLOTS: mu, 1 / var and the
 // start's z, grad and BCE in memory; z and p stay).
 //
-// The float64 reference (dev/common.h's cpu_ais_image) is itself checked without a GPU against
+// The float64 reference (dev/ais_common.h's cpu_ais_image) is itself checked without a GPU against
 // dev/ais_pytorch.py's AIS, written from the maths: --reference CSV runs it with step-size adaptation
-// on 8 images at T = 5, C = 4, L = 3, seed 0 (its encoder: cpu_linear) and writes ./vae --csv's
-// format for ais_pytorch.py --check (1.8e-8 apart, every acceptance alike).
+// on 8 images at T = 5, C = 4, L = 3, seed 0 (its encoder: cpu_encode) and writes ./vae --csv's
+// format for ais_pytorch.py --check (1.5e-8 apart, every acceptance alike).
 //
 // Build and run from the repository root (needs data/: make data; sm_90a, thread block clusters):
 //   make -C dev ais_hmc_v1 && ./dev/ais_hmc_v1
 //   ./dev/ais_hmc_v1 --reference /tmp/ref.csv && python3 dev/ais_pytorch.py --check /tmp/ref.csv
-#include "common.h"
+#include "ais_common.h"
 
 // The reference's AIS in ./vae --csv's columns (index, label, log_px, ess, acceptance; label -1,
 // ess 0: ais_pytorch.py reads log_px and acceptance), on the host alone.
@@ -46,12 +46,10 @@ static void write_reference_csv(const HostWeights* w, const Images* images, cons
     const int n = 8, T = 5, C = 4, L = 3;
     std::vector<double> beta(T + 1);
     ais_schedule(beta.data(), T);
-    std::vector<float> x((size_t)n * INPUT_DIM), h1((size_t)n * HIDDEN_DIM), mulv((size_t)n * MULV_DIM);
-    for (size_t i = 0; i < x.size(); i++) x[i] = images->pixels[i] / 255.0f;
-    std::vector<float> mu((size_t)n * LATENT_DIM), logvar((size_t)n * LATENT_DIM);
-    cpu_linear(x.data(), w->tensor[FC1_W], w->tensor[FC1_B], h1.data(), n, HIDDEN_DIM, INPUT_DIM, Act::Relu);
-    cpu_linear(h1.data(), w->tensor[FC21_W], w->tensor[FC21_B], mu.data(), n, LATENT_DIM, HIDDEN_DIM, Act::None);
-    cpu_linear(h1.data(), w->tensor[FC22_W], w->tensor[FC22_B], logvar.data(), n, LATENT_DIM, HIDDEN_DIM, Act::None);
+    std::vector<double> x((size_t)n * INPUT_DIM), mu((size_t)n * LATENT_DIM), logvar((size_t)n * LATENT_DIM);
+    for (size_t i = 0; i < x.size(); i++) x[i] = images->pixels[i] / 255.0;
+    cpu_encode(w, PUBLISHED_DIMS, x.data(), n, NULL, mu.data(), logvar.data());
+    std::vector<float> mulv((size_t)n * MULV_DIM); // the encoder's floats, as ais_kernel reads them
     FILE* f = fopen(path, "w");
     if (f == NULL) fail("%s: %s", path, strerror(errno));
     fprintf(f, "index,label,log_px,ess,acceptance\n");

@@ -147,39 +147,24 @@ static const double TOL_PATHS = 1e-4;
 static const double PEAK_TFLOPS = 770.0; // H100/H200 SXM dense bf16
 static const char* DECODER_NAMES[] = {"mma.sync", "wgmma"};
 
-// Logits [n][784] and per-row BCE of n latents in float64 from the fp32 weights; row r is compared
-// with image r.
+// Logits [n][784] and per-row BCE of n latents in float64 from the fp32 weights (cpu_reference.h); row r
+// is compared with image r.
 static void cpu_decoder(const HostWeights* w, const float* z, const uint8_t* pixels, int n,
                         std::vector<double>& logits, std::vector<double>& bce) {
-    logits.assign((size_t)n * INPUT_DIM, 0.0), bce.assign(n, 0.0);
-    std::vector<double> w4((size_t)INPUT_DIM * HIDDEN_DIM), h3(HIDDEN_DIM);
-    for (size_t i = 0; i < w4.size(); i++) w4[i] = w->tensor[FC4_W][i];
+    const std::vector<double> z64(z, z + (size_t)n * LATENT_DIM);
+    std::vector<double> x(INPUT_DIM);
+    logits.resize((size_t)n * INPUT_DIM), bce.resize(n);
+    cpu_decode(w, PUBLISHED_DIMS, z64.data(), n, NULL, logits.data());
     for (int r = 0; r < n; r++) {
-        for (int u = 0; u < HIDDEN_DIM; u++) {
-            double a = w->tensor[FC3_B][u];
-            for (int j = 0; j < LATENT_DIM; j++)
-                a += (double)w->tensor[FC3_W][u * LATENT_DIM + j] * z[(size_t)r * LATENT_DIM + j];
-            h3[u] = a > 0.0 ? a : 0.0;
-        }
-        double sum = 0.0;
-        for (int p = 0; p < INPUT_DIM; p++) {
-            double l = w->tensor[FC4_B][p];
-            const double* row = &w4[(size_t)p * HIDDEN_DIM];
-            for (int u = 0; u < HIDDEN_DIM; u++) l += row[u] * h3[u];
-            logits[(size_t)r * INPUT_DIM + p] = l;
-            sum += vae::bce_term_ref(l, pixels[(size_t)r * INPUT_DIM + p] / 255.0);
-        }
-        bce[r] = sum;
+        for (int p = 0; p < INPUT_DIM; p++) x[p] = pixels[(size_t)r * INPUT_DIM + p] / 255.0;
+        bce[r] = cpu_bce(&logits[(size_t)r * INPUT_DIM], x.data(), INPUT_DIM);
     }
 }
 
 int main() {
-    HostWeights weights = {};
-    Images images = {};
-    Error err;
-    if (!load_file("data/vae_weights.bin", parse_weights, &weights, &err) ||
-        !load_file("data/t10k-images-idx3-ubyte", parse_idx_images, &images, &err))
-        fail("%s (run from the repository root: ./dev/decoder_v1)", err.msg);
+    HostWeights weights;
+    Images images;
+    vae::load_model_inputs("decoder_v1", &weights, &images);
     if (images.count < MAX_IMAGES) fail("%d test images, %d needed", images.count, (int)MAX_IMAGES);
     print_device_info(); // also what benchmark_us sizes its L2 flush by
 

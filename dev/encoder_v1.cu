@@ -409,44 +409,24 @@ static const double TOL_REF = 2e-2;
 static const double TOL_PATHS = 1.0 / 256;
 static const double PEAK_TFLOPS = 770.0; // H100/H200 SXM dense bf16
 
-// [mu | logvar] and KL (z = mu) of n images in float64 from the fp32 weights.
+// [mu | logvar] and KL (z = mu) of n images in float64 from the fp32 weights (cpu_reference.h).
 static void cpu_encoder(const HostWeights* w, const uint8_t* pixels, int n, std::vector<double>& mulv,
                         std::vector<double>& kl) {
-    std::vector<double> w1t((size_t)INPUT_DIM * HIDDEN_DIM), h1(HIDDEN_DIM); // fc1^T: the inner loop walks rows
-    for (int u = 0; u < HIDDEN_DIM; u++)
-        for (int p = 0; p < INPUT_DIM; p++)
-            w1t[(size_t)p * HIDDEN_DIM + u] = w->tensor[FC1_W][(size_t)u * INPUT_DIM + p];
-    mulv.assign((size_t)n * MULV_DIM, 0.0), kl.assign(n, 0.0);
+    std::vector<double> x((size_t)n * INPUT_DIM), mu((size_t)n * LATENT_DIM), logvar((size_t)n * LATENT_DIM);
+    for (size_t i = 0; i < x.size(); i++) x[i] = pixels[i] / 255.0;
+    cpu_encode(w, PUBLISHED_DIMS, x.data(), n, NULL, mu.data(), logvar.data());
+    mulv.resize((size_t)n * MULV_DIM), kl.resize(n);
     for (int b = 0; b < n; b++) {
-        for (int u = 0; u < HIDDEN_DIM; u++) h1[u] = w->tensor[FC1_B][u];
-        for (int p = 0; p < INPUT_DIM; p++) {
-            const uint8_t x = pixels[(size_t)b * INPUT_DIM + p];
-            if (x == 0) continue; // 81% of MNIST's pixels
-            for (int u = 0; u < HIDDEN_DIM; u++) h1[u] += x / 255.0 * w1t[(size_t)p * HIDDEN_DIM + u];
-        }
-        double sum = 0.0;
-        for (int j = 0; j < MULV_DIM; j++) {
-            const float* row = j < LATENT_DIM ? w->tensor[FC21_W] + (size_t)j * HIDDEN_DIM
-                                              : w->tensor[FC22_W] + (size_t)(j - LATENT_DIM) * HIDDEN_DIM;
-            double v = j < LATENT_DIM ? w->tensor[FC21_B][j] : w->tensor[FC22_B][j - LATENT_DIM];
-            for (int u = 0; u < HIDDEN_DIM; u++) v += (h1[u] > 0.0 ? h1[u] : 0.0) * row[u];
-            mulv[(size_t)b * MULV_DIM + j] = v;
-        }
-        for (int j = 0; j < LATENT_DIM; j++) {
-            const double mu = mulv[(size_t)b * MULV_DIM + j], lv = mulv[(size_t)b * MULV_DIM + LATENT_DIM + j];
-            sum += 1.0 + lv - mu * mu - exp(lv);
-        }
-        kl[b] = -0.5 * sum;
+        std::copy_n(&mu[(size_t)b * LATENT_DIM], LATENT_DIM, &mulv[(size_t)b * MULV_DIM]);
+        std::copy_n(&logvar[(size_t)b * LATENT_DIM], LATENT_DIM, &mulv[(size_t)b * MULV_DIM + LATENT_DIM]);
+        kl[b] = cpu_kl(&mu[(size_t)b * LATENT_DIM], &logvar[(size_t)b * LATENT_DIM], LATENT_DIM);
     }
 }
 
 int main() {
-    HostWeights weights = {};
-    Images images = {};
-    Error err;
-    if (!load_file("data/vae_weights.bin", parse_weights, &weights, &err) ||
-        !load_file("data/t10k-images-idx3-ubyte", parse_idx_images, &images, &err))
-        fail("%s (run from the repository root: ./dev/encoder_v1)", err.msg);
+    HostWeights weights;
+    Images images;
+    vae::load_model_inputs("encoder_v1", &weights, &images);
     if (images.count < MAX_B) fail("%d test images, %d needed", images.count, (int)MAX_B);
     print_device_info(); // also what benchmark_us sizes its L2 flush by
 

@@ -190,15 +190,11 @@ struct SplitLayer {
     std::vector<double> ref; // [kMaxM][N]
 };
 
+// The layer in float64 (cpu_reference.h), on the inputs as the model sees them (pixels / 255).
 static std::vector<double> reference(const SplitLayer& l) {
-    std::vector<double> y((size_t)kMaxM * l.N);
-    for (int m = 0; m < kMaxM; m++)
-        for (int n = 0; n < l.N; n++) {
-            double s = 0.0;
-            for (int k = 0; k < l.K; k++) s += (double)l.x[(size_t)m * l.K + k] * l.w[(size_t)n * l.K + k];
-            const double v = s * (l.pixels ? 1.0 / 255.0 : 1.0) + l.b[n];
-            y[(size_t)m * l.N + n] = l.relu && v < 0.0 ? 0.0 : v;
-        }
+    std::vector<double> x(l.x.size()), y((size_t)kMaxM * l.N);
+    for (size_t i = 0; i < x.size(); i++) x[i] = l.pixels ? l.x[i] / 255.0 : l.x[i];
+    cpu_linear(y.data(), x.data(), l.w.data(), l.b.data(), kMaxM, l.N, l.K, l.relu);
     return y;
 }
 

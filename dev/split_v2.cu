@@ -31,42 +31,18 @@ enum { MAX_B = 10000, NUM_ACTS = 7 };
 // Per tensor, max |ours - float64| / max |float64|: vae.cu's bound for fp32 (test_vae) and for bf16.
 static const double TOL[] = {1e-5, 2e-2}; // by Precision
 
-// Every activation of B images (z = mu) in float64: [h1 | mu | logvar | h3 | logits | bce | kl].
+// Every activation of B images (z = mu) in float64 (cpu_reference.h): [h1 | mu | logvar | h3 | logits | bce | kl].
 static std::vector<std::vector<double>> cpu_forward64(const HostWeights* w, const uint8_t* pixels, int B) {
-    const int widths[NUM_ACTS] = {HIDDEN_DIM, LATENT_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM, 1, 1};
-    std::vector<std::vector<double>> a(NUM_ACTS);
-    for (int t = 0; t < NUM_ACTS; t++) a[t].assign((size_t)B * widths[t], 0.0);
-    auto linear = [](double* y, const double* x, const float* W, const float* b, int out, int in, bool relu) {
-        for (int o = 0; o < out; o++) {
-            double acc = b[o];
-            for (int k = 0; k < in; k++) acc += (double)W[(size_t)o * in + k] * x[k];
-            y[o] = relu && acc < 0.0 ? 0.0 : acc;
-        }
-    };
-    std::vector<double> x(INPUT_DIM);
-    for (int i = 0; i < B; i++) {
-        for (int p = 0; p < INPUT_DIM; p++) x[p] = pixels[(size_t)i * INPUT_DIM + p] / 255.0;
-        double *h1 = &a[0][(size_t)i * HIDDEN_DIM], *mu = &a[1][(size_t)i * LATENT_DIM];
-        double *lv = &a[2][(size_t)i * LATENT_DIM], *h3 = &a[3][(size_t)i * HIDDEN_DIM];
-        double* l = &a[4][(size_t)i * INPUT_DIM];
-        linear(h1, x.data(), w->tensor[FC1_W], w->tensor[FC1_B], HIDDEN_DIM, INPUT_DIM, true);
-        linear(mu, h1, w->tensor[FC21_W], w->tensor[FC21_B], LATENT_DIM, HIDDEN_DIM, false);
-        linear(lv, h1, w->tensor[FC22_W], w->tensor[FC22_B], LATENT_DIM, HIDDEN_DIM, false);
-        linear(h3, mu, w->tensor[FC3_W], w->tensor[FC3_B], HIDDEN_DIM, LATENT_DIM, true);
-        linear(l, h3, w->tensor[FC4_W], w->tensor[FC4_B], INPUT_DIM, HIDDEN_DIM, false);
-        for (int p = 0; p < INPUT_DIM; p++) a[5][i] += vae::bce_term_ref(l[p], x[p]);
-        for (int j = 0; j < LATENT_DIM; j++) a[6][i] += -0.5 * (1.0 + lv[j] - mu[j] * mu[j] - std::exp(lv[j]));
-    }
-    return a;
+    std::vector<double> x((size_t)B * INPUT_DIM);
+    for (size_t i = 0; i < x.size(); i++) x[i] = pixels[i] / 255.0;
+    const CpuActs a = cpu_forward(w, PUBLISHED_DIMS, x.data(), NULL, B);
+    return {a.h1, a.mu, a.logvar, a.h3, a.logits, a.bce, a.kl};
 }
 
 int main() {
-    HostWeights weights = {};
-    Images images = {};
-    Error err;
-    if (!load_file("data/vae_weights.bin", parse_weights, &weights, &err) ||
-        !load_file("data/t10k-images-idx3-ubyte", parse_idx_images, &images, &err))
-        fail("%s (run from the repository root: ./dev/split_v2)", err.msg);
+    HostWeights weights;
+    Images images;
+    vae::load_model_inputs("split_v2", &weights, &images);
     print_device_info();
     const int max_check = *std::max_element(std::begin(CHECK_B), std::end(CHECK_B));
     const auto ref = cpu_forward64(&weights, images.pixels, max_check); // the batches are prefixes of one another
