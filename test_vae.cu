@@ -391,16 +391,16 @@ static void vae_run_free(VaeRun* r) {
     free(r->err);
 }
 
-// Runs ./vae with args, stdout and stderr going to files in the scratch folder.
-static VaeRun run_vae(std::initializer_list<const char*> args) {
+// Runs ./vae with the n arguments at args, stdout and stderr going to files in the scratch folder.
+static VaeRun run_vae(const char* const* args, int n) {
     VaeRun r = {-1, NULL, NULL, 0, 0};
     char out_path[128], err_path[128];
     snprintf(out_path, sizeof(out_path), "%s/stdout", scratch);
     snprintf(err_path, sizeof(err_path), "%s/stderr", scratch);
     const char* argv[24] = {vae_bin};
     int argc = 1;
-    for (const char* a : args)
-        if (argc < 23) argv[argc++] = a;
+    for (int i = 0; i < n; i++)
+        if (argc < 23) argv[argc++] = args[i];
     fflush(stdout);
     const pid_t pid = fork();
     if (pid < 0) return r;
@@ -427,6 +427,7 @@ static VaeRun run_vae(std::initializer_list<const char*> args) {
     }
     return r;
 }
+static VaeRun run_vae(std::initializer_list<const char*> args) { return run_vae(args.begin(), (int)args.size()); }
 
 // Whether text is exactly one line "vae: error: ..." that mentions `what`.
 static bool one_error_line(const char* text, size_t size, const char* what) {
@@ -806,6 +807,50 @@ static const char* csv_values(const char* text, int index, char* out, size_t out
     return out;
 }
 
+// --shard K/N through ./vae: the three shards' CSVs, the first whole and the others' rows after their two header
+// lines, are byte for byte one run's over all the images, in each mode that writes one (a GPU run). Only the '#' line's
+// commit and the run would differ, and they do not: a shard's '#' line is the whole run's.
+static void test_shards() {
+    const char* modes[][6] = {{"--zmu", NULL}, {"-s", "5", NULL}, {"--iwae", "8", NULL},
+                              {"--ais", "3", "--chains", "4", NULL}, {"--ais", "3", "--kernels", "plain", NULL}};
+    for (const auto& mode : modes) {
+        char what[64] = "";
+        const char* args[16];
+        int n = 0;
+        for (const char* const* a = mode; *a != NULL; a++) {
+            args[n++] = *a;
+            snprintf(what + strlen(what), sizeof(what) - strlen(what), "%s ", *a);
+        }
+        for (const char* a : {"-n", "37", "-q", "--csv", "-"}) args[n++] = a;
+        char out_dir[160]; // the whole run's pictures (the ELBO's); a shard writes none
+        snprintf(out_dir, sizeof(out_dir), "%s/shards_out", scratch);
+        args[n] = "-o", args[n + 1] = out_dir;
+        const bool elbo = strcmp(mode[0], "--iwae") != 0 && strcmp(mode[0], "--ais") != 0;
+        VaeRun whole = run_vae(args, elbo ? n + 2 : n);
+        bool ran = whole.status == 0 && whole.out != NULL;
+        char* merged = (char*)calloc(ran ? whole.out_size + 1 : 1, 1);
+        size_t at = 0;
+        for (const char* shard : {"0/3", "1/3", "2/3"}) {
+            args[n] = "--shard", args[n + 1] = shard;
+            VaeRun part = run_vae(args, n + 2);
+            ran = ran && part.status == 0 && part.out != NULL;
+            const char* rows = ran ? part.out : NULL;
+            for (int skip = shard[0] == '0' ? 0 : 2; rows != NULL && skip > 0; skip--) {
+                rows = strchr(rows, '\n');
+                if (rows != NULL) rows++;
+            }
+            const size_t size = rows != NULL ? strlen(rows) : 0;
+            ran = ran && rows != NULL && at + size <= whole.out_size;
+            if (ran) memcpy(merged + at, rows, size), at += size;
+            vae_run_free(&part);
+        }
+        check(ran && at == whole.out_size && !memcmp(merged, whole.out, at),
+              "--shard 0/3, 1/3, 2/3 of %s-n 37: the CSVs merged are one run's byte for byte", what);
+        free(merged);
+        vae_run_free(&whole);
+    }
+}
+
 static void test_cli(int num_images, const Images* images) {
     printf("command line\n");
     static char long_path[MAX_PATH_ARG + 2]; // one character over the limit; +1 is exactly at it
@@ -946,6 +991,25 @@ static void test_cli(int num_images, const Images* images) {
         {{"--image", "a.pgm", "-d", "data"}, false},
         {{"--image", "a.pgm", "-n", "1"}, false},
         {{"--image", "a.pgm", "--interp", "3"}, false},
+        // --shard K/N
+        {{"--shard", "3/8", "--csv", "x.csv", "-n", "100"}, true},
+        {{"--shard", "0/1"}, true},
+        {{"--iwae", "8", "--shard", "7/8"}, true},
+        {{"--ais", "10", "--shard=99999/100000"}, true},
+        {{"--shard", "8/8"}, false},
+        {{"--shard", "0/0"}, false},
+        {{"--shard", "0/100001"}, false},
+        {{"--shard", "-1/8"}, false},
+        {{"--shard", "3"}, false},
+        {{"--shard", "3/"}, false},
+        {{"--shard", "/8"}, false},
+        {{"--shard", "a/b"}, false},
+        {{"--shard", "1/2/3"}, false},
+        {{"--shard", "1/8", "-o", "x"}, false},
+        {{"--shard", "1/8", "--image", "a.pgm"}, false},
+        {{"--shard", "1/8", "--bench"}, false},
+        {{"--shard", "1/8", "--interp", "5"}, false},
+        {{"--shard", "1/8", "--bdmc", "8", "--ais", "10"}, false},
     };
     char line[512];
     for (auto& c : cases) {
@@ -974,6 +1038,10 @@ static void test_cli(int num_images, const Images* images) {
           "--bench alone: 1024, 2048, 4096, 10000 in both precisions");
     check(parse_line({"--image", "a.pgm", "--image", "b.pgm", "--invert"}, &cfg, &err, line, sizeof(line)) &&
               cfg.num_image_files == 2 && !strcmp(cfg.image_paths[1], "b.pgm") && cfg.invert, "--image repeats");
+    check(parse_line({"--shard", "3/8"}, &cfg, &err, line, sizeof(line)) && cfg.shard == 3 && cfg.num_shards == 8,
+          "--shard 3/8 reaches the config");
+    check(!parse_line({"--shard", "1/8", "-o", "x"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "--shard") &&
+              strstr(err.msg, "drop -o"), "--shard with -o: one line naming both: %s", err.msg);
     check(!parse_line({"-s", "18446744073709551616"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "outside"),
           "a seed past 2^64 - 1 is out of range: %s", err.msg);
     check(!parse_line({"--batch-size=0"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "--batch-size 0"),
@@ -1068,6 +1136,7 @@ static void test_cli(int num_images, const Images* images) {
         {{"--csv", scratch, "-o", out_dir}, "a folder"},
         {{"--bench", "-n", "100"}, "--bench-batches"},
         {{"--bench", "--bench-batches", "64,101", "-n", "100"}, "101"},
+        {{"--shard", "5/8", "-n", "4"}, "fewer than 8 blocks"},
         {{"--bench", "--csv", "x.csv"}, "--csv does not apply to --bench"},
         {{"--interp", "1001"}, "--interp 1001"},
         {{"--image", no_file, "-o", out_dir}, no_file},
@@ -1118,6 +1187,7 @@ static void test_cli(int num_images, const Images* images) {
               "./vae -n 64 --csv: replaced whole ('#' line, header, 64 rows), three images, no temporary files "
               "(exit %d)", v.status);
         free(text);
+        test_shards();
     }
     vae_run_free(&v);
 

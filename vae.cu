@@ -3631,7 +3631,7 @@ static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bd
 enum Option {
     OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
     OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_AIS, OPT_CHAINS, OPT_LEAPFROG,
-    OPT_AIS_INIT, OPT_BDMC, OPT_KERNELS, OPT_VERSION, OPT_HELP, NUM_OPTIONS
+    OPT_AIS_INIT, OPT_BDMC, OPT_KERNELS, OPT_SHARD, OPT_VERSION, OPT_HELP, NUM_OPTIONS
 };
 static const struct {
     const char* name;
@@ -3643,7 +3643,8 @@ static const struct {
     {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
     {"iwae", 0, true},      {"bench", 0, false},         {"bench-batches", 0, true},  {"interp", 0, true},
     {"ais", 0, true},       {"chains", 0, true},         {"leapfrog", 0, true},       {"ais-init", 0, true},
-    {"bdmc", 0, true},      {"kernels", 0, true},        {"version", 0, false},       {"help", 'h', false},
+    {"bdmc", 0, true},      {"kernels", 0, true},        {"shard", 0, true},          {"version", 0, false},
+    {"help", 'h', false},
 };
 #define OPT_BIT(o) (1u << (o))
 // The options each mode reads; any other one given with it is refused rather than ignored. O(X) is OPT_X's bit; every
@@ -3652,14 +3653,14 @@ static const struct {
 constexpr unsigned COMMON = O(WEIGHTS) | O(PRECISION) | O(QUIET), IMAGES = O(DATA) | O(IMAGE) | O(INVERT) | O(COUNT);
 constexpr unsigned AIS_RUN = O(AIS) | O(CHAINS) | O(LEAPFROG) | O(AIS_INIT) | O(SEED);
 static const unsigned MODE_OPTIONS[] = {
-    COMMON | IMAGES | O(BATCH) | O(SEED) | O(ZMU) | O(OUT) | O(CSV), // elbo: the evaluation, images and CSV
+    COMMON | IMAGES | O(BATCH) | O(SEED) | O(ZMU) | O(OUT) | O(CSV) | O(SHARD), // elbo: the evaluation, images, CSV
     // iwae: sizes its own passes (no -b), writes no images (no -o), samples z (no --zmu)
-    COMMON | IMAGES | O(SEED) | O(CSV) | O(IWAE),
+    COMMON | IMAGES | O(SEED) | O(CSV) | O(IWAE) | O(SHARD),
     // bench: times the test set's first images; prints its table, writes nothing
     COMMON | O(DATA) | O(COUNT) | O(SEED) | O(ZMU) | O(BENCH) | O(BENCH_BATCHES),
     COMMON | O(DATA) | O(OUT) | O(INTERP), // interp: decodes latent means (no noise), writes interp.ppm
     // ais: the chains sample their own z (no --zmu) in launches it sizes (no -b), writes no images
-    COMMON | IMAGES | O(CSV) | AIS_RUN,
+    COMMON | IMAGES | O(CSV) | AIS_RUN | O(SHARD),
     COMMON | AIS_RUN | O(BDMC), // bdmc: simulates its own images (no inputs but the weights)
 };
 #undef O
@@ -3685,6 +3686,7 @@ typedef struct {
     int ais_t, chains, leapfrog; // --ais: intermediate distributions, chains per image, leapfrog steps
     bool ais_from_prior;         // --ais-init prior: p0 = N(0, I) instead of q(z|x)
     int bdmc_n;                  // --bdmc: simulated images
+    int shard, num_shards;       // --shard K/N: block K of N of the images (N = 0: all of them)
     int bench_batches[MAX_BENCH_BATCHES], num_bench_batches;
     bool help, version;
     unsigned given;                 // OPT_BIT of every option on the command line
@@ -3703,6 +3705,8 @@ static const char* USAGE =
     "                       in MNIST; repeat for more; each is printed with its losses\n"
     "      --invert         the --image files are black on white\n"
     "  -n, --count N        evaluate the first N images (default all)\n"
+    "      --shard K/N      of those, the K-th of N contiguous blocks (K = 0..N-1), for a cluster's array\n"
+    "                       jobs: --csv rows keep their index among all; no pictures\n"
     "evaluation\n"
     "  -b, --batch-size N   images per forward pass (default 4096)\n"
     "  -s, --seed N         seed of the noise eps, 0..2^64-1 (default 0)\n"
@@ -3753,6 +3757,7 @@ static bool parse_number(const char* flag, const char* text, unsigned long long 
     return true;
 }
 enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper bound
+enum { MAX_SHARDS = 100000 };  // --shard's N: a block of one image at the most
 // The program joins paths into 4096-byte buffers (-d + "/t10k-images-idx3-ubyte", -o +
 // "/samples.ppm"); a longer argument would be cut silently and name another file.
 enum { MAX_PATH_ARG = 4000 };
@@ -3815,6 +3820,16 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
     case OPT_CHAINS: return parse_int(flag, value, 1, AIS_MAX_CHAINS, &cfg->chains, err);
     case OPT_LEAPFROG: return parse_int(flag, value, 1, AIS_MAX_LEAPFROG, &cfg->leapfrog, err);
     case OPT_KERNELS: return parse_choice(flag, value, KERNELS_NAMES, &cfg->kernels, err);
+    case OPT_SHARD: {
+        char k[24] = "", n[24] = "";
+        const char* slash = strchr(value, '/');
+        if (slash == NULL || slash - value >= (long)sizeof(k) || strlen(slash + 1) >= sizeof(n))
+            return set_error(err, "%s '%s' is not K/N, the K-th of N blocks (e.g. 0/8). HINT: vae -h lists the options",
+                             flag, value);
+        snprintf(k, sizeof(k), "%.*s", (int)(slash - value), value), snprintf(n, sizeof(n), "%s", slash + 1);
+        return parse_int(flag, n, 1, MAX_SHARDS, &cfg->num_shards, err) &&
+               parse_int(flag, k, 0, cfg->num_shards - 1, &cfg->shard, err);
+    }
     case OPT_AIS_INIT: return parse_choice(flag, value, {"q", "prior"}, &cfg->ais_from_prior, err);
     case OPT_BENCH_BATCHES: {
         cfg->num_bench_batches = 0;
@@ -3930,10 +3945,13 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     if (cfg->invert && cfg->num_image_files == 0)
         return set_error(err, "%s applies to --image files. HINT: add --image FILE or drop %s", cfg->flag[OPT_INVERT],
                          cfg->flag[OPT_INVERT]);
-    for (int o : {OPT_DATA, OPT_COUNT})
+    for (int o : {OPT_DATA, OPT_COUNT, OPT_SHARD})
         if (cfg->num_image_files > 0 && (cfg->given & OPT_BIT(o)))
             return set_error(err, "%s does not apply to --image, which replaces the test set. HINT: drop %s",
                              cfg->flag[o], cfg->flag[o]);
+    if (cfg->num_shards > 0 && (cfg->given & OPT_BIT(OPT_OUT)))
+        return set_error(err, "%s writes no pictures (a shard's would be of its block only). HINT: drop %s",
+                         cfg->flag[OPT_SHARD], cfg->flag[OPT_OUT]);
     return true;
 }
 
@@ -4142,8 +4160,10 @@ static void report_progress(const char* what, long long done, long long total) {
         fprintf(stderr, "%s: %lld/%lld\n", what, done, total);
     }
 }
-// What produced a run's results, for the CSV's first line; `images` says where the images came from.
-typedef struct { const char* images; int count; const Labels* labels; } Inputs;
+// What produced a run's results, for the CSV's first line; `images` says where the images came from. A --shard run
+// evaluates images first .. first + count - 1 of them: the generator's keys, the CSV's indices and the labels use
+// those global indices, so the shards' rows are those of one run over all of them.
+typedef struct { const char* images; int count; const Labels* labels; int first; } Inputs;
 // Per-image results as CSV after one '#' line naming what produced them; "-" is stdout. `columns`
 // names the float columns after index and label, `values` holds them.
 static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
@@ -4161,7 +4181,7 @@ static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
                       in->images) > 0;
     ok = ok && fprintf(f, "index,label,%s\n", columns) > 0;
     for (int i = 0; i < in->count && ok; i++) {
-        ok = fprintf(f, "%d,%d", i, label_of(in->labels, i)) > 0;
+        ok = fprintf(f, "%d,%d", in->first + i, label_of(in->labels, in->first + i)) > 0;
         for (const float* v : values) ok = ok && fprintf(f, ",%.6f", v[i]) > 0;
         ok = ok && fputc('\n', f) != EOF;
     }
@@ -4184,16 +4204,16 @@ struct Timer {
         return ms;
     }
 };
-// Per-image BCE and KL of `count` images in batches of `batch`, copied to the host.
-static void evaluate(VAE* m, const uint8_t* d_pixels, int count, int batch, const Config* cfg, float* bce, float* kl,
-                     float* ms) {
+// Per-image BCE and KL of `count` images (image0 the first one's global index) in batches of `batch`, to the host.
+static void evaluate(VAE* m, const uint8_t* d_pixels, int count, int image0, int batch, const Config* cfg, float* bce,
+                     float* kl, float* ms) {
     float* d_losses = (float*)device_alloc((size_t)2 * count * sizeof(float), "the losses", batch);
     const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, false, false};
     vae_forward(m, d_pixels, batch, 0, &opt, d_losses, d_losses + count); // untimed: module loading stays out
     Timer timer(m->stream);
     for (int first = 0; first < count; first += batch) {
         const int B = count - first < batch ? count - first : batch;
-        vae_forward(m, d_pixels + (size_t)first * INPUT_DIM, B, first, &opt, d_losses + first,
+        vae_forward(m, d_pixels + (size_t)first * INPUT_DIM, B, image0 + first, &opt, d_losses + first,
                     d_losses + count + first);
     }
     *ms = timer.elapsed_ms();
@@ -4225,7 +4245,7 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
     float* bce = (float*)malloc((size_t)2 * count * sizeof(float));
     if (bce == NULL) fail("out of host memory for %d losses", count);
     float *kl = bce + count, ms;
-    evaluate(&m, d_pixels, count, batch, cfg, bce, kl, &ms);
+    evaluate(&m, d_pixels, count, in->first, batch, cfg, bce, kl, &ms);
     if (cfg->num_image_files > 0)
         for (int i = 0; i < count; i++)
             fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f\n", cfg->image_paths[i], bce[i], kl[i], bce[i] + kl[i]);
@@ -4235,7 +4255,7 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
     fprintf(console, "mean KL    %10.4f\n", mean_kl);
     fprintf(console, "mean loss  %10.4f   (BCE + KL = -ELBO)\n", mean_bce + mean_kl);
     if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl", {bce, kl});
-    write_images(&m, images, in->labels, count, d_pixels, cfg);
+    if (cfg->num_shards == 0) write_images(&m, images, in->labels, count, d_pixels, cfg);
     free(bce), vae_free(&m);
 }
 // --iwae K: log p(x) of every evaluated image, K importance samples each, beside its ELBO.
@@ -4252,7 +4272,8 @@ static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pi
     Timer timer(m.stream);
     for (int first = 0; first < count; first += slice) {
         const int n = count - first < slice ? count - first : slice;
-        vae_iwae(&m, d_pixels + (size_t)first * INPUT_DIM, n, first, K, cfg->seed, NULL, d_log_px + first);
+        vae_iwae(&m, d_pixels + (size_t)first * INPUT_DIM, n, in->first + first, K, cfg->seed, NULL,
+                 d_log_px + first);
         cudaCheck(cudaStreamSynchronize(m.stream));
         report_progress("iwae", first + n, count);
     }
@@ -4263,7 +4284,7 @@ static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pi
     if (results == NULL) fail("out of host memory for %d results", count);
     float *log_px = results, *bce = results + count, *kl = results + 2 * count;
     cudaCheck(cudaMemcpy(log_px, d_log_px, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
-    evaluate(&m, d_pixels, count, count < 4096 ? count : 4096, cfg, bce, kl, &elbo_ms);
+    evaluate(&m, d_pixels, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl, &elbo_ms);
     if (cfg->num_image_files > 0)
         for (int i = 0; i < count; i++)
             fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f  log p(x) %.4f\n", cfg->image_paths[i], bce[i], kl[i],
@@ -4306,10 +4327,10 @@ static int vae_ais_round(const VAE* m, int C) {
     const int round = m->fused ? m->ais_clusters * ais_cluster_images(C) : 2 * (PLAIN_AIS_ROWS / C);
     return round < m->max_batch ? round : m->max_batch;
 }
-// AIS over images 0 .. n-1 at d_pixels (forward, or reverse from d_z_start [n][20]) in calls of whole
-// rounds (fused: ~2% of the images each; plain: launches of even size), progress between them; then
+// AIS over n images at d_pixels, image0 the first one's global index (forward, or reverse from d_z_start [n][Z]) in
+// calls of whole rounds (fused: ~2% of the images each; plain: launches of even size), progress between them; then
 // each image's estimates. Returns the time in ms.
-static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, const AisBuffers* b,
+static float ais_run(VAE* m, const uint8_t* d_pixels, int n, int image0, const Config* cfg, const AisBuffers* b,
                      const float* d_z_start, const char* what) {
     const int C = cfg->chains, round = vae_ais_round(m, C), rounds = ceil_div(n, round);
     int slice = m->fused ? round * ceil_div(rounds, 50) : ceil_div(n, rounds);
@@ -4319,7 +4340,7 @@ static float ais_run(VAE* m, const uint8_t* d_pixels, int n, const Config* cfg, 
     io.reverse = d_z_start != NULL, io.adapt = true, io.step0 = AIS_STEP_START;
     Timer timer(m->stream);
     for (int first = 0; first < n; first += slice) {
-        io.n = n - first < slice ? n - first : slice, io.first_image = (uint32_t)first;
+        io.n = n - first < slice ? n - first : slice, io.first_image = (uint32_t)(image0 + first);
         io.pixels = d_pixels + (size_t)first * INPUT_DIM;
         io.z_start = d_z_start ? d_z_start + (size_t)first * m->dims.z : NULL;
         io.log_w = b->log_w + (size_t)first * C, io.accepted = b->accepted + (size_t)first * C;
@@ -4349,8 +4370,8 @@ static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pix
     AisBuffers b = ais_buffers(count, cfg);
     Config warm = *cfg;
     warm.ais_t = 2, warm.leapfrog = 1;
-    ais_run(&m, d_pixels, 1, &warm, &b, NULL, "warm-up"); // untimed: module loading stays out
-    const float ms = ais_run(&m, d_pixels, count, cfg, &b, NULL, "ais");
+    ais_run(&m, d_pixels, 1, 0, &warm, &b, NULL, "warm-up"); // untimed: module loading stays out
+    const float ms = ais_run(&m, d_pixels, count, in->first, cfg, &b, NULL, "ais");
 
     double* log_px = (double*)malloc((size_t)count * sizeof(double));
     float* results = (float*)malloc((size_t)7 * count * sizeof(float));
@@ -4359,10 +4380,10 @@ static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pix
     float *kl = results + 4 * count, *iwae_px = results + 5 * count, *ais_px = results + 6 * count, elbo_ms;
     cudaCheck(cudaMemcpy(log_px, b.log_px, (size_t)count * sizeof(double), cudaMemcpyDeviceToHost));
     cudaCheck(cudaMemcpy(step, b.step, (size_t)3 * count * sizeof(float), cudaMemcpyDeviceToHost));
-    evaluate(&m, d_pixels, count, count < 4096 ? count : 4096, cfg, bce, kl, &elbo_ms);
+    evaluate(&m, d_pixels, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl, &elbo_ms);
     if (iwae) {
         float* d_iwae = (float*)device_alloc((size_t)count * sizeof(float), "IWAE's log p(x)", count);
-        vae_iwae(&m, d_pixels, count, 0, (int)evals_per_image, cfg->seed, NULL, d_iwae);
+        vae_iwae(&m, d_pixels, count, in->first, (int)evals_per_image, cfg->seed, NULL, d_iwae);
         cudaCheck(cudaMemcpy(iwae_px, d_iwae, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
         cudaCheck(cudaFree(d_iwae));
     }
@@ -4425,7 +4446,7 @@ static void run_bdmc(const HostWeights* w, const Config* cfg) {
     float ms[2];
     for (int reverse = 0; reverse < 2; reverse++) {
         const char* what = reverse ? "bdmc reverse" : "bdmc forward";
-        ms[reverse] = ais_run(&m, d_pixels, n, cfg, &b, reverse ? d_z : NULL, what);
+        ms[reverse] = ais_run(&m, d_pixels, n, 0, cfg, &b, reverse ? d_z : NULL, what);
         cudaCheck(
             cudaMemcpy(bounds + (size_t)reverse * n, b.log_px, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost));
     }
@@ -4636,7 +4657,13 @@ int main(int argc, char** argv) {
     if (cfg.count > images.count)
         fail("%s %d: %s holds only %d images. HINT: pass %s %d or less", cfg.flag[OPT_COUNT], cfg.count, images_path,
              images.count, cfg.flag[OPT_COUNT], images.count);
-    const int count = cfg.count > 0 ? cfg.count : images.count;
+    const int total = cfg.count > 0 ? cfg.count : images.count;
+    // --shard K/N: block K of N of the evaluated images, first .. first + count - 1
+    const int first = cfg.num_shards > 0 ? (int)((long long)total * cfg.shard / cfg.num_shards) : 0;
+    const int count = cfg.num_shards > 0 ? (int)((long long)total * (cfg.shard + 1) / cfg.num_shards) - first : total;
+    if (cfg.num_shards > total)
+        fail("%s %d/%d: the %d images make fewer than %d blocks. HINT: pass --shard K/N with N of at most %d",
+             cfg.flag[OPT_SHARD], cfg.shard, cfg.num_shards, total, cfg.num_shards, total);
     if (cfg.mode == MODE_BENCH)
         for (int b = 0; b < cfg.num_bench_batches; b++)
             if (cfg.bench_batches[b] > count)
@@ -4646,7 +4673,8 @@ int main(int argc, char** argv) {
     if (cfg.mode == MODE_INTERP && cfg.interp_n > count)
         fail("%s %d: %s holds only %d images. HINT: pass %s %d or less", cfg.flag[OPT_INTERP], cfg.interp_n,
              images_path, count, cfg.flag[OPT_INTERP], count);
-    if (cfg.mode == MODE_ELBO || cfg.mode == MODE_INTERP) check_output_dir(cfg.flag[OPT_OUT], cfg.out_dir);
+    if ((cfg.mode == MODE_ELBO && cfg.num_shards == 0) || cfg.mode == MODE_INTERP)
+        check_output_dir(cfg.flag[OPT_OUT], cfg.out_dir);
     if (cfg.csv_path != NULL && strcmp(cfg.csv_path, "-") != 0) check_output_file(cfg.flag[OPT_CSV], cfg.csv_path);
 
     cudaDeviceProp prop;
@@ -4658,7 +4686,9 @@ int main(int argc, char** argv) {
     print_row("weights", "%s", cfg.weights_path);
     const ModelDims dims = weights.dims;
     print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, dims.h1, dims.z, dims.h3, INPUT_DIM);
-    if (cfg.mode != MODE_BDMC) print_row("images", "%d from %s", count, images_path);
+    if (cfg.num_shards > 0)
+        print_row("images", "%d-%d of %d (--shard %d/%d)", first, first + count - 1, total, cfg.shard, cfg.num_shards);
+    else if (cfg.mode != MODE_BDMC) print_row("images", "%d from %s", count, images_path);
     if (labels.labels == NULL && cfg.mode != MODE_BDMC) print_row("labels", "none (each image's label is -1)");
     if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
     print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
@@ -4679,8 +4709,9 @@ int main(int argc, char** argv) {
 
     // the images stay on the device as uint8 for the whole run: no copies in the batch loop
     uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)std::max(count, 1) * INPUT_DIM, "the images", batch); // bdmc: 0
-    cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)count * INPUT_DIM, cudaMemcpyHostToDevice));
-    const Inputs inputs = {images_path, count, &labels};
+    cudaCheck(cudaMemcpy(d_pixels, images.pixels + (size_t)first * INPUT_DIM, (size_t)count * INPUT_DIM,
+                         cudaMemcpyHostToDevice));
+    const Inputs inputs = {images_path, count, &labels, first};
     if (cfg.mode == MODE_ELBO) run_elbo(&weights, &images, &inputs, d_pixels, &cfg);
     else if (cfg.mode == MODE_IWAE) run_iwae(&weights, &inputs, d_pixels, &cfg);
     else if (cfg.mode == MODE_BENCH) run_bench(&weights, d_pixels, &cfg);
