@@ -30,8 +30,10 @@ int fuzz_one(int reader, const uint8_t* data, size_t size) {
         HostWeights w = {};
         if (parse_weights(data, size, "fuzz", &w, &err)) {
             PROMISE(size == HEADER_INTS * 4 + w.count * sizeof(float));
+            PROMISE(w.dims.h1 >= 1 && w.dims.h1 <= MAX_HIDDEN && w.dims.z >= 1 && w.dims.z <= MAX_LATENT &&
+                    w.dims.h3 >= 1 && w.dims.h3 <= MAX_HIDDEN);
             for (int t = 0; t < NUM_TENSORS; t++)
-                for (size_t i = 0; i < TENSOR_SIZES[t]; i++) {
+                for (size_t i = 0; i < w.size[t]; i++) {
                     PROMISE(isfinite(w.tensor[t][i]));
                     sum += w.tensor[t][i];
                 }

@@ -73,6 +73,11 @@ def main():
 
     write(out, "weights", "real", weights)
     write(out, "weights", "header", weights[:HEADER])
+    # the smallest model of the family, 784-1-1-1 (header[3], [4] and [8]), all weights zero
+    floats = 784 + 1 + 1 + 1 + 1 + 1 + 1 + 1 + 784 + 784
+    tiny = list(struct.unpack("<256i", weights[:HEADER]))
+    tiny[3], tiny[4], tiny[8], tiny[7] = 1, 1, 1, floats
+    write(out, "weights", "tiny", struct.pack("<256i", *tiny) + bytes(4 * floats))
     write(out, "idx_images", "real", images)
     write(out, "idx_images", "header", images[:16])
     write(out, "idx_images", "two_images", images[:4] + struct.pack(">I", 2) + images[8:16] + images[16:16 + 2 * 784])
