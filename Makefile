@@ -60,7 +60,7 @@ REFERENCES = data/vae_debug_state.bin data/vae_iwae_state.bin
 DATA = $(INPUTS) $(REFERENCES)
 # make family: test models of other sizes (prepare_weights.py's FAMILY_DIMS), each a zip checkpoint, its weights
 # file and its two reference dumps, trained on the test set that make data writes
-FAMILY_NAMES = vae_784_512_2_512 vae_784_256_64_256 vae_784_300_10_500
+FAMILY_NAMES = vae_784_512_2_512 vae_784_256_64_256 vae_784_300_10_500 vae_784_97_33_101
 FAMILY = $(foreach n,$(FAMILY_NAMES),$(addprefix data/family/$(n),.pth .bin _debug_state.bin _iwae_state.bin))
 
 .PHONY: all test dev data family fuzz fuzz-build sanitize clean help

@@ -32,8 +32,8 @@ bfloat16 or float64. The file is judged by its keys, shapes and finite values (a
 the published checkpoint), and only the weights file is written: to --out, by default
 data/<the checkpoint's name without its suffix>.bin.
 
---family makes the test models of other sizes (FAMILY_DIMS: 784-512-2-512, 784-256-64-256 and
-784-300-10-500), each trained from torch.manual_seed(FAMILY_SEED) for FAMILY_EPOCHS epoch of Adam on the
+--family makes the test models of other sizes (FAMILY_DIMS: 784-512-2-512, 784-256-64-256,
+784-300-10-500 and 784-97-33-101), each trained from torch.manual_seed(FAMILY_SEED) for FAMILY_EPOCHS epoch of Adam on the
 MNIST test images that 'make data' writes (data/t10k-images-idx3-ubyte), on the CPU. For each, in --out
 (default data/family), with NAME = vae_784_H1_Z_H3:
   NAME.pth                  torch.save(model.state_dict()) in the zip format
@@ -143,7 +143,8 @@ SOURCES = {
 REFERENCE_FILES = ["vae_debug_state.bin", "vae_iwae_state.bin"]
 # --family: the test models of other sizes (H1 != H3 in the last), trained briefly so that their numbers mean
 # something; one epoch of the 10,000 test images takes 6-11 s a model on one CPU core
-FAMILY_DIMS = [Dims(512, 2, 512), Dims(256, 64, 256), Dims(300, 10, 500)]
+# the last: odd sizes (H1 and H3 not multiples of four, Z odd and above 32) for the plain path's edge cases
+FAMILY_DIMS = [Dims(512, 2, 512), Dims(256, 64, 256), Dims(300, 10, 500), Dims(97, 33, 101)]
 FAMILY_SEED = 0
 FAMILY_EPOCHS, FAMILY_BATCH, FAMILY_LR = 1, 128, 1e-3
 FAMILY_SUFFIXES = [".pth", ".bin", "_debug_state.bin", "_iwae_state.bin"]

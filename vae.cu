@@ -313,6 +313,7 @@ __host__ __device__ inline float2 gaussian_pair(uint64_t seed, uint32_t stream, 
 }
 // Transition s's counter of latent pair j / 2: 16 pairs a transition, 32 for a Z above 32.
 __host__ __device__ inline uint32_t momentum_counter(int s, int j, int z) { return (z <= 32 ? 16 : 32) * s + j / 2; }
+static_assert(MAX_LATENT <= 64, "momentum_counter's 32 pairs a transition hold every latent");
 __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
                                                uint32_t counter) {
     return ((philox_keyed(seed, stream, image, chain, counter).x >> 8) + 1) * (1.0f / 16777216.0f);
@@ -371,13 +372,14 @@ __device__ inline float as_float(fp16 v) { return __half2float(v); }
 template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
 // fc3's input and weights, with the bias in K: the input row ends its latents with ones and fc3's rows hold
 // the bias there, so the product adds it (the epilogue only takes the ReLU). Blocks of z_pad(Z) (24 for Z = 20) keep
-// each row on a 16-byte boundary (cuBLAS's fast kernels want that):
+// fp32's rows, and bf16's where z_pad is a multiple of 8 (Z = 20's), on a 16-byte boundary (cuBLAS's fast kernels
+// want that; other sizes get the kernels the heuristic picks for their leading dimension):
 //   fp32  [z | 1 | 0 0 0]                       against  [W3 | b3 | 0 0 0]
 //   bf16  [zh | 1 1 1 | 0] [zl | 0] [zh | 0]    against  [W3h | b3's three parts | 0] [W3h | 0] [W3l | 0]
-// with hi = bf16(v) and lo = bf16(v - hi) (bf16_part): one bf16 matmul of K = 72 adds zh W3h + zl W3h + zh W3l + b3,
-// W3 z + b3 to ~16 significant bits (zl W3l, 2^-16 of it, is dropped), as the fused kernels' fc3 does in
-// fp16 parts. z moves smoothly along an AIS trajectory and the energy's gradient must follow it: with z and
-// W3 in bf16 alone the gradient was 2.4e-2 of its scale from float64 (test_vae's tolerance: 2e-2).
+// with hi = bf16(v) and lo = bf16(v - hi) (bf16_part): one bf16 matmul of K = 72 (Z = 20) adds zh W3h + zl W3h +
+// zh W3l + b3, W3 z + b3 to ~16 significant bits (zl W3l, 2^-16 of it, is dropped), as the fused kernels' fc3 does in
+// fp16 parts. z moves smoothly along an AIS trajectory and the energy's gradient must follow it: with z and W3 in bf16
+// alone the gradient was 2.4e-2 of its scale from float64 (test_vae's tolerance: 2e-2).
 __host__ __device__ constexpr int z_pad(int nz) { return (nz + 3 + 3) / 4 * 4; } // z, three ones, whole fours
 template <typename T> __host__ __device__ constexpr int z_parts() { return std::is_same<T, bf16>::value ? 3 : 1; }
 __host__ __device__ constexpr int z_width(Precision p, int nz) { return z_pad(nz) * (p == PRECISION_BF16 ? 3 : 1); }
@@ -654,7 +656,7 @@ struct AisIO {
 // to. z, p and the start are stored latent by latent, [nz][rows], so that a warp's 32 rows of one latent are 128
 // adjacent bytes (row by row, a thread's 80 bytes would not coalesce). Each kernel below is one step of the transition
 // for every row at once, one thread a row, its latents in arrays of ZMAX.
-enum { PLAIN_AIS_ROWS = 1 << 16 }; // chains a set of buffers holds: ~650 MB of activations and chains in fp32
+enum { PLAIN_AIS_ROWS = 1 << 16 }; // chains a set holds: ~650 MB in fp32 for H3 = 400, ~2.8 GB for 4,096
 struct AisChains {
     float *z, *p, *z0, *grad0; // [nz][PLAIN_AIS_ROWS]
     float* grad;               // [rows][z_pad(nz)]
@@ -1030,7 +1032,7 @@ static U* convert_weights(uint8_t* at, const float* w, int rows, int cols, int p
     launch(plain_weights_kernel<U>, (long long)rows * pitch, 256, 256, stream, (U*)at, w, rows, cols, pitch, copies);
     return (U*)at;
 }
-// The weights (fp32 on the device, PyTorch's layout; fc22's rows follow fc21's: t[FC21_W] is one [40][400] layer) in
+// The weights (fp32 on the device, PyTorch's layout; fc22's rows follow fc21's: t[FC21_W] is one [2Z][H1] layer) in
 // the path's types, each at a 256-byte boundary, and the products of the four layers and of AIS's backward pass.
 template <typename T> static void plain_init_weights(Plain* pl, const float* const* t, cudaStream_t stream) {
     typedef typename Backward<T>::type B;
@@ -3183,16 +3185,16 @@ static size_t fused_smem_bytes() {
                      (size_t)dec_wg_smem<PRECISION_FP32>(), (size_t)dec_wg_smem<PRECISION_BF16>(),
                      (size_t)ais_smem<PRECISION_FP32>(), (size_t)ais_smem<PRECISION_BF16>()});
 }
-// The engine for a model of size dims on a GPU of compute capability major.minor that gives a block smem_optin bytes
-// of shared memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels` as
-// asked, auto being the fused kernels wherever they can run and the plain path elsewhere. False, with the reason,
-// where the fused kernels are asked for and cannot run.
 // Whether `kernels` can serve a model of size dims: the fused kernels are built for the published size only.
 static bool kernels_fit(Kernels kernels, ModelDims dims, Error* err) {
     if (kernels != KERNELS_FUSED || is_published(dims)) return true;
     return set_error(err, "--kernels fused: the fused kernels are built for the 784-400-20-400 model; this one is "
                      "784-%d-%d-%d. HINT: --kernels plain (or auto) runs every size", dims.h1, dims.z, dims.h3);
 }
+// The engine for a model of size dims on a GPU of compute capability major.minor that gives a block smem_optin bytes
+// of shared memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels` as
+// asked, auto being the fused kernels wherever they can run and the plain path elsewhere. False, with the reason,
+// where the fused kernels are asked for and cannot run.
 static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, size_t smem_optin, bool fused_code,
                         bool* fused, Error* err) {
     if (!kernels_fit(kernels, dims, err)) return false;
@@ -3224,7 +3226,7 @@ static bool use_fused(Kernels kernels, ModelDims dims) {
     return fused;
 }
 // The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a
-// row in fp32 (fc3's input, h3, the logits).
+// row in fp32 for H3 = 400 (fc3's input, h3, the logits), ~20 KB for 4,096.
 enum { PLAIN_DECODER_ROWS = 1 << 18 };
 // max_batch: images per forward pass, and the most samples per image --iwae may take.
 // decoder_rows: rows per --iwae decoder pass (at least max_batch). A fused row costs at most 172 bytes
@@ -3757,7 +3759,7 @@ static bool parse_number(const char* flag, const char* text, unsigned long long 
     return true;
 }
 enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper bound
-enum { MAX_SHARDS = 100000 };  // --shard's N: a block of one image at the most
+enum { MAX_SHARDS = 100000 };  // --shard's N as parsed; main refuses an N above the number of images
 // The program joins paths into 4096-byte buffers (-d + "/t10k-images-idx3-ubyte", -o +
 // "/samples.ppm"); a longer argument would be cut silently and name another file.
 enum { MAX_PATH_ARG = 4000 };
@@ -3820,15 +3822,17 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
     case OPT_CHAINS: return parse_int(flag, value, 1, AIS_MAX_CHAINS, &cfg->chains, err);
     case OPT_LEAPFROG: return parse_int(flag, value, 1, AIS_MAX_LEAPFROG, &cfg->leapfrog, err);
     case OPT_KERNELS: return parse_choice(flag, value, KERNELS_NAMES, &cfg->kernels, err);
-    case OPT_SHARD: {
+    case OPT_SHARD: { // K/N: both whole numbers, N in 1..MAX_SHARDS, K in 0..N-1
         char k[24] = "", n[24] = "";
         const char* slash = strchr(value, '/');
-        if (slash == NULL || slash - value >= (long)sizeof(k) || strlen(slash + 1) >= sizeof(n))
-            return set_error(err, "%s '%s' is not K/N, the K-th of N blocks (e.g. 0/8). HINT: vae -h lists the options",
-                             flag, value);
-        snprintf(k, sizeof(k), "%.*s", (int)(slash - value), value), snprintf(n, sizeof(n), "%s", slash + 1);
-        return parse_int(flag, n, 1, MAX_SHARDS, &cfg->num_shards, err) &&
-               parse_int(flag, k, 0, cfg->num_shards - 1, &cfg->shard, err);
+        const bool split = slash != NULL && slash > value && slash - value < (long)sizeof(k) && slash[1] != '\0' &&
+                           strlen(slash + 1) < sizeof(n);
+        if (split) snprintf(k, sizeof(k), "%.*s", (int)(slash - value), value), snprintf(n, sizeof(n), "%s", slash + 1);
+        if (!split || !parse_int(flag, n, 1, MAX_SHARDS, &cfg->num_shards, err) ||
+            !parse_int(flag, k, 0, cfg->num_shards - 1, &cfg->shard, err))
+            return set_error(err, "%s '%s' is not K/N, the K-th (0..N-1) of N blocks with N up to %d (e.g. 0/8). HINT: "
+                             "vae -h lists the options", flag, value, (int)MAX_SHARDS);
+        return true;
     }
     case OPT_AIS_INIT: return parse_choice(flag, value, {"q", "prior"}, &cfg->ais_from_prior, err);
     case OPT_BENCH_BATCHES: {
@@ -4687,7 +4691,8 @@ int main(int argc, char** argv) {
     const ModelDims dims = weights.dims;
     print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, dims.h1, dims.z, dims.h3, INPUT_DIM);
     if (cfg.num_shards > 0)
-        print_row("images", "%d-%d of %d (--shard %d/%d)", first, first + count - 1, total, cfg.shard, cfg.num_shards);
+        print_row("images", "%d-%d of %d from %s (--shard %d/%d)", first, first + count - 1, total, images_path,
+                  cfg.shard, cfg.num_shards);
     else if (cfg.mode != MODE_BDMC) print_row("images", "%d from %s", count, images_path);
     if (labels.labels == NULL && cfg.mode != MODE_BDMC) print_row("labels", "none (each image's label is -1)");
     if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);

@@ -94,7 +94,7 @@ int fuzz_one(int reader, const uint8_t* data, size_t size) {
         if (parse_iwae_state(buf, size, "fuzz", num_images, PUBLISHED_DIMS, &is, &err)) {
             PROMISE(is.N >= 1 && is.K >= 1 && is.first_image >= 0 && is.first_image + is.N <= num_images);
             PROMISE((uintptr_t)is.log_px64 % 8 == 0);
-            for (size_t i = 0; i < (size_t)is.N * is.K * LATENT_DIM; i++) sum += is.eps[i];
+            for (size_t i = 0; i < (size_t)is.N * is.K * PUBLISHED_DIMS.z; i++) sum += is.eps[i];
             for (int i = 0; i < is.N; i++) sum += is.log_px64[i] + is.log_px32[i];
         } else {
             PROMISE(err.msg[0] != '\0');
