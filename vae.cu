@@ -389,6 +389,11 @@ __host__ __device__ constexpr int z_width(Precision p, int nz) { return z_pad(nz
 // (latents()): its loops have no tests left, and sample_kernel keeps 48 registers rather than 125 for bf16. Every
 // other Z runs the MAX_LATENT instance.
 template <int ZMAX> __host__ __device__ constexpr int latents(int nz) { return ZMAX == LATENT_DIM ? LATENT_DIM : nz; }
+// AIS's loops over a chain's latents: unrolled in the published model's instance, where that keeps the arrays in
+// registers, and not at all in the MAX_LATENT one, whose arrays spill anyway (unrolled, vae.cu's portable build took
+// 69 s instead of 53). The loops that the published instance compiles differently this way keep #pragma unroll.
+#define VAE_PRAGMA(...) _Pragma(#__VA_ARGS__)
+#define UNROLL_LATENTS(trips) VAE_PRAGMA(unroll(ZMAX == LATENT_DIM ? (trips) : 1))
 // Part p of v in the 16-bit type T: 0 its T value, 1 that of what it leaves, 2 of what both leave (each remainder
 // is exact in fp32). bf16's parts here; the fused kernels' parts in their T (Path).
 template <typename T> __device__ inline T split_part(float v, int p) {
@@ -664,18 +669,18 @@ struct AisChains {
     int* took;                 // [rows]: this transition's proposal accepted
     int nz;
     template <int ZMAX> __device__ void load(const float* a, size_t r, float (&v)[ZMAX]) const {
-        #pragma unroll
+        UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX; j++) v[j] = j < latents<ZMAX>(nz) ? a[j * (size_t)PLAIN_AIS_ROWS + r] : 0.0f;
     }
     template <int ZMAX> __device__ void store(float* a, size_t r, const float (&v)[ZMAX]) const {
-        #pragma unroll
+        UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX; j++)
             if (j < latents<ZMAX>(nz)) a[j * (size_t)PLAIN_AIS_ROWS + r] = v[j];
     }
     template <int ZMAX> __device__ void load_grad(size_t r, float (&v)[ZMAX]) const {
         const int used = latents<ZMAX>(nz);
         const Four<float>* row = reinterpret_cast<const Four<float>*>(grad + r * z_pad(used));
-        #pragma unroll
+        UNROLL_LATENTS((ZMAX + 3) / 4)
         for (int q = 0; q < (ZMAX + 3) / 4; q++) {
             const Four<float> four = 4 * q < used ? row[q] : Four<float>{};
             for (int k = 0; k < 4 && 4 * q + k < ZMAX; k++) v[4 * q + k] = four.v[k];
@@ -688,7 +693,7 @@ template <int ZMAX> struct AisPrior {
     float mu[ZMAX], inv_var[ZMAX], logvar_sum;
     __device__ AisPrior(const float* mulv_row, int nz) {
         logvar_sum = 0.0f;
-        #pragma unroll
+        UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX; j++) {
             mu[j] = j < nz ? mulv_row[j] : 0.0f, inv_var[j] = j < nz ? expf(-mulv_row[nz + j]) : 1.0f;
             if (j < nz) logvar_sum += mulv_row[nz + j];
@@ -697,7 +702,7 @@ template <int ZMAX> struct AisPrior {
     // log p(x, z) = -BCE - |z|^2 / 2 and log p0(z) = -(sum (z - mu)^2 / var + logvar) / 2 (the log 2 pi cancel)
     __device__ void log_densities(const float (&z)[ZMAX], float bce, float* lpxz, float* lp0) const {
         float sq = 0.0f, mahal = 0.0f;
-        #pragma unroll
+        UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX; j++) {
             const float d = z[j] - mu[j];
             sq = fmaf(z[j], z[j], sq), mahal = fmaf(d * d, inv_var[j], mahal);
@@ -707,7 +712,7 @@ template <int ZMAX> struct AisPrior {
     // p -= scale eps grad U_b(z): U_b = -b log p(x, z) - (1 - b) log p0(z)
     __device__ void kick(float (&p)[ZMAX], const float (&z)[ZMAX], const float (&grad_bce)[ZMAX], float beta,
                          float scaled_step) const {
-        #pragma unroll
+        UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX; j++) {
             const float grad_u = beta * (grad_bce[j] + z[j]) + (1.0f - beta) * (z[j] - mu[j]) * inv_var[j];
             p[j] = fmaf(-scaled_step, grad_u, p[j]);
@@ -718,7 +723,7 @@ template <int ZMAX> struct AisPrior {
 template <typename T, int ZMAX>
 __device__ inline void ais_drift(const AisChains& c, T* z_input, size_t r, float (&z)[ZMAX], const float (&p)[ZMAX],
                                  float step) {
-    #pragma unroll
+    UNROLL_LATENTS(ZMAX)
     for (int j = 0; j < ZMAX; j++) z[j] = fmaf(step, p[j], z[j]);
     c.store(c.z, r, z);
     store_z_input(z_input + r * z_pad(latents<ZMAX>(c.nz)) * z_parts<T>(), z, latents<ZMAX>(c.nz));
@@ -817,12 +822,12 @@ template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s)
     c.load(c.z, r, z), c.load_grad(r, grad), c.load(c.p, r, p);
     prior.kick(p, z, grad, beta, 0.5f * step);
     if (io.proposal && s == io.T - 1)
-        #pragma unroll
+        UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX && j < nz; j++)
             io.proposal[(size_t)r * 2 * nz + j] = z[j], io.proposal[((size_t)r * 2 + 1) * nz + j] = p[j];
     float lpxz, lp0, kinetic = 0.0f;
     prior.log_densities(z, c.bce[r], &lpxz, &lp0);
-    #pragma unroll
+    UNROLL_LATENTS(ZMAX)
     for (int j = 0; j < ZMAX; j++) kinetic = fmaf(p[j], p[j], kinetic);
     const float h1 = -beta * lpxz - (1.0f - beta) * lp0 + 0.5f * kinetic;
     const float u = uniform_open0(io.seed, STREAM_ACCEPT, io.first_image + image, chain, s);
@@ -832,7 +837,7 @@ template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s)
         c.bce[r] = c.bce0[r];
         c.load(c.z0, r, z), c.load(c.grad0, r, grad);
         c.store(c.z, r, z);
-        #pragma unroll
+        UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX; j++)
             if (j < nz) c.grad[(size_t)r * z_pad(nz) + j] = grad[j];
     }
