@@ -807,6 +807,100 @@ static const char* csv_values(const char* text, int index, char* out, size_t out
     return out;
 }
 
+// Whether the files a/name and b/name both read and are equal byte for byte.
+static bool same_files(const char* a, const char* b, const char* name) {
+    char path_a[256], path_b[256];
+    snprintf(path_a, sizeof(path_a), "%s/%s", a, name), snprintf(path_b, sizeof(path_b), "%s/%s", b, name);
+    uint8_t *text_a = NULL, *text_b = NULL;
+    size_t size_a = 0, size_b = 0;
+    Error err;
+    const bool same = read_file(path_a, &text_a, &size_a, &err) && read_file(path_b, &text_b, &size_b, &err) &&
+                      size_a == size_b && !memcmp(text_a, text_b, size_a);
+    free(text_a), free(text_b);
+    return same;
+}
+// The line of text that starts with `start`, its first `length` characters (all of it: 0), or "" where there is none.
+static void line_starting(const char* text, const char* start, size_t length, char* out, size_t out_size) {
+    const char* line = text != NULL ? strstr(text, start) : NULL;
+    const size_t n = line != NULL ? strcspn(line, "\n") : 0;
+    snprintf(out, out_size, "%.*s", (int)(length > 0 && length < n ? length : n), line != NULL ? line : "");
+}
+// --devices through ./vae: each mode's results from several GPU threads against one GPU's, byte for byte: the CSVs,
+// the ELBO's and --interp's pictures, --bdmc's bounds. Every GPU of the machine where it has several; on one GPU,
+// three threads on it, which take the slices in an order of their own just the same. Then a GPU that fails (out of
+// memory: this process holds all but 1.5 GB of it) ends the run in one line that names it, and writes nothing.
+static void test_devices() {
+    int gpus = 0;
+    cudaCheck(cudaGetDeviceCount(&gpus));
+    const char* devices = gpus > 1 ? "all" : "0,0,0";
+    const char* modes[][10] = {{"-s", "5", "-b", "7", "-n", "37", "-o", NULL},
+                               {"--zmu", "--kernels", "plain", "--precision", "bf16", "-n", "37", "-o", NULL},
+                               {"--iwae", "8", "-n", "37", NULL},
+                               {"--iwae", "5", "--kernels", "plain", "--precision", "bf16", "-n", "37", NULL},
+                               {"--ais", "3", "--chains", "4", "-n", "37", NULL},
+                               {"--ais", "3", "--kernels", "plain", "-n", "300", NULL},
+                               {"--bdmc", "37", "--ais", "3", NULL},
+                               {"--interp", "120", "-o", NULL}};
+    for (const auto& mode : modes) {
+        char what[96] = "", out[2][160];
+        const char* args[20];
+        int n = 0;
+        const bool bdmc = !strcmp(mode[0], "--bdmc"), interp = !strcmp(mode[0], "--interp");
+        bool pictures = false;
+        for (const char* const* a = mode; *a != NULL; a++) {
+            args[n++] = *a;
+            pictures = pictures || !strcmp(*a, "-o");
+            if (strcmp(*a, "-o")) snprintf(what + strlen(what), sizeof(what) - strlen(what), "%s ", *a);
+        }
+        VaeRun run[2];
+        for (int several = 0; several < 2; several++) {
+            int m = n;
+            snprintf(out[several], sizeof(out[several]), "%s/devices_out%d", scratch, several);
+            if (pictures) args[m++] = out[several];
+            args[m++] = "-q";
+            if (!bdmc && !interp) args[m++] = "--csv", args[m++] = "-";
+            if (several) args[m++] = "--devices", args[m++] = devices;
+            run[several] = run_vae(args, m);
+        }
+        bool same = run[0].status == 0 && run[1].status == 0 && run[0].out != NULL && run[1].out != NULL;
+        for (const char* start : {"lower bound", "upper bound", "gap"}) { // --bdmc: the bounds, not the times
+            char a[160], b[160];
+            line_starting(same && bdmc ? run[0].out : NULL, start, strcmp(start, "gap") ? 22 : 0, a, sizeof(a));
+            line_starting(same && bdmc ? run[1].out : NULL, start, strcmp(start, "gap") ? 22 : 0, b, sizeof(b));
+            same = same && (!bdmc || (a[0] != '\0' && !strcmp(a, b)));
+        }
+        if (same && !bdmc && !interp) // the CSV on stdout
+            same = run[0].out_size == run[1].out_size && run[0].out_size > 0 &&
+                   !memcmp(run[0].out, run[1].out, run[0].out_size);
+        for (const char* name : {"recon.ppm", "samples.ppm", "interp.ppm"})
+            same = same && (!pictures || (interp && strcmp(name, "interp.ppm")) || same_files(out[0], out[1], name));
+        same = same && (!interp || strstr(run[1].out, "bitwise identical both ways"));
+        check(same, "--devices %s %s: the results are one GPU's byte for byte (exit %d, %d)", devices, what,
+              run[0].status, run[1].status);
+        vae_run_free(&run[0]), vae_run_free(&run[1]);
+    }
+
+    const int target = gpus > 1 ? 1 : 0; // the GPU to fail
+    char csv[160], name[32];
+    snprintf(csv, sizeof(csv), "%s/devices.csv", scratch);
+    snprintf(name, sizeof(name), "GPU %d (", target);
+    size_t free_bytes = 0, total_bytes = 0;
+    void* hold = NULL;
+    cudaCheck(cudaSetDevice(target));
+    cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const size_t keep = (size_t)3 << 29;
+    const bool held = free_bytes > keep && cudaMalloc(&hold, free_bytes - keep) == cudaSuccess;
+    VaeRun v = run_vae({"--devices", gpus > 1 ? "0,1" : "0,0", "--iwae", "65536", "--kernels", "plain", "-n", "100",
+                        "--csv", csv});
+    if (held) cudaCheck(cudaFree(hold));
+    cudaCheck(cudaSetDevice(0));
+    check(held && v.status == 1 && v.err != NULL && one_error_line(v.err, v.err_size, name) &&
+              access(csv, F_OK) != 0 && files_starting(scratch, "devices.csv.") == 0,
+          "--devices with GPU %d out of memory: exit 1, one line naming it, no CSV (%.*s)", target,
+          v.err != NULL ? (int)strcspn(v.err, "\n") : 0, v.err != NULL ? v.err : "");
+    vae_run_free(&v);
+}
+
 // --shard K/N through ./vae: the three shards' CSVs, the first whole and the others' rows after their two header
 // lines, are byte for byte one run's over all the images, in each mode that writes one (a GPU run). Only the '#' line's
 // commit and the run would differ, and they do not: a shard's '#' line is the whole run's.
@@ -1017,6 +1111,22 @@ static void test_cli(int num_images, const Images* images) {
         {{"--shard", "1/8", "--bench"}, false},
         {{"--shard", "1/8", "--interp", "5"}, false},
         {{"--shard", "1/8", "--bdmc", "8", "--ais", "10"}, false},
+        // --devices: every mode (--bench times the first GPU)
+        {{"--devices", "all"}, true},
+        {{"--devices", "0,1", "--iwae", "8", "--shard", "1/2"}, true},
+        {{"--devices", "0,0,0", "--ais", "10"}, true},
+        {{"--devices", "63", "--bdmc", "8", "--ais", "10"}, true},
+        {{"--devices", "1,0", "--bench"}, true},
+        {{"--devices", "2", "--interp", "5"}, true},
+        {{"--devices", ""}, false},
+        {{"--devices", "64"}, false},
+        {{"--devices", "-1"}, false},
+        {{"--devices", "0,"}, false},
+        {{"--devices", ",0"}, false},
+        {{"--devices", "0,,1"}, false},
+        {{"--devices", "a"}, false},
+        {{"--devices", "All"}, false},
+        {{"--devices", "0 1"}, false},
     };
     char line[512];
     for (auto& c : cases) {
@@ -1047,6 +1157,17 @@ static void test_cli(int num_images, const Images* images) {
               cfg.num_image_files == 2 && !strcmp(cfg.image_paths[1], "b.pgm") && cfg.invert, "--image repeats");
     check(parse_line({"--shard", "3/8"}, &cfg, &err, line, sizeof(line)) && cfg.shard == 3 && cfg.num_shards == 8,
           "--shard 3/8 reaches the config");
+    check(parse_line({"--devices", "2,0,2"}, &cfg, &err, line, sizeof(line)) && cfg.num_devices == 3 &&
+              cfg.devices[0] == 2 && cfg.devices[1] == 0 && cfg.devices[2] == 2 && !cfg.all_devices,
+          "--devices 2,0,2 reaches the config in order");
+    check(parse_line({"--devices", "0,1", "--devices", "all"}, &cfg, &err, line, sizeof(line)) && cfg.all_devices &&
+              cfg.num_devices == 0, "--devices all after a list: every GPU");
+    {
+        char many[200] = "0";
+        for (int i = 1; i <= MAX_DEVICES; i++) strcat(many, ",0");
+        check(!parse_line({"--devices", many}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "up to 64"),
+              "--devices with %d GPUs listed: %s", MAX_DEVICES + 1, err.msg);
+    }
     check(!parse_line({"--shard", "1/8", "-o", "x"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "--shard") &&
               strstr(err.msg, "drop -o"), "--shard with -o: one line naming both: %s", err.msg);
     check(!parse_line({"-s", "18446744073709551616"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "outside"),
@@ -1195,6 +1316,7 @@ static void test_cli(int num_images, const Images* images) {
               "(exit %d)", v.status);
         free(text);
         test_shards();
+        test_devices();
     }
     vae_run_free(&v);
 

@@ -38,19 +38,17 @@ as test_vae.cu does) the CLI.
 #include <string.h>
 #include <sys/stat.h>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
 #include <type_traits>
 #include <unistd.h>
 #include <zlib.h> // -d reads MNIST's idx files as shipped, gzipped
 
 // ---- utilities ------------------------------------------------------------------------------------------------------
-// Every CUDA call is checked; a failure names the call site and exits.
-static void cuda_check(cudaError_t status, const char* file, int line) {
-    if (status != cudaSuccess) {
-        fprintf(stderr, "vae: error: CUDA: %s at %s:%d\n", cudaGetErrorString(status), file, line);
-        exit(EXIT_FAILURE);
-    }
-}
-#define cudaCheck(call) cuda_check((call), __FILE__, __LINE__)
 // Errors from the file parsers and the CLI parser are returned, not fatal, so that the tests
 // can feed them broken input; the program prints the message and exits.
 typedef struct { char msg[512]; } Error;
@@ -61,15 +59,29 @@ static bool set_error(Error* err, const char* fmt, ...) {
     va_end(args);
     return false;
 }
+// A run on several GPUs (--devices) drives each from a host thread of its own, which names its GPU here
+// ("GPU 1 (NVIDIA H100 80GB HBM3): "). A failure on any of them ends the whole run at once in one line, the
+// first failure's: quick_exit, because exit's handlers would tear CUDA down under the other threads.
+static thread_local char failing_gpu[320] = "";
+static std::atomic<bool> failed{false};
 [[noreturn]] static void fail(const char* fmt, ...) {
+    if (failed.exchange(true))
+        for (;;) pause(); // another thread is failing: its line is the one, and its exit ends this thread too
     va_list args;
     va_start(args, fmt);
-    fprintf(stderr, "vae: error: ");
+    fprintf(stderr, "vae: error: %s", failing_gpu);
     vfprintf(stderr, fmt, args);
     fprintf(stderr, "\n");
     va_end(args);
-    exit(EXIT_FAILURE);
+    if (failing_gpu[0] == '\0') exit(EXIT_FAILURE);
+    fflush(stdout);
+    quick_exit(EXIT_FAILURE);
 }
+// Every CUDA call is checked; a failure names the call site and exits.
+static void cuda_check(cudaError_t status, const char* file, int line) {
+    if (status != cudaSuccess) fail("CUDA: %s at %s:%d", cudaGetErrorString(status), file, line);
+}
+#define cudaCheck(call) cuda_check((call), __FILE__, __LINE__)
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 #ifndef VAE_PYTHON
 #define VAE_PYTHON "python3" // the Makefile passes the Python it found with numpy
@@ -158,7 +170,7 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
 // Output files are written under a temporary name beside their final one and renamed into place together once the run
 // has succeeded (outputs_commit), so a run that fails - no GPU, a bad input found late, a full disk - leaves every
 // existing file as it was and creates nothing. An exit before the commit (fail(), cudaCheck) removes the temporary
-// files, and the output folder if this run made it, from an atexit handler.
+// files, and the output folder if this run made it, from an atexit (and at_quick_exit) handler.
 enum { MAX_OUTPUTS = 8, MAX_PATH = 4096 };
 static struct { char final_path[MAX_PATH], temp_path[MAX_PATH + 8], what[128]; } pending_outputs[MAX_OUTPUTS];
 static int num_pending_outputs = 0;
@@ -171,7 +183,7 @@ static void outputs_discard() {
 }
 static void discard_outputs_at_exit() {
     static bool registered = false;
-    if (!registered) registered = atexit(outputs_discard) == 0;
+    if (!registered) registered = atexit(outputs_discard) == 0 && at_quick_exit(outputs_discard) == 0;
 }
 // Makes the output folder if it is missing; an exit before the commit removes it again.
 static bool output_dir_make(const char* dir, Error* err) {
@@ -894,10 +906,7 @@ __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restri
 // With one algorithm without split-K, a row's sums are the same whatever the batch.
 
 static void cublas_check(cublasStatus_t status, const char* file, int line) {
-    if (status != CUBLAS_STATUS_SUCCESS) {
-        fprintf(stderr, "vae: error: cuBLAS: %s at %s:%d\n", cublasLtGetStatusString(status), file, line);
-        exit(EXIT_FAILURE);
-    }
+    if (status != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: %s at %s:%d", cublasLtGetStatusString(status), file, line);
 }
 #define cublasCheck(call) cublas_check((call), __FILE__, __LINE__)
 // One product of the plain path: a layer's weights W (row-major, `pitch` values a row), its epilogue
@@ -3638,7 +3647,7 @@ static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bd
 enum Option {
     OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
     OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_AIS, OPT_CHAINS, OPT_LEAPFROG,
-    OPT_AIS_INIT, OPT_BDMC, OPT_KERNELS, OPT_SHARD, OPT_VERSION, OPT_HELP, NUM_OPTIONS
+    OPT_AIS_INIT, OPT_BDMC, OPT_KERNELS, OPT_SHARD, OPT_DEVICES, OPT_VERSION, OPT_HELP, NUM_OPTIONS
 };
 static const struct {
     const char* name;
@@ -3650,14 +3659,14 @@ static const struct {
     {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
     {"iwae", 0, true},      {"bench", 0, false},         {"bench-batches", 0, true},  {"interp", 0, true},
     {"ais", 0, true},       {"chains", 0, true},         {"leapfrog", 0, true},       {"ais-init", 0, true},
-    {"bdmc", 0, true},      {"kernels", 0, true},        {"shard", 0, true},          {"version", 0, false},
-    {"help", 'h', false},
+    {"bdmc", 0, true},      {"kernels", 0, true},        {"shard", 0, true},          {"devices", 0, true},
+    {"version", 0, false},  {"help", 'h', false},
 };
 #define OPT_BIT(o) (1u << (o))
 // The options each mode reads; any other one given with it is refused rather than ignored. O(X) is OPT_X's bit; every
-// mode reads the weights, --precision and -q (and --kernels: parse_args).
+// mode reads the weights, --precision, --devices and -q (and --kernels: parse_args).
 #define O(name) OPT_BIT(OPT_##name)
-constexpr unsigned COMMON = O(WEIGHTS) | O(PRECISION) | O(QUIET), IMAGES = O(DATA) | O(IMAGE) | O(INVERT) | O(COUNT);
+constexpr unsigned COMMON = O(WEIGHTS) | O(PRECISION) | O(DEVICES) | O(QUIET), IMAGES = O(DATA) | O(IMAGE) | O(INVERT) | O(COUNT);
 constexpr unsigned AIS_RUN = O(AIS) | O(CHAINS) | O(LEAPFROG) | O(AIS_INIT) | O(SEED);
 static const unsigned MODE_OPTIONS[] = {
     COMMON | IMAGES | O(BATCH) | O(SEED) | O(ZMU) | O(OUT) | O(CSV) | O(SHARD), // elbo: the evaluation, images, CSV
@@ -3671,7 +3680,7 @@ static const unsigned MODE_OPTIONS[] = {
     COMMON | AIS_RUN | O(BDMC), // bdmc: simulates its own images (no inputs but the weights)
 };
 #undef O
-enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16 };
+enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16, MAX_DEVICES = 64 };
 typedef struct {
     Mode mode;
     const char* weights_path;
@@ -3694,6 +3703,8 @@ typedef struct {
     bool ais_from_prior;         // --ais-init prior: p0 = N(0, I) instead of q(z|x)
     int bdmc_n;                  // --bdmc: simulated images
     int shard, num_shards;       // --shard K/N: block K of N of the images (N = 0: all of them)
+    int devices[MAX_DEVICES], num_devices; // --devices: the GPUs the run spreads over (0: GPU 0 alone)
+    bool all_devices;                      // --devices all: every GPU of the machine (main lists them)
     int bench_batches[MAX_BENCH_BATCHES], num_bench_batches;
     bool help, version;
     unsigned given;                 // OPT_BIT of every option on the command line
@@ -3723,6 +3734,8 @@ static const char* USAGE =
     "      --kernels K      auto (default): the fused kernels where they run (H100, H200), else plain;\n"
     "                       plain: cuBLASLt and short kernels, any GPU from sm_75; fused: Hopper's\n"
     "                       wgmma, TMA and cluster kernels (sm_90 with a binary built for sm_90a)\n"
+    "      --devices L      the GPUs to spread the images over: all, or a list like 0,1 (default 0);\n"
+    "                       the results are one GPU's, byte for byte; --bench times the first only\n"
     "outputs\n"
     "  -o, --out DIR        folder for the images (default out; created if missing)\n"
     "      --csv FILE       also write per-image results (index,label,bce,kl[,log_px]) after a '#' line\n"
@@ -3796,8 +3809,24 @@ static bool parse_choice(const char* flag, const char* value, const char* const 
     return set_error(err, "%s needs %s, got '%s'. HINT: vae -h lists the options", flag, list, value);
 }
 // One option and its value (NULL for flags) into cfg.
+// A comma-separated list of at most max_count whole numbers in min..max, into out[] and *count; `what` names them in
+// the message for a malformed list (an item empty, over 23 characters or not digits, or too many).
+static bool parse_int_list(const char* flag, const char* value, int min, int max, int* out, int max_count, int* count,
+                           const char* what, Error* err) {
+    *count = 0;
+    for (const char* item = value;; item++) {
+        char text[24];
+        const size_t len = strcspn(item, ",");
+        snprintf(text, sizeof(text), "%.*s", (int)(len < sizeof(text) - 1 ? len : sizeof(text) - 1), item);
+        if (*count == max_count || len >= sizeof(text) || text[0] == '\0' || strspn(text, "0123456789") != len)
+            return set_error(err, "%s '%s' is not a list of up to %d %s. HINT: vae -h lists the options", flag, value,
+                             max_count, what);
+        if (!parse_int(flag, text, min, max, &out[(*count)++], err)) return false;
+        item += len;
+        if (*item == '\0') return true;
+    }
+}
 static bool apply_option(Config* cfg, int o, const char* flag, const char* value, Error* err) {
-    unsigned long long v = 0;
     switch (o) {
     case OPT_WEIGHTS: return parse_path(flag, value, &cfg->weights_path, err);
     case OPT_DATA: return parse_path(flag, value, &cfg->data_dir, err);
@@ -3839,26 +3868,14 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
                              "vae -h lists the options", flag, value, (int)MAX_SHARDS);
         return true;
     }
+    case OPT_DEVICES: // "all", or GPU numbers (a GPU listed twice gets two threads)
+        cfg->num_devices = 0, cfg->all_devices = !strcmp(value, "all");
+        return cfg->all_devices || parse_int_list(flag, value, 0, MAX_DEVICES - 1, cfg->devices, MAX_DEVICES,
+                                                  &cfg->num_devices, "GPU numbers like 0,1 (or all)", err);
     case OPT_AIS_INIT: return parse_choice(flag, value, {"q", "prior"}, &cfg->ais_from_prior, err);
-    case OPT_BENCH_BATCHES: {
-        cfg->num_bench_batches = 0;
-        for (const char* item = value;; item++) {
-            char text[24];
-            const size_t len = strcspn(item, ",");
-            snprintf(text, sizeof(text), "%.*s", (int)(len < sizeof(text) - 1 ? len : sizeof(text) - 1), item);
-            if (cfg->num_bench_batches == MAX_BENCH_BATCHES)
-                return set_error(err, "%s: more than %d batch sizes. HINT: time them in several runs", flag,
-                                 MAX_BENCH_BATCHES);
-            if (len >= sizeof(text) || !parse_number(flag, text, 1, MAX_BATCH, &v, err))
-                return len >= sizeof(text) || text[0] == '\0'
-                           ? set_error(err, "%s '%s' is not a list of batch sizes like 1024,4096. HINT: vae -h lists "
-                                       "the options", flag, value)
-                           : false;
-            cfg->bench_batches[cfg->num_bench_batches++] = (int)v;
-            item += len;
-            if (*item == '\0') return true;
-        }
-    }
+    case OPT_BENCH_BATCHES:
+        return parse_int_list(flag, value, 1, MAX_BATCH, cfg->bench_batches, MAX_BENCH_BATCHES,
+                              &cfg->num_bench_batches, "batch sizes like 1024,4096", err);
     }
     return set_error(err, "internal: option %d has no handler", o);
 }
@@ -4049,31 +4066,19 @@ static void print_row(const char* key, const char* fmt, ...) {
 }
 // The engine AIS runs on: --chains above the fused kernel's AIS_ROWS run on the plain path.
 static Kernels ais_kernels(const Config* cfg) { return cfg->chains > AIS_ROWS ? KERNELS_PLAIN : cfg->kernels; }
+// The engine the run asks for: --kernels, but AIS's --chains above AIS_ROWS run on the plain path.
+static Kernels run_kernels(const Config* cfg) {
+    return cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC ? ais_kernels(cfg) : cfg->kernels;
+}
 // Which engine runs a model of size dims, and why, for the start-up table.
 static void print_kernels_row(const Config* cfg, ModelDims dims) {
     const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
-    if (use_fused(ais ? ais_kernels(cfg) : cfg->kernels, dims))
+    if (use_fused(run_kernels(cfg), dims))
         print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
     else if (cfg->kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
     else if (!is_published(dims)) print_row("kernels", "plain: cuBLASLt (fused: 784-400-20-400 only)");
     else if (ais && cfg->chains > AIS_ROWS) print_row("kernels", "plain: cuBLASLt (--chains above %d)", AIS_ROWS);
     else print_row("kernels", "plain: cuBLASLt (no sm_90a code for this GPU)");
-}
-static void init_cuda(cudaDeviceProp* prop, Precision precision) {
-    int count = 0;
-    cudaError_t status = cudaGetDeviceCount(&count);
-    if (status != cudaSuccess || count == 0)
-        fail("no CUDA device available (%s). HINT: run on a machine with an NVIDIA GPU and its driver",
-             status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
-    cudaCheck(cudaSetDevice(0));
-    cudaCheck(cudaGetDeviceProperties(prop, 0));
-    Error err;
-    if (!gpu_supported(prop->name, prop->major, prop->minor, precision, &err)) fail("%s", err.msg);
-    cudaFuncAttributes attr; // a binary built for other GPUs has no kernel this one can load
-    status = cudaFuncGetAttributes(&attr, iwae_logsumexp_kernel);
-    if (status != cudaSuccess)
-        fail("this vae has no code for the %s (sm_%d%d): %s. HINT: rebuild it here: make clean && make vae", prop->name,
-             prop->major, prop->minor, cudaGetErrorString(status));
 }
 static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
 // The first image of each digit 0..9 among the first count (or -1), for the interpolation rows.
@@ -4154,20 +4159,136 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     }
     free(tiles), cudaCheck(cudaFree(d_pair_pixels)), cudaCheck(cudaFree(d_z));
 }
-// Progress of a long run on stderr, unless -q: a bar redrawn in place on a terminal, a line every
-// 10% otherwise (logs stay readable).
-static void report_progress(const char* what, long long done, long long total) {
-    static int last_decile = -1;
-    if (quiet) return;
-    if (isatty(STDERR_FILENO)) {
-        const int width = 40, filled = (int)(width * done / total);
-        fprintf(stderr, "\r%s [%.*s%*s] %3d%% (%lld/%lld)", what, filled, "########################################",
-                width - filled, "", (int)(100 * done / total), done, total);
-        if (done == total) fputc('\n', stderr);
-    } else if ((int)(10 * done / total) != last_decile) {
-        last_decile = (int)(10 * done / total);
-        fprintf(stderr, "%s: %lld/%lld\n", what, done, total);
+// ---- many GPUs (--devices) ------------------------------------------------------------------------------------------
+// A run on several GPUs gives each a host thread, its own model and stream, and a copy of the images. The GPUs take
+// slices of the images from one shared counter, each as many as it asks for (whole passes of its own engine), so a
+// faster GPU takes more slices and all of them finish within about a slice of each other, whatever their speeds, with
+// no model of them. No image's results depend on the slice it ran in: the generator is keyed by the image's global
+// index, and every reduction is in a fixed order within the image. Each slice's results go to their place in the
+// host's arrays, so the CSV, the means and the pictures are a one-GPU run's, byte for byte.
+typedef struct {
+    int device, sm, sms; // the CUDA device number, its compute capability (90: 9.0) and SMs
+    char name[256];
+    char label[300]; // "GPU 1 (NVIDIA H100 80GB HBM3): ", for failing_gpu
+    VAE m;
+    uint8_t* pixels; // the run's images, [count][784]
+} Gpu;
+typedef struct { int count; Gpu* gpu; } Gpus;
+// work(g) for every GPU g of the run, each on a thread of its own with its GPU current (the first on this thread).
+template <typename Work> static void on_each_gpu(Gpus* gs, Work work) {
+    auto drive = [&](Gpu* g) {
+        if (gs->count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
+        cudaCheck(cudaSetDevice(g->device));
+        work(g);
+    };
+    std::vector<std::thread> threads;
+    for (int i = 1; i < gs->count; i++) threads.emplace_back(drive, &gs->gpu[i]);
+    drive(&gs->gpu[0]);
+    for (std::thread& t : threads) t.join();
+    failing_gpu[0] = '\0'; // what fails from here on is the run's, not one GPU's
+}
+static void vae_free_all(Gpus* gs) {
+    on_each_gpu(gs, [](Gpu* g) { vae_free(&g->m); });
+}
+// The images (or decodes) of a run that no GPU has taken yet.
+struct Slices {
+    std::atomic<int> next{0};
+    const int count;
+    explicit Slices(int n) : count(n) {}
+    // The next `want` of them (or the rest) as first .. first + *n - 1; false once none are left.
+    bool take(int want, int* first, int* n) {
+        *first = next.fetch_add(want);
+        *n = std::min(want, count - *first);
+        return *first < count;
     }
+};
+// The wall time of the timed part of a run on every GPU: from when the last GPU is ready (its modules loaded and its
+// buffers made) to when the last one is done.
+struct RunClock {
+    std::mutex lock;
+    std::condition_variable all_ready;
+    const int gpus;
+    int ready = 0;
+    double start_ms = 0.0, end_ms = 0.0;
+    explicit RunClock(int n) : gpus(n) {}
+    static double now_ms() {
+        return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
+    void ready_to_start() {
+        std::unique_lock<std::mutex> hold(lock);
+        if (++ready == gpus) start_ms = now_ms(), all_ready.notify_all();
+        else all_ready.wait(hold, [&] { return ready == gpus; });
+    }
+    void done() {
+        std::lock_guard<std::mutex> hold(lock);
+        end_ms = std::max(end_ms, now_ms());
+    }
+    double ms() const { return end_ms - start_ms; }
+};
+// Progress of a long run on stderr, unless -q: a bar redrawn in place on a terminal, a line every 10% otherwise (logs
+// stay readable). Every GPU adds what it finished.
+struct Progress {
+    std::mutex lock;
+    const char* what;
+    const long long total;
+    long long done = 0;
+    int decile = -1;
+    Progress(const char* what_, long long total_) : what(what_), total(total_) {}
+    void add(long long n) {
+        std::lock_guard<std::mutex> hold(lock);
+        done += n;
+        if (quiet) return;
+        if (isatty(STDERR_FILENO)) {
+            const int width = 40, filled = (int)(width * done / total);
+            fprintf(stderr, "\r%s [%.*s%*s] %3d%% (%lld/%lld)", what, filled, "########################################",
+                    width - filled, "", (int)(100 * done / total), done, total);
+            if (done == total) fputc('\n', stderr);
+        } else if ((int)(10 * done / total) != decile) {
+            decile = (int)(10 * done / total);
+            fprintf(stderr, "%s: %lld/%lld\n", what, done, total);
+        }
+    }
+};
+// The run's GPUs: --devices' (every GPU, or the list; GPU 0 by default), the first alone for --bench, each checked:
+// this binary has code for it, and it has what --precision needs.
+static Gpus open_gpus(const Config* cfg) {
+    int available = 0, devices[MAX_DEVICES], count = 0;
+    const cudaError_t status = cudaGetDeviceCount(&available);
+    if (status != cudaSuccess || available == 0)
+        fail("no CUDA device available (%s). HINT: run on a machine with an NVIDIA GPU and its driver",
+             status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
+    if (cfg->all_devices) for (; count < available && count < MAX_DEVICES; count++) devices[count] = count;
+    for (; count < cfg->num_devices; count++) {
+        devices[count] = cfg->devices[count];
+        if (devices[count] >= available)
+            fail("%s: there is no GPU %d; this machine's %d GPU%s 0..%d. HINT: pass --devices all, or GPU numbers of "
+                 "0..%d (nvidia-smi -L lists them)", cfg->flag[OPT_DEVICES], devices[count], available,
+                 available > 1 ? "s are" : " is", available - 1, available - 1);
+    }
+    if (count == 0) devices[count++] = 0;
+    if (cfg->mode == MODE_BENCH) count = 1;
+    Gpus gs = {count, (Gpu*)calloc(count, sizeof(Gpu))};
+    if (gs.gpu == NULL) fail("out of host memory for %d GPUs", count);
+    for (int i = 0; i < count; i++) {
+        Gpu* g = &gs.gpu[i];
+        cudaDeviceProp prop;
+        cudaCheck(cudaSetDevice(devices[i]));
+        cudaCheck(cudaGetDeviceProperties(&prop, devices[i]));
+        g->device = devices[i], g->sm = 10 * prop.major + prop.minor, g->sms = prop.multiProcessorCount;
+        snprintf(g->name, sizeof(g->name), "%s", prop.name);
+        snprintf(g->label, sizeof(g->label), "GPU %d (%s): ", g->device, g->name);
+        if (count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
+        Error err;
+        if (!gpu_supported(prop.name, prop.major, prop.minor, cfg->precision, &err)) fail("%s", err.msg);
+        cudaFuncAttributes attr; // a binary built for other GPUs has no kernel this one can load
+        const cudaError_t loaded = cudaFuncGetAttributes(&attr, iwae_logsumexp_kernel);
+        if (loaded != cudaSuccess)
+            fail("this vae has no code for the %s (sm_%d): %s. HINT: rebuild it here: make clean && make vae", g->name,
+                 g->sm, cudaGetErrorString(loaded));
+    }
+    failing_gpu[0] = '\0';
+    cudaCheck(cudaSetDevice(gs.gpu[0].device));
+    return gs;
 }
 // What produced a run's results, for the CSV's first line; `images` says where the images came from. A --shard run
 // evaluates images first .. first + count - 1 of them: the generator's keys, the CSV's indices and the labels use
@@ -4213,22 +4334,32 @@ struct Timer {
         return ms;
     }
 };
-// Per-image BCE and KL of `count` images (image0 the first one's global index) in batches of `batch`, to the host.
-static void evaluate(VAE* m, const uint8_t* d_pixels, int count, int image0, int batch, const Config* cfg, float* bce,
-                     float* kl, float* ms) {
-    float* d_losses = (float*)device_alloc((size_t)2 * count * sizeof(float), "the losses", batch);
+// Per-image BCE and KL of `count` images (image0 the first one's global index) to the host, on every GPU, in slices of
+// whole batches of `batch` (about 8 slices a GPU); returns the time in ms.
+static double evaluate(Gpus* gs, int count, int image0, int batch, const Config* cfg, float* bce, float* kl) {
     const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, false, false};
-    vae_forward(m, d_pixels, batch, 0, &opt, d_losses, d_losses + count); // untimed: module loading stays out
-    Timer timer(m->stream);
-    for (int first = 0; first < count; first += batch) {
-        const int B = count - first < batch ? count - first : batch;
-        vae_forward(m, d_pixels + (size_t)first * INPUT_DIM, B, image0 + first, &opt, d_losses + first,
-                    d_losses + count + first);
-    }
-    *ms = timer.elapsed_ms();
-    cudaCheck(cudaMemcpy(bce, d_losses, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(kl, d_losses + count, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
-    cudaCheck(cudaFree(d_losses));
+    const int slice = batch * ceil_div(ceil_div(count, 8 * gs->count), batch);
+    Slices slices(count);
+    RunClock clock(gs->count);
+    on_each_gpu(gs, [&](Gpu* g) {
+        VAE* m = &g->m;
+        float* d_losses = (float*)device_alloc((size_t)2 * slice * sizeof(float), "the losses", batch);
+        vae_forward(m, g->pixels, batch, 0, &opt, d_losses, d_losses + slice); // untimed: module loading stays out
+        cudaCheck(cudaStreamSynchronize(m->stream));
+        clock.ready_to_start();
+        for (int first, n; slices.take(slice, &first, &n);) {
+            for (int b = 0; b < n; b += batch)
+                vae_forward(m, g->pixels + (size_t)(first + b) * INPUT_DIM, std::min(batch, n - b), image0 + first + b,
+                            &opt, d_losses + b, d_losses + slice + b);
+            cudaCheck(cudaMemcpyAsync(bce + first, d_losses, n * sizeof(float), cudaMemcpyDeviceToHost, m->stream));
+            cudaCheck(cudaMemcpyAsync(kl + first, d_losses + slice, n * sizeof(float), cudaMemcpyDeviceToHost,
+                                      m->stream));
+            cudaCheck(cudaStreamSynchronize(m->stream));
+        }
+        clock.done();
+        cudaCheck(cudaFree(d_losses));
+    });
+    return clock.ms();
 }
 static double mean_of(const float* v, int n) {
     double sum = 0.0;
@@ -4245,55 +4376,70 @@ template <typename V> static double print_mean_nll(const char* label, const V* l
     else fprintf(console, "one image: no standard error)\n");
     return mean;
 }
-// The default run: mean BCE, KL and loss; per image for --image files; CSV; the three pictures.
-static void run_elbo(const HostWeights* w, const Images* images, const Inputs* in, const uint8_t* d_pixels,
-                     const Config* cfg) {
+// " on 2 GPUs" after a time where the run used several.
+static const char* on_gpus(const Gpus* gs) {
+    static char text[32];
+    snprintf(text, sizeof(text), gs->count > 1 ? " on %d GPUs" : "", gs->count);
+    return text;
+}
+// The default run: mean BCE, KL and loss; per image for --image files; CSV; the three pictures (the first GPU's).
+static void run_elbo(const HostWeights* w, const Images* images, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int count = in->count, batch = cfg->batch < count ? cfg->batch : count;
-    VAE m;
-    vae_init(&m, w, batch > IMAGE_TILES_MAX ? batch : IMAGE_TILES_MAX, cfg->precision, cfg->kernels); // pictures: 110
+    on_each_gpu(gs, [&](Gpu* g) { // the pictures take batches of up to 110
+        vae_init(&g->m, w, batch > IMAGE_TILES_MAX ? batch : IMAGE_TILES_MAX, cfg->precision, cfg->kernels);
+    });
     float* bce = (float*)malloc((size_t)2 * count * sizeof(float));
     if (bce == NULL) fail("out of host memory for %d losses", count);
-    float *kl = bce + count, ms;
-    evaluate(&m, d_pixels, count, in->first, batch, cfg, bce, kl, &ms);
+    float* kl = bce + count;
+    const double ms = evaluate(gs, count, in->first, batch, cfg, bce, kl);
     if (cfg->num_image_files > 0)
         for (int i = 0; i < count; i++)
             fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f\n", cfg->image_paths[i], bce[i], kl[i], bce[i] + kl[i]);
     const double mean_bce = mean_of(bce, count), mean_kl = mean_of(kl, count);
-    fprintf(console, "evaluated %d images in %.3f ms (%.0f images/s)\n", count, ms, count / (ms * 1e-3));
+    fprintf(console, "evaluated %d images in %.3f ms%s (%.0f images/s)\n", count, ms, on_gpus(gs),
+            count / (ms * 1e-3));
     fprintf(console, "mean BCE   %10.4f\n", mean_bce);
     fprintf(console, "mean KL    %10.4f\n", mean_kl);
     fprintf(console, "mean loss  %10.4f   (BCE + KL = -ELBO)\n", mean_bce + mean_kl);
     if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl", {bce, kl});
-    if (cfg->num_shards == 0) write_images(&m, images, in->labels, count, d_pixels, cfg);
-    free(bce), vae_free(&m);
+    if (cfg->num_shards == 0) write_images(&gs->gpu[0].m, images, in->labels, count, gs->gpu[0].pixels, cfg);
+    free(bce), vae_free_all(gs);
+}
+// log p(x) of `count` images (image0 the first one's global index) by IWAE with K samples, to the host, on every GPU in
+// slices of whole decoder passes, ~2% of the images each, or a GPU's share where that is less (progress, unless NULL,
+// between them); returns the time in ms.
+static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg, Progress* progress, float* log_px) {
+    Slices slices(count);
+    RunClock clock(gs->count);
+    on_each_gpu(gs, [&](Gpu* g) {
+        VAE* m = &g->m;
+        const int per_pass = vae_iwae_images_per_pass(m, K);
+        const int slice = std::min(per_pass * ceil_div(ceil_div(count, per_pass), 50), ceil_div(count, gs->count));
+        float* d_log_px = (float*)device_alloc((size_t)slice * sizeof(float), "log p(x)", slice);
+        vae_iwae(m, g->pixels, 1, 0, K, cfg->seed, NULL, d_log_px); // untimed: module loading stays out
+        cudaCheck(cudaStreamSynchronize(m->stream));
+        clock.ready_to_start();
+        for (int first, n; slices.take(slice, &first, &n);) {
+            vae_iwae(m, g->pixels + (size_t)first * INPUT_DIM, n, image0 + first, K, cfg->seed, NULL, d_log_px);
+            cudaCheck(cudaMemcpyAsync(log_px + first, d_log_px, n * sizeof(float), cudaMemcpyDeviceToHost, m->stream));
+            cudaCheck(cudaStreamSynchronize(m->stream));
+            if (progress != NULL) progress->add(n);
+        }
+        clock.done();
+        cudaCheck(cudaFree(d_log_px));
+    });
+    return clock.ms();
 }
 // --iwae K: log p(x) of every evaluated image, K importance samples each, beside its ELBO.
-static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pixels, const Config* cfg) {
+static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int K = cfg->iwae_k, count = in->count;
-    VAE m;
-    vae_init(&m, w, IWAE_ROWS, cfg->precision, cfg->kernels, IWAE_PASS_ROWS);
-    float* d_log_px = (float*)device_alloc((size_t)count * sizeof(float), "log p(x)", count);
-    vae_iwae(&m, d_pixels, 1, 0, K, cfg->seed, NULL, d_log_px); // untimed: module loading stays out
-
-    // slices of ~2% of the images between progress reports, each a whole number of passes
-    const int per_pass = vae_iwae_images_per_pass(&m, K), passes = ceil_div(count, per_pass);
-    const int slice = per_pass * ceil_div(passes, 50);
-    Timer timer(m.stream);
-    for (int first = 0; first < count; first += slice) {
-        const int n = count - first < slice ? count - first : slice;
-        vae_iwae(&m, d_pixels + (size_t)first * INPUT_DIM, n, in->first + first, K, cfg->seed, NULL,
-                 d_log_px + first);
-        cudaCheck(cudaStreamSynchronize(m.stream));
-        report_progress("iwae", first + n, count);
-    }
-    const float ms = timer.elapsed_ms();
-    float elbo_ms;
-
+    on_each_gpu(gs, [&](Gpu* g) { vae_init(&g->m, w, IWAE_ROWS, cfg->precision, cfg->kernels, IWAE_PASS_ROWS); });
     float* results = (float*)malloc((size_t)3 * count * sizeof(float)); // log p(x), BCE, KL
     if (results == NULL) fail("out of host memory for %d results", count);
     float *log_px = results, *bce = results + count, *kl = results + 2 * count;
-    cudaCheck(cudaMemcpy(log_px, d_log_px, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
-    evaluate(&m, d_pixels, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl, &elbo_ms);
+    Progress progress("iwae", count);
+    const double ms = iwae_all(gs, count, in->first, K, cfg, &progress, log_px);
+    evaluate(gs, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl);
     if (cfg->num_image_files > 0)
         for (int i = 0; i < count; i++)
             fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f  log p(x) %.4f\n", cfg->image_paths[i], bce[i], kl[i],
@@ -4302,13 +4448,13 @@ static void run_iwae(const HostWeights* w, const Inputs* in, const uint8_t* d_pi
     fprintf(console, "mean -ELBO %10.4f   (BCE + KL, one sample; the bound IWAE tightens)\n",
             mean_of(bce, count) + mean_of(kl, count));
     print_mean_nll("mean NLL   ", log_px, count);
-    fprintf(console, "time       %10.2f ms (%.3g decoder passes/s, progress reports included)\n", ms,
+    fprintf(console, "time       %10.2f ms%s (%.3g decoder passes/s, progress reports included)\n", ms, on_gpus(gs),
             (double)count * K / (ms * 1e-3));
     if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl,log_px", {bce, kl, log_px});
-    free(results), cudaCheck(cudaFree(d_log_px)), vae_free(&m);
+    free(results), vae_free_all(gs);
 }
-// The device buffers of an AIS run over n images of C chains: the schedule, per chain its log
-// weight and acceptances, per image the step size and the estimates.
+// The device buffers of AIS over n images of C chains: the schedule, per chain its log weight and
+// acceptances, per image the step size and the estimates.
 typedef struct { double *beta, *log_w, *log_px; int* accepted; float *step, *ess, *acceptance; } AisBuffers;
 static AisBuffers ais_buffers(int n, const Config* cfg) {
     const size_t rows = (size_t)n * cfg->chains;
@@ -4336,32 +4482,55 @@ static int vae_ais_round(const VAE* m, int C) {
     const int round = m->fused ? m->ais_clusters * ais_cluster_images(C) : 2 * (PLAIN_AIS_ROWS / C);
     return round < m->max_batch ? round : m->max_batch;
 }
-// AIS over n images at d_pixels, image0 the first one's global index (forward, or reverse from d_z_start [n][Z]) in
-// calls of whole rounds (fused: ~2% of the images each; plain: launches of even size), progress between them; then
-// each image's estimates. Returns the time in ms.
-static float ais_run(VAE* m, const uint8_t* d_pixels, int n, int image0, const Config* cfg, const AisBuffers* b,
-                     const float* d_z_start, const char* what) {
-    const int C = cfg->chains, round = vae_ais_round(m, C), rounds = ceil_div(n, round);
-    int slice = m->fused ? round * ceil_div(rounds, 50) : ceil_div(n, rounds);
-    if (slice > m->max_batch) slice = m->max_batch / round * round;
-    AisIO io = {};
-    io.beta = b->beta, io.chains = C, io.T = cfg->ais_t, io.leapfrog = cfg->leapfrog, io.seed = cfg->seed;
-    io.reverse = d_z_start != NULL, io.adapt = true, io.step0 = AIS_STEP_START;
-    Timer timer(m->stream);
-    for (int first = 0; first < n; first += slice) {
-        io.n = n - first < slice ? n - first : slice, io.first_image = (uint32_t)(image0 + first);
-        io.pixels = d_pixels + (size_t)first * INPUT_DIM;
-        io.z_start = d_z_start ? d_z_start + (size_t)first * m->dims.z : NULL;
-        io.log_w = b->log_w + (size_t)first * C, io.accepted = b->accepted + (size_t)first * C;
-        io.step_out = b->step + first;
-        vae_ais(m, io, cfg->ais_from_prior);
+typedef struct { double* log_px; float *step, *ess, *acceptance; } AisResults; // host arrays of n each
+// AIS over n images (image0 the first one's global index), forward, or reverse from the host's z_start [n][Z], on every
+// GPU in slices of whole rounds (fused: ~2% of the images each; plain: launches of even size, as many a GPU), progress
+// between them; each image's estimates to `out`. Returns the time in ms.
+static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const float* z_start, const char* what,
+                      AisResults out) {
+    Progress progress(what, n);
+    Slices slices(n);
+    RunClock clock(gs->count);
+    on_each_gpu(gs, [&](Gpu* g) {
+        VAE* m = &g->m;
+        const int C = cfg->chains, Z = m->dims.z, round = vae_ais_round(m, C), rounds = ceil_div(n, round);
+        int slice = m->fused ? round * ceil_div(rounds, 50) : ceil_div(n, gs->count * ceil_div(rounds, gs->count));
+        if (slice > m->max_batch) slice = m->max_batch / round * round;
+        AisBuffers b = ais_buffers(slice, cfg);
+        float* d_z = NULL;
+        if (z_start != NULL) {
+            d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the AIS start z", n);
+            cudaCheck(cudaMemcpy(d_z, z_start, (size_t)n * Z * sizeof(float), cudaMemcpyHostToDevice));
+        }
+        AisIO io = {};
+        io.beta = b.beta, io.chains = C, io.T = std::min(2, cfg->ais_t), io.leapfrog = 1, io.seed = cfg->seed;
+        io.adapt = true, io.step0 = AIS_STEP_START, io.n = 1, io.pixels = g->pixels;
+        io.log_w = b.log_w, io.accepted = b.accepted, io.step_out = b.step;
+        vae_ais(m, io, cfg->ais_from_prior); // untimed: module loading stays out
         cudaCheck(cudaStreamSynchronize(m->stream));
-        report_progress(what, first + io.n, n);
-    }
-    const float ms = timer.elapsed_ms();
-    launch(ais_estimate_kernel, n, 128, 128, m->stream, b->log_px, b->ess, b->acceptance, b->log_w, b->accepted, n, C,
-           cfg->ais_t - 1, d_z_start != NULL);
-    return ms;
+        io.T = cfg->ais_t, io.leapfrog = cfg->leapfrog, io.reverse = z_start != NULL;
+        clock.ready_to_start();
+        for (int first, k; slices.take(slice, &first, &k);) {
+            io.n = k, io.first_image = (uint32_t)(image0 + first);
+            io.pixels = g->pixels + (size_t)first * INPUT_DIM;
+            io.z_start = d_z != NULL ? d_z + (size_t)first * Z : NULL;
+            vae_ais(m, io, cfg->ais_from_prior);
+            launch(ais_estimate_kernel, k, 128, 128, m->stream, b.log_px, b.ess, b.acceptance, b.log_w, b.accepted, k,
+                   C, cfg->ais_t - 1, io.reverse);
+            const std::pair<float*, float*> floats[] = {{out.step, b.step}, {out.ess, b.ess},
+                                                        {out.acceptance, b.acceptance}};
+            for (auto f : floats)
+                cudaCheck(cudaMemcpyAsync(f.first + first, f.second, k * sizeof(float), cudaMemcpyDeviceToHost,
+                                          m->stream));
+            cudaCheck(cudaMemcpyAsync(out.log_px + first, b.log_px, k * sizeof(double), cudaMemcpyDeviceToHost,
+                                      m->stream));
+            cudaCheck(cudaStreamSynchronize(m->stream));
+            progress.add(k);
+        }
+        clock.done();
+        cudaCheck(cudaFree(d_z)), ais_buffers_free(&b);
+    });
+    return clock.ms();
 }
 enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
 static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
@@ -4369,33 +4538,21 @@ static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decode
     require_ais(m);
 }
 // --ais T: each image's log p(x) by AIS, beside the ELBO and IWAE with as many decoder evaluations.
-static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pixels, const Config* cfg) {
+static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int count = in->count, C = cfg->chains, T = cfg->ais_t, L = cfg->leapfrog;
     const long long evals_per_image = (long long)C * (1 + (long long)(T - 1) * L); // gradient evaluations
     bool iwae = evals_per_image <= IWAE_PASS_ROWS; // IWAE's K: one image's rows fit a decoder pass
-    VAE m;
-    ais_init(&m, w, cfg, iwae ? IWAE_PASS_ROWS : 0);
-    iwae = iwae && evals_per_image <= m.decoder_rows; // the plain path's passes are shorter
-    AisBuffers b = ais_buffers(count, cfg);
-    Config warm = *cfg;
-    warm.ais_t = 2, warm.leapfrog = 1;
-    ais_run(&m, d_pixels, 1, 0, &warm, &b, NULL, "warm-up"); // untimed: module loading stays out
-    const float ms = ais_run(&m, d_pixels, count, in->first, cfg, &b, NULL, "ais");
+    on_each_gpu(gs, [&](Gpu* g) { ais_init(&g->m, w, cfg, iwae ? IWAE_PASS_ROWS : 0); });
+    for (int i = 0; i < gs->count; i++) iwae = iwae && evals_per_image <= gs->gpu[i].m.decoder_rows; // plain: shorter
 
     double* log_px = (double*)malloc((size_t)count * sizeof(double));
     float* results = (float*)malloc((size_t)7 * count * sizeof(float));
     if (log_px == NULL || results == NULL) fail("out of host memory for %d results", count);
     float *step = results, *ess = results + count, *acceptance = results + 2 * count, *bce = results + 3 * count;
-    float *kl = results + 4 * count, *iwae_px = results + 5 * count, *ais_px = results + 6 * count, elbo_ms;
-    cudaCheck(cudaMemcpy(log_px, b.log_px, (size_t)count * sizeof(double), cudaMemcpyDeviceToHost));
-    cudaCheck(cudaMemcpy(step, b.step, (size_t)3 * count * sizeof(float), cudaMemcpyDeviceToHost));
-    evaluate(&m, d_pixels, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl, &elbo_ms);
-    if (iwae) {
-        float* d_iwae = (float*)device_alloc((size_t)count * sizeof(float), "IWAE's log p(x)", count);
-        vae_iwae(&m, d_pixels, count, in->first, (int)evals_per_image, cfg->seed, NULL, d_iwae);
-        cudaCheck(cudaMemcpy(iwae_px, d_iwae, (size_t)count * sizeof(float), cudaMemcpyDeviceToHost));
-        cudaCheck(cudaFree(d_iwae));
-    }
+    float *kl = results + 4 * count, *iwae_px = results + 5 * count, *ais_px = results + 6 * count;
+    const double ms = ais_all(gs, count, in->first, cfg, NULL, "ais", {log_px, step, ess, acceptance});
+    evaluate(gs, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl);
+    if (iwae) iwae_all(gs, count, in->first, (int)evals_per_image, cfg, NULL, iwae_px);
     double accept = 0.0, ess_sum = 0.0, iwae_sum = 0.0;
     float step_min = step[0], step_max = step[0];
     for (int i = 0; i < count; i++) {
@@ -4412,8 +4569,8 @@ static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pix
     if (T > 1)
         fprintf(console, "acceptance  %10.4f   (mean; step sizes %.4g .. %.4g; effective sample size %.2f of %d)\n",
                 accept / count, step_min, step_max, ess_sum / count, C);
-    fprintf(console, "time        %10.3f s  (%.3g gradient evaluations/s, %.1f TFLOP/s of decoder work)\n", ms * 1e-3,
-            evals / (ms * 1e-3), evals * ais_flops_per_eval(m.dims) / (ms * 1e9));
+    fprintf(console, "time        %10.3f s%s  (%.3g gradient evaluations/s, %.1f TFLOP/s of decoder work)\n",
+            ms * 1e-3, on_gpus(gs), evals / (ms * 1e-3), evals * ais_flops_per_eval(w->dims) / (ms * 1e9));
     if (iwae)
         fprintf(console, "inference gap: -ELBO %.4f > IWAE (K = %lld, as many decoder evaluations) %.4f > AIS %.4f "
                 "nats\n", -elbo, evals_per_image, -iwae_sum / count, -mean);
@@ -4421,43 +4578,44 @@ static void run_ais(const HostWeights* w, const Inputs* in, const uint8_t* d_pix
         fprintf(console, "inference gap: -ELBO %.4f > AIS %.4f nats (IWAE with %lld samples a image: over a decoder "
                 "pass, not run)\n", -elbo, -mean, evals_per_image);
     if (cfg->csv_path != NULL) write_csv(cfg, in, "log_px,ess,acceptance", {ais_px, ess, acceptance});
-    free(log_px), free(results), ais_buffers_free(&b), vae_free(&m);
+    free(log_px), free(results), vae_free_all(gs);
 }
 // --bdmc N --ais T: N images simulated from the model (z ~ N(0, I) keyed by the image, x ~
 // Bernoulli(sigmoid(logits)), binary), AIS forward from p0 (a stochastic lower bound of log p(x))
 // and reverse from the true z (an upper bound); their gap is how far AIS at this T is from exact.
-static void run_bdmc(const HostWeights* w, const Config* cfg) {
-    const int n = cfg->bdmc_n;
-    VAE m;
-    ais_init(&m, w, cfg, 0);
-    const int Z = w->dims.z;
+static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
+    const int n = cfg->bdmc_n, Z = w->dims.z;
+    on_each_gpu(gs, [&](Gpu* g) { ais_init(&g->m, w, cfg, 0); });
+    VAE* m = &gs->gpu[0].m; // simulates the images
     float* z = (float*)malloc((size_t)n * Z * sizeof(float) + (size_t)AIS_BATCH * INPUT_DIM * sizeof(float));
     uint8_t* pixels = (uint8_t*)malloc((size_t)n * INPUT_DIM);
     double* bounds = (double*)malloc((size_t)2 * n * sizeof(double));
-    if (z == NULL || pixels == NULL || bounds == NULL) fail("out of host memory for %d simulated images", n);
+    float* estimates = (float*)malloc((size_t)3 * n * sizeof(float)); // step sizes, ESS, acceptance: not reported
+    if (z == NULL || pixels == NULL || bounds == NULL || estimates == NULL)
+        fail("out of host memory for %d simulated images", n);
     float* recon = z + (size_t)n * Z;
     for (int i = 0; i < n; i++)
         for (int j = 0; j < Z; j++) z[(size_t)i * Z + j] = gaussian(cfg->seed, STREAM_SIMULATE, i, 0, j);
     float* d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the simulated z", n);
-    uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)n * INPUT_DIM, "the simulated images", n);
     cudaCheck(cudaMemcpy(d_z, z, (size_t)n * Z * sizeof(float), cudaMemcpyHostToDevice));
     for (int first = 0; first < n; first += AIS_BATCH) {
         const int B = n - first < AIS_BATCH ? n - first : AIS_BATCH;
-        vae_decode(&m, d_z + (size_t)first * Z, B);
-        cudaCheck(cudaMemcpy(recon, m.recon, (size_t)B * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
+        vae_decode(m, d_z + (size_t)first * Z, B);
+        cudaCheck(cudaMemcpy(recon, m->recon, (size_t)B * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
         for (int k = 0; k < B * INPUT_DIM; k++) { // pixel k % 784 of image first + k / 784
             const float u = uniform_open0(cfg->seed, STREAM_SIMULATE, first + k / INPUT_DIM, 1, k % INPUT_DIM);
             pixels[(size_t)first * INPUT_DIM + k] = u <= recon[k] ? 255 : 0;
         }
     }
-    cudaCheck(cudaMemcpy(d_pixels, pixels, (size_t)n * INPUT_DIM, cudaMemcpyHostToDevice));
-    AisBuffers b = ais_buffers(n, cfg);
-    float ms[2];
+    cudaCheck(cudaFree(d_z));
+    on_each_gpu(gs, [&](Gpu* g) {
+        g->pixels = (uint8_t*)device_alloc((size_t)n * INPUT_DIM, "the simulated images", n);
+        cudaCheck(cudaMemcpy(g->pixels, pixels, (size_t)n * INPUT_DIM, cudaMemcpyHostToDevice));
+    });
+    double ms[2];
     for (int reverse = 0; reverse < 2; reverse++) {
-        const char* what = reverse ? "bdmc reverse" : "bdmc forward";
-        ms[reverse] = ais_run(&m, d_pixels, n, 0, cfg, &b, reverse ? d_z : NULL, what);
-        cudaCheck(
-            cudaMemcpy(bounds + (size_t)reverse * n, b.log_px, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost));
+        const AisResults out = {bounds + (size_t)reverse * n, estimates, estimates + n, estimates + 2 * n};
+        ms[reverse] = ais_all(gs, n, 0, cfg, reverse ? z : NULL, reverse ? "bdmc reverse" : "bdmc forward", out);
     }
     double lower = 0.0, upper = 0.0, gap_min = INFINITY, gap_max = -INFINITY;
     for (int i = 0; i < n; i++) {
@@ -4467,13 +4625,13 @@ static void run_bdmc(const HostWeights* w, const Config* cfg) {
     fprintf(console, "BDMC, %d simulated images; AIS with T = %d, C = %d chains, L = %d leapfrog steps, from %s (%s)\n",
             n, cfg->ais_t, cfg->chains, cfg->leapfrog, cfg->ais_from_prior ? "the prior" : "q(z|x)",
             PRECISION_NAMES[cfg->precision]);
-    fprintf(console, "lower bound %10.4f   (mean log p(x), forward AIS; %.3f s)\n", lower / n, ms[0] * 1e-3);
-    fprintf(console, "upper bound %10.4f   (mean log p(x), reverse AIS from the true z; %.3f s)\n", upper / n,
-            ms[1] * 1e-3);
+    fprintf(console, "lower bound %10.4f   (mean log p(x), forward AIS; %.3f s%s)\n", lower / n, ms[0] * 1e-3,
+            on_gpus(gs));
+    fprintf(console, "upper bound %10.4f   (mean log p(x), reverse AIS from the true z; %.3f s%s)\n", upper / n,
+            ms[1] * 1e-3, on_gpus(gs));
     fprintf(console, "gap         %10.4f   (nats, upper - lower; per image %.4f .. %.4f)\n", (upper - lower) / n,
             gap_min, gap_max);
-    free(z), free(pixels), free(bounds);
-    cudaCheck(cudaFree(d_z)), cudaCheck(cudaFree(d_pixels)), ais_buffers_free(&b), vae_free(&m);
+    free(z), free(pixels), free(bounds), free(estimates), vae_free_all(gs);
 }
 // --bench: one whole forward+loss (sampled z) per batch size and precision, captured once as a CUDA graph and replayed:
 // 20 replays warm up; latency is the median of 200 replays, each from an idle GPU between two events (what one request
@@ -4547,50 +4705,61 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
     cudaCheck(cudaFree(d_losses));
 }
 // --interp N: every pair of the first N images, INTERP_STEPS decodes each on the line between
-// their latent means, first in passes of as many decodes as the model holds, then one pair per
-// call (a launch and a wait for 11 decodes, the way an interactive loop would ask). Both decode
-// on the device and leave the images there; neither copies them back inside the timing.
-static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Config* cfg) {
-    const int n = cfg->interp_n, num_pairs = n * (n - 1) / 2;
-    const long long decodes = (long long)num_pairs * INTERP_STEPS;
+// their latent means, first in passes of as many decodes as the model holds (on every GPU), then
+// one pair per call on the first GPU (a launch and a wait for 11 decodes, the way an interactive
+// loop would ask). Both decode on the device and leave the images there; neither copies them back
+// inside the timing.
+static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
+    const int n = cfg->interp_n, num_pairs = n * (n - 1) / 2, decodes = num_pairs * INTERP_STEPS;
     const int pass_rows = IWAE_ROWS - IWAE_ROWS % INTERP_STEPS; // whole pairs per pass
-    VAE m;
-    vae_init(&m, w, pass_rows, cfg->precision, cfg->kernels);
+    const size_t pair_floats = (size_t)INTERP_STEPS * INPUT_DIM;
     int2* pairs = (int2*)malloc((size_t)num_pairs * sizeof(int2));
     float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * INPUT_DIM * sizeof(float));
-    float* last = (float*)malloc((size_t)2 * INTERP_STEPS * INPUT_DIM * sizeof(float)); // the last pair, both ways
+    float* last = (float*)malloc((size_t)2 * pair_floats * sizeof(float)); // the last pair, both ways
     if (pairs == NULL || tiles == NULL || last == NULL) fail("out of host memory for %d pairs", num_pairs);
     for (int a = 0, p = 0; a < n; a++)
         for (int b = a + 1; b < n; b++) pairs[p++] = make_int2(a, b);
-    int2* d_pairs = (int2*)device_alloc((size_t)num_pairs * sizeof(int2), "the pairs", num_pairs);
-    cudaCheck(cudaMemcpy(d_pairs, pairs, (size_t)num_pairs * sizeof(int2), cudaMemcpyHostToDevice));
-    vae_encode(&m, d_pixels, n); // m.mulv holds the N means from here on; decoding leaves it alone
-    vae_decode_interpolations(&m, d_pairs, 0, INTERP_STEPS, INTERP_STEPS); // untimed: module loading stays out
+    std::vector<int2*> d_pairs(gs->count);
+    Slices slices(decodes);
+    RunClock clock(gs->count);
+    on_each_gpu(gs, [&](Gpu* g) {
+        VAE* m = &g->m;
+        int2*& here = d_pairs[g - gs->gpu];
+        vae_init(m, w, pass_rows, cfg->precision, cfg->kernels);
+        here = (int2*)device_alloc((size_t)num_pairs * sizeof(int2), "the pairs", num_pairs);
+        cudaCheck(cudaMemcpy(here, pairs, (size_t)num_pairs * sizeof(int2), cudaMemcpyHostToDevice));
+        vae_encode(m, g->pixels, n); // m->mulv holds the N means from here on; decoding leaves it alone
+        vae_decode_interpolations(m, here, 0, INTERP_STEPS, INTERP_STEPS); // untimed: module loading stays out
+        cudaCheck(cudaStreamSynchronize(m->stream));
+        clock.ready_to_start();
+        for (int first, rows; slices.take(pass_rows, &first, &rows);) {
+            vae_decode_interpolations(m, here, first, rows, INTERP_STEPS);
+            if (first + rows == decodes)
+                cudaCheck(cudaMemcpyAsync(last, m->recon + (size_t)(rows - INTERP_STEPS) * INPUT_DIM,
+                                          pair_floats * sizeof(float), cudaMemcpyDeviceToHost, m->stream));
+            if (gs->count > 1) cudaCheck(cudaStreamSynchronize(m->stream)); // done before this GPU takes more
+        }
+        cudaCheck(cudaStreamSynchronize(m->stream));
+        clock.done();
+    });
+    const double batched_ms = clock.ms();
 
-    Timer timer(m.stream);
-    long long first = 0;
-    for (; first + pass_rows < decodes; first += pass_rows)
-        vae_decode_interpolations(&m, d_pairs, first, pass_rows, INTERP_STEPS);
-    vae_decode_interpolations(&m, d_pairs, first, (int)(decodes - first), INTERP_STEPS);
-    const float batched_ms = timer.elapsed_ms();
-    const size_t pair_floats = (size_t)INTERP_STEPS * INPUT_DIM;
-    cudaCheck(cudaMemcpy(last, m.recon + (size_t)(decodes - first - INTERP_STEPS) * INPUT_DIM,
-                         pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
-
+    VAE* m = &gs->gpu[0].m;
     const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
-    timer.restart();
-    for (int p = 0; p < num_pairs; p++) {
-        vae_decode_interpolations(&m, d_pairs, (long long)p * INTERP_STEPS, INTERP_STEPS, INTERP_STEPS);
-        cudaCheck(cudaStreamSynchronize(m.stream));
-        if ((p + 1) % report_every == 0 || p + 1 == num_pairs) report_progress("one pair per call", p + 1, num_pairs);
+    Progress progress("one pair per call", num_pairs);
+    Timer timer(m->stream);
+    for (int p = 0, reported = 0; p < num_pairs; p++) {
+        vae_decode_interpolations(m, d_pairs[0], (long long)p * INTERP_STEPS, INTERP_STEPS, INTERP_STEPS);
+        cudaCheck(cudaStreamSynchronize(m->stream));
+        if ((p + 1) % report_every == 0 || p + 1 == num_pairs) progress.add(p + 1 - reported), reported = p + 1;
     }
     const float single_ms = timer.elapsed_ms();
-    cudaCheck(cudaMemcpy(last + pair_floats, m.recon, pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaMemcpy(last + pair_floats, m->recon, pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
     const bool same = !memcmp(last, last + pair_floats, pair_floats * sizeof(float));
 
-    fprintf(console, "interpolation: %d images, %d pairs x %d steps = %lld decodes (%s)\n", n, num_pairs,
-            INTERP_STEPS, decodes, PRECISION_NAMES[cfg->precision]);
-    fprintf(console, "batched          %10.2f ms (%.3g decodes/s, passes of %d)\n", batched_ms,
+    fprintf(console, "interpolation: %d images, %d pairs x %d steps = %d decodes (%s)\n", n, num_pairs, INTERP_STEPS,
+            decodes, PRECISION_NAMES[cfg->precision]);
+    fprintf(console, "batched          %10.2f ms%s (%.3g decodes/s, passes of %d)\n", batched_ms, on_gpus(gs),
             decodes / (batched_ms * 1e-3), pass_rows);
     fprintf(console, "one pair a call  %10.2f ms (%.3g decodes/s, %d calls)\n", single_ms, decodes / (single_ms * 1e-3),
             num_pairs);
@@ -4599,13 +4768,13 @@ static void run_interp(const HostWeights* w, const uint8_t* d_pixels, const Conf
     if (!same) fail("--interp: the batched and the one-pair decodes differ. HINT: this is a bug; please report it");
 
     const int rows = num_pairs < 10 ? num_pairs : 10;
-    vae_decode_interpolations(&m, d_pairs, 0, rows * INTERP_STEPS, INTERP_STEPS);
-    cudaCheck(cudaMemcpy(tiles, m.recon, (size_t)rows * pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
+    vae_decode_interpolations(m, d_pairs[0], 0, rows * INTERP_STEPS, INTERP_STEPS);
+    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)rows * pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
     char what[96];
     snprintf(what, sizeof(what), "the first %d pairs, t = 0, 0.1, ..., 1", rows);
     write_grid(cfg, "interp.ppm", what, tiles, rows, INTERP_STEPS);
     free(pairs), free(tiles), free(last);
-    cudaCheck(cudaFree(d_pairs)), vae_free(&m);
+    on_each_gpu(gs, [&](Gpu* g) { cudaCheck(cudaFree(d_pairs[g - gs->gpu])), vae_free(&g->m); });
 }
 // The idx file `name` in `dir`, or its gzipped copy (MNIST as shipped) where only that is there.
 static void idx_path(char path[MAX_PATH], const char* dir, const char* name) {
@@ -4686,14 +4855,27 @@ int main(int argc, char** argv) {
         check_output_dir(cfg.flag[OPT_OUT], cfg.out_dir);
     if (cfg.csv_path != NULL && strcmp(cfg.csv_path, "-") != 0) check_output_file(cfg.flag[OPT_CSV], cfg.csv_path);
 
-    cudaDeviceProp prop;
-    init_cuda(&prop, cfg.precision);
+    Gpus gpus = open_gpus(&cfg);
     const int batch = cfg.batch < count ? cfg.batch : count;
-    print_separator();
-    print_row("device", "%s", prop.name);
-    print_row("arch", "sm_%d%d, %d SMs", prop.major, prop.minor, prop.multiProcessorCount);
-    print_row("weights", "%s", cfg.weights_path);
     const ModelDims dims = weights.dims;
+    print_separator();
+    if (gpus.count == 1) {
+        print_row("device", "%s", gpus.gpu[0].name);
+        print_row("arch", "sm_%d, %d SMs", gpus.gpu[0].sm, gpus.gpu[0].sms);
+        if (cfg.mode == MODE_BENCH && (cfg.all_devices || cfg.num_devices > 1))
+            print_row("devices", "--bench times one GPU: %d", gpus.gpu[0].device);
+    } else {
+        print_row("devices", "%d GPUs, each taking slices as it frees up", gpus.count);
+        for (int i = 0; i < gpus.count; i++) {
+            const Gpu* g = &gpus.gpu[i];
+            char key[16];
+            snprintf(key, sizeof(key), "gpu %d", g->device);
+            cudaCheck(cudaSetDevice(g->device));
+            print_row(key, "%s, sm_%d: %s", g->name, g->sm, use_fused(run_kernels(&cfg), dims) ? "fused" : "plain");
+        }
+        cudaCheck(cudaSetDevice(gpus.gpu[0].device));
+    }
+    print_row("weights", "%s", cfg.weights_path);
     print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, dims.h1, dims.z, dims.h3, INPUT_DIM);
     if (cfg.num_shards > 0)
         print_row("images", "%d-%d of %d from %s (--shard %d/%d)", first, first + count - 1, total, images_path,
@@ -4702,7 +4884,7 @@ int main(int argc, char** argv) {
     if (labels.labels == NULL && cfg.mode != MODE_BDMC) print_row("labels", "none (each image's label is -1)");
     if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
     print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
-    if (cfg.mode != MODE_BENCH) print_kernels_row(&cfg, dims);
+    if (cfg.mode != MODE_BENCH && gpus.count == 1) print_kernels_row(&cfg, dims);
     if (cfg.mode == MODE_ELBO || cfg.mode == MODE_BENCH)
         print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
     if (cfg.mode != MODE_INTERP) print_row("seed", "%llu", (unsigned long long)cfg.seed);
@@ -4717,21 +4899,24 @@ int main(int argc, char** argv) {
                   cfg.leapfrog, cfg.ais_from_prior ? "the prior" : "q(z|x)");
     print_separator();
 
-    // the images stay on the device as uint8 for the whole run: no copies in the batch loop
-    uint8_t* d_pixels = (uint8_t*)device_alloc((size_t)std::max(count, 1) * INPUT_DIM, "the images", batch); // bdmc: 0
-    cudaCheck(cudaMemcpy(d_pixels, images.pixels + (size_t)first * INPUT_DIM, (size_t)count * INPUT_DIM,
-                         cudaMemcpyHostToDevice));
+    // the images stay on each GPU as uint8 for the whole run: no copies in the batch loop (--bdmc makes its own)
+    if (cfg.mode != MODE_BDMC)
+        on_each_gpu(&gpus, [&](Gpu* g) {
+            g->pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the images", batch);
+            cudaCheck(cudaMemcpy(g->pixels, images.pixels + (size_t)first * INPUT_DIM, (size_t)count * INPUT_DIM,
+                                 cudaMemcpyHostToDevice));
+        });
     const Inputs inputs = {images_path, count, &labels, first};
-    if (cfg.mode == MODE_ELBO) run_elbo(&weights, &images, &inputs, d_pixels, &cfg);
-    else if (cfg.mode == MODE_IWAE) run_iwae(&weights, &inputs, d_pixels, &cfg);
-    else if (cfg.mode == MODE_BENCH) run_bench(&weights, d_pixels, &cfg);
-    else if (cfg.mode == MODE_AIS) run_ais(&weights, &inputs, d_pixels, &cfg);
-    else if (cfg.mode == MODE_BDMC) run_bdmc(&weights, &cfg);
-    else run_interp(&weights, d_pixels, &cfg);
+    if (cfg.mode == MODE_ELBO) run_elbo(&weights, &images, &inputs, &gpus, &cfg);
+    else if (cfg.mode == MODE_IWAE) run_iwae(&weights, &inputs, &gpus, &cfg);
+    else if (cfg.mode == MODE_BENCH) run_bench(&weights, gpus.gpu[0].pixels, &cfg);
+    else if (cfg.mode == MODE_AIS) run_ais(&weights, &inputs, &gpus, &cfg);
+    else if (cfg.mode == MODE_BDMC) run_bdmc(&weights, &gpus, &cfg);
+    else run_interp(&weights, &gpus, &cfg);
     if (!outputs_commit(&err, quiet ? NULL : console)) fail("%s", err.msg);
 
-    cudaCheck(cudaFree(d_pixels));
-    free(weights.data), free(images.pixels), free(labels.labels);
+    on_each_gpu(&gpus, [](Gpu* g) { cudaCheck(cudaFree(g->pixels)); });
+    free(gpus.gpu), free(weights.data), free(images.pixels), free(labels.labels);
     return 0;
 }
 #endif // TESTING
