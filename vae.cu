@@ -282,8 +282,7 @@ __host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, ui
                                               uint32_t counter) {
     return philox4x32(make_uint4(counter, image, row, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
 }
-// Four N(0,1) draws (two Box-Muller pairs): latents 4q .. 4q+3 of group q (the last group of a Z not a multiple of 4:
-// in part).
+// Four N(0,1) draws (two Box-Muller pairs): latents 4q .. 4q+3 of group q (of a Z not a multiple of 4, some unused).
 __host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
                                             uint32_t group) {
     const uint4 r = philox_keyed(seed, stream, image, sample, group);
@@ -601,19 +600,18 @@ __global__ void __launch_bounds__(LSE_THREADS)
 // ---- the plain path, part 1 (continued): annealed importance sampling (--ais T, --bdmc N) ---------------------------
 //
 // AIS (Neal 2001; for decoder-based models Wu et al., ICLR 2017) moves C chains per image from p0 = q(z|x) (or the
-// prior N(0, I)) towards the posterior through f_b(z) = p0(z)^(1-b) p(x, z)^b, 0 = b_0 < b_1 < ... < b_T = 1. Each
-// chain carries a float64 log weight
-//   log w = sum_t (b_t - b_{t-1}) [log p(x, z_{t-1}) - log p0(z_{t-1})]
-// and log p(x) ~ logsumexp over the chains - log C. Between two weights z moves by one HMC transition that leaves f_b
-// invariant: momentum p ~ N(0, I), L leapfrog steps on U_b(z) = -log f_b(z), a Metropolis test on H = U_b + |p|^2 / 2
-// (without it AIS is biased). The work: the gradient of log p(x|z) = -BCE(x, logits(z)), the decoder's backward pass:
+// prior N(0, I)) towards the posterior through f_b(z) = p0(z)^(1-b) p(x, z)^b, 0 = b_0 < b_1 < ... < b_T = 1. A chain
+// carries a float64 log weight
+//   log w = sum_t (b_t - b_{t-1}) [log p(x, z_{t-1}) - log p0(z_{t-1})],   log p(x) ~ logsumexp_chains log w - log C
+// Between two weights z moves by one HMC transition that leaves f_b invariant: momentum p ~ N(0, I), L leapfrog steps
+// on U_b(z) = -log f_b(z), a Metropolis test on H = U_b + |p|^2 / 2 (without it AIS is biased). The work: the gradient
+// of log p(x|z) = -BCE(x, logits(z)), the decoder's backward pass:
 //   grad_z BCE = W3^T (mask . (W4^T (sigmoid(logits) - x)))        mask = fc3's ReLU
 // 1.29 MFLOP per evaluation of the published model (four 20x400 or 400x784 products), L evaluations per transition.
 // BDMC (Grosse et al. 2015) runs the same chains backwards from an exact posterior sample: its weights bound log p(x)
 // from above as the forward ones do from below. Both engines draw a chain's start, momenta and Metropolis uniforms
 // keyed by (seed, image, chain, transition), keep the energies in float32 (H ~ 100: the Metropolis test sees
-// differences of ~1e-5 nats) and the weights in float64, and adapt each image's step size (its start, bounds and target
-// acceptance below) from its C chains' acceptance.
+// differences of ~1e-5 nats) and the weights in float64, and adapt each image's step size from its chains' acceptance.
 constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f, AIS_TARGET_ACCEPT = 0.65f;
 static double ais_flops_per_eval(ModelDims d) { return 4.0 * ((double)d.z * d.h3 + (double)d.h3 * INPUT_DIM); }
 // What one AIS run over n images reads and writes. Row r is chain r % C of image r / C.
@@ -667,8 +665,7 @@ struct AisChains {
         }
     }
 };
-// A chain's view of its image: p0's mean, inverse variance and sum of log variances (unused latents: 0 and 1: no
-// terms).
+// A chain's view of its image: p0's mean, inverse variance and sum of log variances (unused latents: 0, 1: no terms).
 template <int ZMAX> struct AisPrior {
     float mu[ZMAX], inv_var[ZMAX], logvar_sum;
     __device__ AisPrior(const float* mulv_row, int nz) {
@@ -729,9 +726,8 @@ template <typename T, int ZMAX> __global__ void ais_start_kernel(AisIO io, AisCh
     io.log_w[r] = 0.0, io.accepted[r] = 0;
     if (chain == 0) io.step_out[image] = io.step0;
 }
-// Step s = 1..T of the schedule, at the chain's z (the last transition's end): its term of the log weight. Then, unless
-// s = T (the chain's results), the next transition's start: momentum p, H0, the start kept for a rejection, half a kick
-// and the first drift.
+// Step s = 1..T of the schedule, at the chain's z (the last transition's end): its term of the log weight; then, but at
+// s = T (the chain's results), the next transition's start: momentum p, H0, the start kept, half a kick, a drift.
 template <typename T, int ZMAX> __global__ void ais_begin_kernel(AisIO io, AisChains c, T* z_input, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
@@ -859,8 +855,7 @@ __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restri
 //
 // Each Linear layer is one cuBLASLt matmul with the bias, and the ReLU where there is one, in its epilogue. PyTorch
 // keeps a layer as W[out][in] and a batch as X[rows][in], both row-major; cuBLAS is column-major. A row-major [r][c]
-// matrix is, byte for byte, the column-major c x r matrix: its transpose. So the forward Y = X W^T + b, read
-// column-major, is
+// matrix is, byte for byte, the column-major c x r matrix: its transpose. The forward Y = X W^T + b, column-major, is
 //   Y^T (out x rows) = W (out x in) X^T (in x rows)     m = out, n = rows, k = in
 // W's bytes read column-major are the in x out matrix W^T, turned back into W by op T (CUBLAS_OP_T); X's are X^T as
 // they are (CUBLAS_OP_N), and Y^T written column-major is Y row-major: no copy or transpose anywhere. The backward
@@ -965,9 +960,8 @@ typedef struct {
     AisChains chains;
     cudaStream_t stream;
 } AisWork;
-// The plain path's model of any size (dims): its weights in the path's type, its products, and its activations for up
-// to max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples). The buffers hold T values where
-// the path's type is used and fp32 where the text says so.
+// The plain path's model of any size (dims): its weights in the path's type T, its products, and its activations (T, or
+// fp32 where marked) for up to max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples).
 typedef struct {
     ModelDims dims;
     Precision precision;
@@ -1149,8 +1143,7 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
 // forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into chains.grad, and the BCE into
 // chains.bce when `energy` (a trajectory's start and end). The L - 1 evaluations between a trajectory's ends need only
 // the gradient: their logits are in T, which halves the bytes of bf16's logits (40,000 rows x 784: 125 MB in fp32).
-// Each point's gradient is then the same function of z in either direction along the trajectory (ends: fp32 logits;
-// between: T), so the leapfrog stays reversible.
+// Each point's gradient is the same function of z either way along the trajectory, so the leapfrog stays reversible.
 template <typename T>
 static void plain_ais_gradient(Plain* pl, const AisIO& io, const AisWork& w, int rows, bool energy) {
     typedef typename Backward<T>::type B;
@@ -1257,9 +1250,8 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
 // Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from sample_z_kernel), the
 // pictures and --interp (rows of chosen latents, no pixels: recon). Both run on Hopper's wgmma + TMA
 // (encoder_wgmma_kernel, decoder_wgmma_kernel); the tests check them against float64 and against the plain path. The
-// same design on sm_80's mma.sync is dev/'s (dev/encoder_v1.cu, dev/decoder_v1.cu), with its time beside these. Its
-// interface is rows of z in, per-row results out: a backward pass w.r.t. z fits the same shape (x - sigmoid(logits)
-// formed in the epilogue's registers).
+// same design on sm_80's mma.sync is dev/encoder_v1.cu's and dev/decoder_v1.cu's, timed beside these. Rows of z in,
+// per-row results out: a backward pass w.r.t. z fits the same shape (x - sigmoid(logits) formed in the epilogue).
 //
 // Both precisions run the same kernels (template parameter P); Path<P> holds what differs.
 //   bf16  each weight and activation is one bf16 (8 significant bits): one product per multiply
@@ -1382,8 +1374,8 @@ __device__ inline float byte_as_float(uint32_t word, int b) {
 // The decoder's shapes. fc4's 784 logits are cut into column blocks of DEC_BN (bf16: 4 of 200, one m64n200 wgmma; the
 // last block starts at 784 - DEC_BN and leaves its first DEC_OVERLAP columns to the block before); fc3's 400 hidden
 // units are taken in chunks of 80 = 5 k16 steps of fc4. Both layers carry their bias in the K padding: 1 in z's K =
-// 20..22 and in an extra k16 step of fc4, the weights there hold the bias split into three 16-bit parts (~fp32 exact),
-// so the tensor cores add it and the epilogue does not.
+// 20..22 and in an extra k16 step of fc4, where the weights hold the bias in three 16-bit parts (~fp32 exact): the
+// tensor cores add it, not the epilogue.
 enum {
     DEC_CHUNK = 80,
     DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK,
@@ -1490,7 +1482,7 @@ template <Precision P> __global__ void z_rows_kernel(uint4* __restrict__ z_rows,
 // layer's k16 steps over them: that layout is already mma's A layout, a[s] = blocks 2s (k 2t..) and 2s + 1 (k 8 +
 // 2t..); steps past the accumulators are zeros. h1 -> fc21/fc22 in the encoder and h3 -> fc4 in both decoders go
 // through it without leaving the registers. bf16 rounds first and takes the ReLU on bf16 pairs (the same values, half
-// the instructions); fp16 also gives the lo parts.
+// the instructions); fp16 gives the lo parts too.
 template <typename T, int STEPS, int H>
 __device__ inline void relu_to_a(uint32_t (&hi)[STEPS][4], uint32_t (&lo)[STEPS][4], const float (&h)[H]) {
     for (int s = 0; s < STEPS; s++)
@@ -1561,9 +1553,8 @@ template <typename T> __device__ inline void pixel_fragments(uint32_t (&a)[4][4]
             a[j][i] =
                 pack2<T>(byte_as_float(words[i % 2][j], (i / 2) * 2), byte_as_float(words[i % 2][j], (i / 2) * 2 + 1));
 }
-// Everything after fc1, for one warp's 16 images: h1 = ReLU(acc / 255 + b1) as A fragments, the
-// slice's partial [mu | logvar], the ticket, and for the last slice to arrive the merge, z and KL.
-// z_s, kl_s: this warp's [16][20] scratch in shared memory.
+// Everything after fc1, for one warp's 16 images: h1 = ReLU(acc / 255 + b1) as A fragments, the slice's partial [mu |
+// logvar], the ticket, and for the last slice to arrive the merge, z and KL. z_s, kl_s: the warp's [16][20] scratch.
 template <Precision P>
 __device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
                                       const typename Path<P>::T (*w_enc)[Path<P>::ENC_W_COLS + 8], int row16,
@@ -1638,8 +1629,7 @@ __device__ inline void copy_enc_weights(typename Path<P>::T (*dst)[Path<P>::ENC_
     const typename Path<P>::T* src = static_cast<const typename Path<P>::T*>(io.enc_w);
     copy_block_async(&dst[0][0], COLS + 8, src + slice * COLS, Path<P>::ENC_SLICES * COLS, MULV_DIM, COLS);
 }
-// fc3's A fragments (Z_K / 16 k16 steps) of rows row16 + g and + 8 (zeros past the rows): two
-// 16-byte loads per two steps.
+// fc3's A fragments (Z_K / 16 k16 steps) of rows row16 + g and + 8 (zeros past the rows): two 16-byte loads per two.
 template <int STEPS>
 __device__ inline void load_z_fragments(uint32_t (&z_a)[STEPS][4], const uint4* __restrict__ z_rows, int row16,
                                         int rows) {
@@ -1839,8 +1829,7 @@ __device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4]
     if constexpr (std::is_same<T, bf16>::value) WG_M64N80("bf16");
     else WG_M64N80("f16");
 }
-// fc4's product for a path: bf16 m64n200, fp32 m64n88 (two fp16 copies of 88 rows: the column block that fits shared
-// memory beside fc3).
+// fc4's product for a path: bf16 m64n200, fp32 m64n88 (two fp16 copies of 88 rows fit shared memory beside fc3).
 template <int R>
 __device__ inline void wgmma_fc4(float (&d)[R], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
     if constexpr (R == 100) wgmma_m64n200k16_rs(d, a, desc_b, accumulate);
@@ -1909,8 +1898,7 @@ template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     const uint32_t w4_lo_tile = w4_tile + DEC_WG_SLICES * DEC_BN * 128; // fp32's lo copy
     uint32_t z_a[Z_STEPS][4]; // fc3's A fragments: z rows g and g + 8 of this warp's 16 in a tile
     auto load_z = [&](int tile) { load_z_fragments(z_a, io.z_rows, tile * 64 + warp * 16, io.rows); };
-    // fc3 of chunk c of the tile in z_a into h, as one wgmma group (the bias comes with the
-    // product: z's K = 20..22 hold 1).
+    // fc3 of chunk c of the tile in z_a into h, as one wgmma group (z's K = 20..22 hold 1: the product adds the bias).
     float h[2 * DEC_CHUNK / 4];
     auto fc3_chunk = [&](int c) {
         wgmma_fence();
@@ -2064,8 +2052,7 @@ struct SampleOut {
     float* kl;         // [rows]: KL(q(z|x) || N(0, I)) of the row's image, the ELBO's
     float* log_ratio;  // [rows]: log p(z) - log q(z|x), --iwae's
 };
-// z for `rows` rows from the images' [mu | logvar], as sample_kernel draws them (sample_latents): row r
-// is sample r % K of image r / K. One thread per row.
+// z for `rows` rows from the images' [mu | logvar] as sample_kernel draws them: row r is sample r % K of image r / K.
 template <Precision P>
 __global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, const float* __restrict__ eps_in,
                                 int rows, int K, uint32_t first_image, uint64_t seed, bool z_is_mu) {
@@ -2098,8 +2085,7 @@ enum {
 // each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when the proposal is rejected. Slot s of
 // thread i of block b: state[(b * AIS_STATE_SLOTS + s) * AIS_THREADS + i], a warp's 32 values adjacent. In registers
 // beside the gradient's accumulators they spill (the spill slots reloaded from L2 on the leapfrog's path after the
-// merge's fence) and the bf16 wgmmas serialize for want of registers. The pointer is not __restrict__: with it nvcc
-// keeps the values in registers again.
+// merge's fence) and the bf16 wgmmas serialize for want of registers. Not __restrict__: with it nvcc keeps them there.
 enum {
     AIS_THREADS = AIS_WARPS * 32,
     AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 2 * AIS_LATENTS, AIS_SLOT_Z0 = 4 * AIS_LATENTS,
@@ -2282,9 +2268,8 @@ __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_
         bce_share[half] = ENERGY ? quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1)) : 0.0f;
     }
 }
-// The epilogue (its energy only when asked) and its values as the backward's A fragments, fp32's with
-// their lo parts: k16 step s holds the block's columns 16s .. 16s + 15, the last step's K 8..15 (past
-// its columns when they are 8 short of a k16 multiple) zero.
+// The epilogue (its energy only when asked) and its values as the backward's A fragments, fp32's with their lo parts:
+// k16 step s holds the block's columns 16s .. 16s + 15, the last step's K 8..15 zero (past the columns when 8 short).
 template <typename T, int N, int K_STEPS>
 __device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip, bool energy,
                                          float (&bce_share)[2], uint32_t (&ga)[K_STEPS][4],
@@ -2645,8 +2630,7 @@ __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4]
 // The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward products in a
 // turn (its first fc3 group just before) and its backward ones in the next (W3's last group just after), and runs its
 // epilogue and merge while the other issues (a turn for the forward or the backward alone gains nothing). Warpgroup 1
-// hands warpgroup 0 the first turn (ais_turns_first) and 0 takes 1's last hand-over (ais_turns_last), so both must
-// evaluate as often (ais_chains' tiles).
+// hands 0 the first turn (ais_turns_first), 0 takes 1's last (ais_turns_last): both evaluate as often (ais_chains).
 __device__ inline void ais_turn_wait() { named_bar_sync(AIS_BAR_TURN + threadIdx.x / 128, 256); }
 __device__ inline void ais_turn_pass() { named_bar_arrive(AIS_BAR_TURN + 1 - threadIdx.x / 128, 256); }
 __device__ inline void ais_turns_first() {
@@ -2695,8 +2679,8 @@ __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&
 // fp16 parts are multiples of 2^-48, so h is 0 or at least 2^-48, far above bf16's smallest 2^-133. In fp16 an h of at
 // most 2^-25 rounds to +0, hi and lo part alike: the unit then adds nothing to the forward, and the mask drops it. Pair
 // j (register r of k16 step i: j = 4i + r) keeps its two flags at bits j and 16 + j, so one shift places both. As
-// comparisons (h > 0) the bits become predicates that ptxas keeps by moving bits between registers, three instructions
-// a bit plus a repacking after the forward.
+// comparisons (h > 0) the bits become predicates that ptxas keeps by moving bits between registers: three instructions
+// a bit, and a repacking.
 __device__ inline uint32_t relu_pair_flags(uint32_t pair, int j) {
     uint32_t flags;
     asm("min.relu.s16x2 %0, %1, %2;\n" : "=r"(flags) : "r"(pair), "r"(0x00010001u));
@@ -2993,8 +2977,7 @@ static CUtensorMap tensor_map_16bit(const void* base, int rows, int cols, int bo
         fail("internal: cuTensorMapEncodeTiled failed (%d) for a %d x %d matrix", (int)r, rows, cols);
     return map;
 }
-// The encoder over io.M images in precision P: one block per SM of `sms`, whole groups of the slices, no
-// more than there are 64-image tasks.
+// The encoder over io.M images in precision P: a block per SM of `sms`, whole groups of slices, at most a group a task.
 template <Precision P>
 static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int sms, cudaStream_t stream) {
     constexpr int SLICES = Path<P>::ENC_SLICES;
@@ -3002,9 +2985,8 @@ static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int s
     encoder_wgmma_kernel<P><<<SLICES * copies, ENC_WG_GROUPS * 128, enc_wg_smem<P>(), stream>>>(w1_map, io);
     cudaCheck(cudaGetLastError());
 }
-// The decoder over io.rows z rows in precision P. Blocks come in groups of the column blocks, at most one
-// per SM of `sms` and no more than there are 64-row tiles. A programmatic dependent launch, so the decoder
-// loads its weights while the kernel before it finishes.
+// The decoder over io.rows z rows in precision P: groups of the column blocks, at most a block per SM of `sms` and a
+// group per 64-row tile. A programmatic dependent launch: the decoder loads its weights while the kernel before ends.
 template <Precision P>
 static void decoder_launch(const DecoderIO& io, const CUtensorMap& w4_map, const CUtensorMap& w3_map, int sms,
                            cudaStream_t stream) {
@@ -3058,8 +3040,7 @@ template <Precision P> static void allow_shared_memory() {
     cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, max, enc_wg_smem<P>()));
     cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, max, dec_wg_smem<P>()));
 }
-// Whether the code loaded for the current GPU has decoder_wgmma_kernel's body (an sm_90a build
-// on an sm_90 GPU); asks the GPU once.
+// Whether the code loaded for the current GPU has the fused kernels' bodies (an sm_90a build on an sm_90 GPU).
 static bool gpu_has_wgmma() {
     int *d_flag = NULL, flag = 0;
     cudaCheck(cudaMalloc(&d_flag, sizeof(int)));
@@ -3148,8 +3129,7 @@ template <Precision P> static void vae_init_path(VAE* m) {
     m->w4_map = tensor_map_16bit(m->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
     m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
 }
-// The most shared memory a block of the fused kernels asks for (ais_kernel's, ~226 KB): they need a GPU
-// that gives a block that much.
+// The most shared memory a block of the fused kernels asks for (ais_kernel's, ~226 KB): the GPU must give that much.
 static size_t fused_smem_bytes() {
     return std::max({(size_t)enc_wg_smem<PRECISION_FP32>(), (size_t)enc_wg_smem<PRECISION_BF16>(),
                      (size_t)dec_wg_smem<PRECISION_FP32>(), (size_t)dec_wg_smem<PRECISION_BF16>(),
@@ -3163,8 +3143,8 @@ static bool kernels_fit(Kernels kernels, ModelDims dims, Error* err) {
 }
 // The engine for a model of size dims on a GPU of compute capability major.minor that gives a block smem_optin bytes
 // of shared memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels` as
-// asked, auto being the fused kernels wherever they can run and the plain path elsewhere. False, with the reason,
-// where the fused kernels are asked for and cannot run.
+// asked, auto the fused kernels wherever they can run, else the plain path. False, with the reason, where the fused
+// kernels are asked for and cannot run.
 static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, size_t smem_optin, bool fused_code,
                         bool* fused, Error* err) {
     if (!kernels_fit(kernels, dims, err)) return false;
@@ -3183,8 +3163,7 @@ static int gpu_attribute(cudaDeviceAttr attribute) {
     cudaCheck(cudaDeviceGetAttribute(&value, attribute, device));
     return value;
 }
-// The engine `kernels` names, resolved for this GPU and a model of size dims: whether the fused kernels run (auto:
-// whether they can).
+// Whether the fused kernels run for `kernels` on this GPU and a model of size dims (auto: whether they can).
 static bool use_fused(Kernels kernels, ModelDims dims) {
     const int major = gpu_attribute(cudaDevAttrComputeCapabilityMajor);
     const int minor = gpu_attribute(cudaDevAttrComputeCapabilityMinor);
@@ -3325,8 +3304,8 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
 static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
 // Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels), K samples each, into the
 // device array log_px[n]. The encoder runs once per image, the n x K decoder rows in passes of as many images as
-// m->decoder_rows hold; all in the model's precision. eps: device [n][K][Z] noise to use instead of the generator
-// (tests), or NULL. Asynchronous on m->stream.
+// m->decoder_rows hold; all in the model's precision. eps: device [n][K][Z] noise instead of the generator (tests), or
+// NULL. Asynchronous.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
@@ -3369,9 +3348,8 @@ static void require_ais(const VAE* m) {
         fail("AIS runs on Hopper GPUs (sm_90) only: its kernel uses thread block clusters. HINT: run --ais on an "
              "H100 or H200 with a binary built for sm_90a (make vae does that there)");
 }
-// AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder,
-// or N(0, I) when from_prior; the caller fills in the rest of io (the schedule, the outputs, the
-// reverse run's z_start). Asynchronous on m->stream.
+// AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder, or N(0, I) when
+// from_prior; the caller fills in the rest of io (the schedule, the outputs, the reverse run's z_start). Asynchronous.
 static void vae_ais(VAE* m, AisIO io, bool from_prior) {
     require_ais(m);
     if (io.n < 1 || io.n > m->max_batch) fail("internal: %d AIS images outside 1..%d", io.n, m->max_batch);
