@@ -49,8 +49,7 @@ as test_vae.cu does) the CLI.
 #include <zlib.h> // -d reads MNIST's idx files as shipped, gzipped
 
 // ---- utilities ------------------------------------------------------------------------------------------------------
-// Errors from the file parsers and the CLI parser are returned, not fatal, so that the tests
-// can feed them broken input; the program prints the message and exits.
+// The file and CLI parsers return their errors, so the tests can feed them broken input; the program prints and exits.
 typedef struct { char msg[512]; } Error;
 static bool set_error(Error* err, const char* fmt, ...) {
     va_list args;
@@ -149,15 +148,11 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
     if (f == NULL) return set_error(err, "%s: %s. HINT: check the file's permissions", path, strerror(errno));
     *size = (size_t)st.st_size;
     *data = (uint8_t*)malloc(*size > 0 ? *size : 1);
-    if (*data == NULL) {
-        fclose(f);
-        return set_error(err, "%s: out of host memory reading %zu bytes", path, *size);
-    }
+    if (*data == NULL) return fclose(f), set_error(err, "%s: out of host memory reading %zu bytes", path, *size);
     size_t got = fread(*data, 1, *size, f);
     fclose(f);
     if (got != *size) {
-        free(*data);
-        *data = NULL;
+        free(*data), *data = NULL;
         return set_error(err, "%s: read %zu of %zu bytes. HINT: check the disk and the file", path, got, *size);
     }
     const size_t length = strlen(path);
@@ -259,9 +254,8 @@ typedef struct {
 } HostWeights;
 
 // ---- random numbers -------------------------------------------------------------------------------------------------
-// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"): a counter-based
-// generator, so the noise for (image, latent) is a pure function of its coordinates. No state is
-// carried between batches, which keeps every image's result independent of the batch size.
+// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"), counter-based: the noise for (image,
+// latent) is a pure function of its coordinates: no state crosses batches, and no result depends on the batch size.
 __host__ __device__ inline uint32_t mulhi32(uint32_t a, uint32_t b) {
 #ifdef __CUDA_ARCH__
     return __umulhi(a, b);
@@ -281,8 +275,7 @@ __host__ __device__ inline uint4 philox4x32(uint4 c, uint2 k) {
 }
 // Streams keep the noise of different uses apart.
 enum { STREAM_POSTERIOR = 0, STREAM_PRIOR = 1, STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4 };
-// Two independent N(0,1) draws from two 32-bit random words (Box-Muller: radius times the
-// cosine and the sine of one angle).
+// Two independent N(0,1) draws from two 32-bit random words (Box-Muller: radius times cosine and sine of one angle).
 __host__ __device__ inline float2 box_muller(uint32_t word1, uint32_t word2) {
     const float u1 = ((word1 >> 8) + 1) * (1.0f / 16777216.0f); // (0, 1]: log stays finite
     const float u2 = (word2 >> 8) * (1.0f / 16777216.0f);       // [0, 1)
@@ -295,13 +288,16 @@ __host__ __device__ inline float2 box_muller(uint32_t word1, uint32_t word2) {
 #endif
     return make_float2(radius * cosine, radius * sine);
 }
-// Four N(0,1) draws keyed by (seed, stream, image, sample, group): one Philox call gives four
-// words, two Box-Muller pairs. Group q holds latents 4q .. 4q+3 (of a Z not a multiple of four, the last group in
-// part).
+// Philox's four words keyed by (seed, stream, image, row, counter): row is a sample or a chain; the counter a latent
+// group, or AIS's transition and latent pair (momentum_counter), so no draw depends on the batch.
+__host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, uint32_t image, uint32_t row,
+                                              uint32_t counter) {
+    return philox4x32(make_uint4(counter, image, row, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
+}
+// Four N(0,1) draws (two Box-Muller pairs): latents 4q .. 4q+3 of group q (of a Z not a multiple of 4, some unused).
 __host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
                                             uint32_t group) {
-    const uint4 r =
-        philox4x32(make_uint4(group, image, sample, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
+    const uint4 r = philox_keyed(seed, stream, image, sample, group);
     const float2 a = box_muller(r.x, r.y), b = box_muller(r.z, r.w);
     return make_float4(a.x, a.y, b.x, b.y);
 }
@@ -312,12 +308,7 @@ __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32
     const uint32_t i = latent % 4;
     return i == 0 ? g.x : i == 1 ? g.y : i == 2 ? g.z : g.w;
 }
-// Two N(0, 1) draws (a pair of latents) and one uniform in (0, 1] keyed by (seed, stream, image, chain, counter): the
-// counter carries the transition and the pair (momentum_counter), so no draw depends on the batch.
-__host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
-                                              uint32_t counter) {
-    return philox4x32(make_uint4(counter, image, chain, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
-}
+// Two N(0, 1) draws (a pair of latents), and one uniform in (0, 1] below, keyed as philox_keyed.
 __host__ __device__ inline float2 gaussian_pair(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
                                                 uint32_t counter) {
     const uint4 r = philox_keyed(seed, stream, image, chain, counter);
@@ -341,8 +332,7 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
 //         and fp32 wherever a value is summed or compared: mu and logvar, the logits, the losses, the AIS chains
 // A row of either engine is a pure function of its image and its keyed noise, whatever the batch.
 
-// One latent coordinate: z_j = mu_j + eps_j * exp(logvar_j / 2), and its KL(q(z|x) || N(0,I))
-// term 1 + logvar_j - mu_j^2 - exp(logvar_j) (the image's KL is -1/2 the sum over j).
+// z_j = mu_j + eps_j exp(logvar_j / 2), and its term 1 + logvar_j - mu_j^2 - exp(logvar_j) of KL = -1/2 sum_j term_j.
 __device__ inline float latent_z(float mu, float logvar, float eps, float* kl_term) {
     *kl_term = 1.0f + logvar - mu * mu - expf(logvar);
     return mu + eps * expf(0.5f * logvar);
@@ -357,10 +347,9 @@ __device__ inline float4 posterior_eps(const float* eps_row, int q, int nz, uint
     for (int i = 0; i < 4; i++) e[i] = 4 * q + i < nz ? eps_row[4 * q + i] : 0.0f;
     return make_float4(e[0], e[1], e[2], e[3]);
 }
-// Latents on the straight line between two images' means: row r of the decoder's batch is step
-// r % steps of pair r / steps, z = (1 - t) mu_a + t mu_b with t = step / (steps - 1). The pairs
-// index rows of mulv ([mu | logvar] per image); rows count from first_row, so a long list of
-// pairs is decoded in passes without any host work between them. One thread per latent, nz a row.
+// Latents on the straight line between two images' means: row r of the decoder's batch is step r % steps of pair r /
+// steps, z = (1 - t) mu_a + t mu_b with t = step / (steps - 1). The pairs index rows of mulv ([mu | logvar] per image);
+// rows count from first_row, so a long list of pairs is decoded in passes with no host work between. A thread a latent.
 __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* pairs, long long first_row, int rows,
                                       int steps, int nz) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -382,8 +371,8 @@ __device__ inline float as_float(bf16 v) { return __bfloat162float(v); }
 __device__ inline float as_float(fp16 v) { return __half2float(v); }
 // Four consecutive values as one 4-, 8- or 16-byte access (the elementwise kernels' loads and stores).
 template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
-// fc3's input and weights, with the bias in K: the input row ends its latents with ones and fc3's rows hold
-// the bias there, so the product adds it (the epilogue only takes the ReLU). Blocks of z_pad(Z) (24 for Z = 20) keep
+// fc3's input and weights, with the bias in K: the input row ends its latents with ones and fc3's rows hold the bias
+// there, so the product adds it (the epilogue only takes the ReLU). Blocks of z_pad(Z) (24 for Z = 20) keep
 // fp32's rows, and bf16's where z_pad is a multiple of 8 (Z = 20's), on a 16-byte boundary (cuBLAS's fast kernels
 // want that; other sizes get the kernels the heuristic picks for their leading dimension):
 //   fp32  [z | 1 | 0 0 0]                       against  [W3 | b3 | 0 0 0]
@@ -395,19 +384,18 @@ template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
 __host__ __device__ constexpr int z_pad(int nz) { return (nz + 3 + 3) / 4 * 4; } // z, three ones, whole fours
 template <typename T> __host__ __device__ constexpr int z_parts() { return std::is_same<T, bf16>::value ? 3 : 1; }
 __host__ __device__ constexpr int z_width(Precision p, int nz) { return z_pad(nz) * (p == PRECISION_BF16 ? 3 : 1); }
-// A row's latents live in registers, in arrays of a compile-time length ZMAX of which the first nz are used. The loops
-// over them run to ZMAX, unrolled, and skip j >= nz, so the arrays stay in registers (a loop to a run-time bound would
-// index them in local memory). ZMAX = LATENT_DIM is the published model's instance, where nz is that constant too
-// (latents()): its loops have no tests left, and sample_kernel keeps 48 registers rather than 125 for bf16. Every
-// other Z runs the MAX_LATENT instance.
+// A row's latents live in registers, in arrays of a compile-time length ZMAX of which the first nz are used: loops over
+// them run to ZMAX, unrolled, and skip j >= nz (a loop to a run-time bound would index them in local memory). ZMAX =
+// LATENT_DIM is the published model's instance, where nz is that constant too (latents()): its loops have no tests
+// left, and sample_kernel keeps 48 registers rather than 125 for bf16. Every other Z runs the MAX_LATENT instance.
 template <int ZMAX> __host__ __device__ constexpr int latents(int nz) { return ZMAX == LATENT_DIM ? LATENT_DIM : nz; }
 // AIS's loops over a chain's latents: unrolled in the published model's instance, where that keeps the arrays in
-// registers, and not at all in the MAX_LATENT one, whose arrays spill anyway (unrolled, vae.cu's portable build took
-// 69 s instead of 53). The loops that the published instance compiles differently this way keep #pragma unroll.
+// registers, and not in the MAX_LATENT one, whose arrays spill anyway (unrolling them there costs only build time). The
+// loops that the published instance compiles differently this way keep #pragma unroll.
 #define VAE_PRAGMA(...) _Pragma(#__VA_ARGS__)
 #define UNROLL_LATENTS(trips) VAE_PRAGMA(unroll(ZMAX == LATENT_DIM ? (trips) : 1))
-// Part p of v in the 16-bit type T: 0 its T value, 1 that of what it leaves, 2 of what both leave (each remainder
-// is exact in fp32). bf16's parts here; the fused kernels' parts in their T (Path).
+// Part p of v in the 16-bit type T: 0 its T value, 1 that of what it leaves, 2 of what both leave (each remainder is
+// exact in fp32). bf16's parts here; the fused kernels' parts in their T (Path).
 template <typename T> __device__ inline T split_part(float v, int p) {
     T part;
     for (int q = 0; q < p; q++) store_as(&part, v), v -= as_float(part);
@@ -446,10 +434,9 @@ __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const f
     else if (block == 0 && k < nz + bias_parts) v = parts ? bf16_part(b3[n], k - nz) : b3[n];
     store_as(&dst[i], v);
 }
-// The type of AIS's backward pass (sigmoid - x, dh, and their copies of W4 and W3): T, except that bf16's
-// runs in fp16, as the fused kernels' does. sigmoid - x lies in [-1, 1] and dh well inside fp16's range, so
-// fp16's 11 significant bits cost nothing over bf16's 8: the gradient, a sum of terms of both signs
-// (grad = W3^T dh), lands 2.3e-3 of its scale from float64 (test_vae; tolerance 2e-2).
+// The type of AIS's backward pass (sigmoid - x, dh, and their copies of W4 and W3): T, but fp16 for bf16, as the fused
+// kernels': sigmoid - x lies in [-1, 1] and dh well inside fp16's range, so its 11 significant bits cost nothing over
+// bf16's 8, and the gradient (W3^T dh, terms of both signs) lands 2.3e-3 of its scale from float64 (tolerance 2e-2).
 template <typename T> struct Backward { typedef T type; };
 template <> struct Backward<bf16> { typedef fp16 type; };
 static_assert(sizeof(Backward<bf16>::type) == sizeof(bf16), "the backward's buffers are sized in T");
@@ -463,10 +450,9 @@ template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t
     for (int k = 0; k < 4; k++) store_as(&v.v[k], (float)px.v[k]);
     reinterpret_cast<Four<T>*>(x)[i] = v;
 }
-// z, the KL and log p(z) - log q(z|x) of one decoder row, sample `sample` of an image: z = mu + sigma
-// eps with eps keyed by (seed, image, sample), so sample 0 is the ELBO's draw. With z = mu + sigma eps the
-// Gaussian terms log p(z) - log q(z|x) = sum_j 1/2 (eps_j^2 + logvar_j - z_j^2): the log(2 pi) cancel.
-// The sums run over j in order. Both engines' sampling kernels call it; mulv_row is [mu | logvar], nz each.
+// Both engines' z, KL and log p(z) - log q(z|x) of sample `sample` of an image (mulv_row: [mu | logvar]): z = mu +
+// sigma eps, eps keyed by (seed, image, sample) (sample 0: the ELBO's draw), and log p(z) - log q(z|x) = sum_j 1/2
+// (eps_j^2 + logvar_j - z_j^2) (the log(2 pi) cancel), summed over j in order.
 template <int ZMAX>
 __device__ inline void sample_latents(float (&z)[ZMAX], int nz, float* kl, float* log_ratio, const float* mulv_row,
                                       const float* eps_row, uint32_t image, uint32_t sample, uint64_t seed,
@@ -488,9 +474,8 @@ __device__ inline void sample_latents(float (&z)[ZMAX], int nz, float* kl, float
     }
     *kl = -0.5f * kl_sum, *log_ratio = 0.5f * ratio;
 }
-// fc3's inputs for `rows` decoder rows from the images' [mu | logvar]: row r is sample r % K of image
-// r / K (K = 1 for the ELBO, --iwae's K importance samples otherwise). kl, log_ratio and z_out are NULL
-// when not wanted. One thread a row.
+// fc3's inputs for `rows` decoder rows from the images' [mu | logvar]: row r is sample r % K of image r / K (K = 1 for
+// the ELBO, --iwae's K importance samples otherwise). kl, log_ratio and z_out NULL: not wanted. One thread a row.
 template <typename T, int ZMAX>
 __global__ void sample_kernel(T* z_input, float* z_out, float* kl, float* log_ratio, const float* __restrict__ mulv,
                               const float* __restrict__ eps_in, int rows, int nz, int K, uint32_t first_image,
@@ -525,10 +510,9 @@ __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows
 //   recon     sigmoid(l)
 //   residual  sigmoid(l) - x in R: d BCE / d logits, the start of AIS's backward pass
 // x = byte / 255; the logits in L (fp32, or T for --iwae and AIS's gradient-only evaluations). One exp a logit serves
-// all three (this kernel is most of an --iwae pass): e = exp(-|l|) gives softplus's log(1 + e) and sigmoid(l) = 1 / (1
-// + e) for l >= 0, e / (1 + e) below, and the sigmoid is computed only where wanted. One warp a row, four pixels a lane
-// at a time (196 groups of four): lane i takes groups i, i + 32, ..., then a fixed shuffle tree adds the 32 sums, so a
-// row's BCE has the same bits in any batch.
+// all three (this kernel is most of an --iwae pass): e = exp(-|l|) gives log(1 + e) and sigmoid(l) = 1 / (1 + e) for l
+// >= 0, e / (1 + e) below (only where wanted). One warp a row, four pixels a lane at a time: lane i takes groups i, i +
+// 32, ... of the 196, then a fixed shuffle tree adds the 32 sums, so a row's BCE has the same bits in any batch.
 template <typename R, typename L = float>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
@@ -563,8 +547,8 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (bce && x_row && lane == 0) bce[r] = sum;
 }
-// The ReLU's backward: the gradient w.r.t. a hidden layer's input is zero where its output h is. Four
-// values a thread (the last thread the one to three left where n is not a multiple of four).
+// The ReLU's backward: the gradient w.r.t. a hidden layer's input is zero where its output h is. Four values a thread
+// (the last thread the one to three left where n is not a multiple of four).
 template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (4 * i >= n) return;
@@ -579,9 +563,8 @@ template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, 
         if (!(as_float(hidden.v[k]) > 0.0f)) store_as(&g.v[k], 0.0f);
     reinterpret_cast<Four<G>*>(grad)[i] = g;
 }
-// The plain path's weights, once at load: rows x cols of W (fp32, PyTorch's W[out][in]) as T in rows of
-// `pitch`, the columns repeated every pitch / copies with zeros between (fc3's backward copy: [W3 | 0]; the
-// others one copy without padding).
+// The plain path's weights, once at load: rows x cols of W (fp32, PyTorch's W[out][in]) as T in rows of `pitch`, the
+// columns repeated every pitch / copies with zeros between (fc3's backward copy: [W3 | 0]; the others one copy).
 template <typename T>
 __global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int rows, int cols, int pitch, int copies) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -591,11 +574,10 @@ __global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int ro
 }
 // The importance-weighted log-likelihood (--iwae K; Burda et al., "Importance Weighted Autoencoders"):
 //   log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
-// The K samples of an image are K decoder rows (sample_kernel); log p(x|z) = -BCE.
-// log p(x) of each image from its K rows: log w_k = log_ratio_k - BCE_k (BCE_k given as `parts` partial
-// sums, added in order: the fused decoder's column blocks; 1 on the plain path), combined by a running
-// (max, sum of exp) so no exp overflows. One block per image: thread t takes k = t, t + 256, ..., then the
-// warps merge by a shuffle tree and the 8 warp results in order, the same on every run.
+// The K samples of an image are K decoder rows (sample_kernel); log p(x|z) = -BCE. Per image, log w_k = log_ratio_k -
+// BCE_k (BCE_k as `parts` partial sums added in order: the fused decoder's column blocks; 1 on the plain path),
+// combined by a running (max, sum of exp) so no exp overflows. One block per image: thread t takes k = t, t + 256, ...,
+// then the warps merge by a shuffle tree and the 8 warp results in order, the same on every run.
 __device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
     const float top = fmaxf(m, m2);
     if (top == -INFINITY) return; // both empty
@@ -629,24 +611,20 @@ __global__ void __launch_bounds__(LSE_THREADS)
 
 // ---- the plain path, part 1 (continued): annealed importance sampling (--ais T, --bdmc N) ---------------------------
 //
-// AIS (Neal 2001; for decoder-based models Wu et al., ICLR 2017) moves C chains per image from
-// p0 = q(z|x) (or the prior N(0, I)) towards the posterior through f_b(z) = p0(z)^(1-b) p(x, z)^b,
-// 0 = b_0 < b_1 < ... < b_T = 1. Each chain carries a float64 log weight
-//   log w = sum_t (b_t - b_{t-1}) [log p(x, z_{t-1}) - log p0(z_{t-1})]
-// and log p(x) ~ logsumexp over the chains - log C. Between two weights z moves by one HMC
-// transition that leaves f_b invariant: momentum p ~ N(0, I), L leapfrog steps on the energy
-// U_b(z) = -log f_b(z), a Metropolis test on U + |p|^2 / 2 (without it AIS is biased). The work is
-// the gradient of log p(x|z) = -BCE(x, logits(z)), the decoder's backward pass w.r.t. z:
+// AIS (Neal 2001; for decoder-based models Wu et al., ICLR 2017) moves C chains per image from p0 = q(z|x) (or the
+// prior N(0, I)) towards the posterior through f_b(z) = p0(z)^(1-b) p(x, z)^b, 0 = b_0 < b_1 < ... < b_T = 1. A chain
+// carries a float64 log weight
+//   log w = sum_t (b_t - b_{t-1}) [log p(x, z_{t-1}) - log p0(z_{t-1})],   log p(x) ~ logsumexp_chains log w - log C
+// Between two weights z moves by one HMC transition that leaves f_b invariant: momentum p ~ N(0, I), L leapfrog steps
+// on U_b(z) = -log f_b(z), a Metropolis test on H = U_b + |p|^2 / 2 (without it AIS is biased). The work: the gradient
+// of log p(x|z) = -BCE(x, logits(z)), the decoder's backward pass:
 //   grad_z BCE = W3^T (mask . (W4^T (sigmoid(logits) - x)))        mask = fc3's ReLU
 // 1.29 MFLOP per evaluation of the published model (four 20x400 or 400x784 products), L evaluations per transition.
 // BDMC (Grosse et al. 2015) runs the same chains backwards from an exact posterior sample: its weights bound log p(x)
 // from above as the forward ones do from below. Both engines draw a chain's start, momenta and Metropolis uniforms
 // keyed by (seed, image, chain, transition), keep the energies in float32 (H ~ 100: the Metropolis test sees
-// differences of ~1e-5 nats) and the weights in float64, and adapt each image's step size from its C chains'
-// acceptance.
-// the step size per image: its start, its bounds, and the acceptance it is adapted toward
-constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f;
-constexpr float AIS_TARGET_ACCEPT = 0.65f;
+// differences of ~1e-5 nats) and the weights in float64, and adapt each image's step size from its chains' acceptance.
+constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f, AIS_TARGET_ACCEPT = 0.65f;
 static double ais_flops_per_eval(ModelDims d) { return 4.0 * ((double)d.z * d.h3 + (double)d.h3 * INPUT_DIM); }
 // What one AIS run over n images reads and writes. Row r is chain r % C of image r / C.
 struct AisIO {
@@ -699,8 +677,7 @@ struct AisChains {
         }
     }
 };
-// A chain's view of its image: p0's mean, inverse variance and sum of log variances (unused latents: 0 and 1, so that
-// they add nothing below).
+// A chain's view of its image: p0's mean, inverse variance and sum of log variances (unused latents: 0, 1: no terms).
 template <int ZMAX> struct AisPrior {
     float mu[ZMAX], inv_var[ZMAX], logvar_sum;
     __device__ AisPrior(const float* mulv_row, int nz) {
@@ -740,8 +717,8 @@ __device__ inline void ais_drift(const AisChains& c, T* z_input, size_t r, float
     c.store(c.z, r, z);
     store_z_input(z_input + r * z_pad(latents<ZMAX>(c.nz)) * z_parts<T>(), z, latents<ZMAX>(c.nz));
 }
-// The chains' start: z ~ p0 (keyed like the ELBO's eps, chain c as sample c) or the given z_start; no
-// weight yet, nothing accepted, each image at the first step size.
+// The chains' start: z ~ p0 (keyed like the ELBO's eps, chain c as sample c) or the given z_start; no weight yet,
+// nothing accepted, each image at the first step size.
 template <typename T, int ZMAX> __global__ void ais_start_kernel(AisIO io, AisChains c, T* z_input) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
@@ -761,9 +738,8 @@ template <typename T, int ZMAX> __global__ void ais_start_kernel(AisIO io, AisCh
     io.log_w[r] = 0.0, io.accepted[r] = 0;
     if (chain == 0) io.step_out[image] = io.step0;
 }
-// Step s = 1..T of the schedule, at the chain's z (the last transition's end): its term of the log weight.
-// Then, unless s = T, the next transition's start: momentum p, H0, the start kept for a rejection, half a
-// kick and the first drift. At s = T the chain's results.
+// Step s = 1..T of the schedule, at the chain's z (the last transition's end): its term of the log weight; then, but at
+// s = T (the chain's results), the next transition's start: momentum p, H0, the start kept, half a kick, a drift.
 template <typename T, int ZMAX> __global__ void ais_begin_kernel(AisIO io, AisChains c, T* z_input, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
@@ -822,8 +798,7 @@ template <typename T, int ZMAX> __global__ void ais_leapfrog_kernel(AisIO io, Ai
     c.store(c.p, r, p);
     ais_drift(c, z_input, r, z, p, step);
 }
-// A transition's end: the last half kick, H1, and the Metropolis test; a rejected proposal returns to the
-// start (z, grad, BCE).
+// A transition's end: the last half kick, H1, and the Metropolis test; a rejected proposal returns to the start.
 template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
@@ -890,27 +865,24 @@ __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restri
 
 // ---- the plain path, part 2: the model on cuBLASLt ------------------------------------------------------------------
 //
-// Each Linear layer is one cuBLASLt matmul with the bias, and the ReLU where there is one, in its
-// epilogue. PyTorch keeps a layer as W[out][in] and a batch as X[rows][in], both row-major; cuBLAS is
-// column-major. A row-major [r][c] matrix is, byte for byte, the column-major c x r matrix: its
-// transpose. So the forward Y = X W^T + b, read column-major, is
+// Each Linear layer is one cuBLASLt matmul with the bias, and the ReLU where there is one, in its epilogue. PyTorch
+// keeps a layer as W[out][in] and a batch as X[rows][in], both row-major; cuBLAS is column-major. A row-major [r][c]
+// matrix is, byte for byte, the column-major c x r matrix: its transpose. The forward Y = X W^T + b, column-major, is
 //   Y^T (out x rows) = W (out x in) X^T (in x rows)     m = out, n = rows, k = in
-// W's bytes read column-major are the in x out matrix W^T, turned back into W by op T (CUBLAS_OP_T); X's
-// are X^T as they are (CUBLAS_OP_N), and Y^T written column-major is Y row-major: no copy or transpose
-// anywhere. The backward through a layer, dX = dY W (AIS's gradient w.r.t. z), is
+// W's bytes read column-major are the in x out matrix W^T, turned back into W by op T (CUBLAS_OP_T); X's are X^T as
+// they are (CUBLAS_OP_N), and Y^T written column-major is Y row-major: no copy or transpose anywhere. The backward
+// through a layer, dX = dY W (AIS's gradient w.r.t. z), is
 //   dX^T (in x rows) = W^T (in x out: W's bytes as they are, CUBLAS_OP_N) dY^T (out x rows)
 //                                                       m = in, n = rows, k = out
 // Reproducible results: each product uses one algorithm, picked once by cuBLASLt's heuristic and kept for every batch
 // size, with no workspace and no split-K reduction scheme allowed: cuBLASLt's default pick can change with the batch,
 // and at larger K split K over blocks, adding the parts in another order (bits that then depend on the batch size).
 // With one algorithm without split-K, a row's sums are the same whatever the batch.
-
 static void cublas_check(cublasStatus_t status, const char* file, int line) {
     if (status != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: %s at %s:%d", cublasLtGetStatusString(status), file, line);
 }
 #define cublasCheck(call) cublas_check((call), __FILE__, __LINE__)
-// One product of the plain path: a layer's weights W (row-major, `pitch` values a row), its epilogue
-// and the algorithm picked for it.
+// One product of the plain path: a layer's weights W (row-major, `pitch` values a row), its epilogue and algorithm.
 typedef struct {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t w_layout;
@@ -937,9 +909,9 @@ static cublasLtMatmulPreference_t gemm_preference() {
                                                      sizeof(reduction)));
     return pref;
 }
-// A product over W[out][in] (pitch values a row, pitch >= in): forward Y[rows][out] = alpha X W^T (+ bias)
-// (ReLU), or with `backward` dX[rows][in] = dY[rows][out] W. The inputs in in_type, Y in out_type; the bias
-// (NULL: none) in out_type, as cuBLASLt reads it. Its algorithm is the heuristic's first for pick_rows rows.
+// A product over W[out][in] (pitch values a row, pitch >= in): forward Y[rows][out] = alpha X W^T (+ bias) (ReLU), or
+// with `backward` dX[rows][in] = dY[rows][out] W. The inputs in in_type, Y and the bias (NULL: none) in out_type, as
+// cuBLASLt reads it. Its algorithm is the heuristic's first for pick_rows rows.
 static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int pitch, bool backward, bool relu,
                       const void* bias, cudaDataType_t in_type, cudaDataType_t out_type, float alpha, int pick_rows) {
     Gemm g = {};
@@ -971,8 +943,7 @@ static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int p
                                                      NULL));
     if (splits > 1) fail("internal: cuBLASLt picked split-K (%d) where none was allowed", splits);
     cublasCheck(cublasLtMatmulPreferenceDestroy(pref));
-    cublasCheck(cublasLtMatrixLayoutDestroy(x));
-    cublasCheck(cublasLtMatrixLayoutDestroy(y));
+    cublasCheck(cublasLtMatrixLayoutDestroy(x)), cublasCheck(cublasLtMatrixLayoutDestroy(y));
     return g;
 }
 static void gemm_free(Gemm* g) {
@@ -987,21 +958,19 @@ static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int
     const float beta = 0.0f;
     cublasCheck(cublasLtMatmul(lt, g.desc, &g.alpha, g.w, g.w_layout, x, x_layout, &beta, y, y_layout, y, y_layout,
                                &g.algo, NULL, 0, stream));
-    cublasCheck(cublasLtMatrixLayoutDestroy(x_layout));
-    cublasCheck(cublasLtMatrixLayoutDestroy(y_layout));
+    cublasCheck(cublasLtMatrixLayoutDestroy(x_layout)), cublasCheck(cublasLtMatrixLayoutDestroy(y_layout));
 }
 // One set of AIS buffers for up to PLAIN_AIS_ROWS chains: their own z input, h3 and logits, the backward's residual
-// (sigmoid - x) and dh, the chains, and the stream its launches run on. AIS runs two sets at once, each on its stream,
-// so that one set's memory-bound kernels fill the SMs beside the other set's matmuls.
+// (sigmoid - x) and dh, the chains, and its stream. AIS runs two sets at once, each on its stream, so that one set's
+// memory-bound kernels fill the SMs beside the other set's matmuls.
 typedef struct {
     void *z_input, *h3, *residual, *dh;
     float* logits;
     AisChains chains;
     cudaStream_t stream;
 } AisWork;
-// The plain path's model of any size (dims): its weights in the path's type, its products, and its activations for up
-// to max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples). The buffers hold T values where
-// the path's type is used and fp32 where the text says so.
+// The plain path's model of any size (dims): its weights in the path's type T, its products, and its activations (T, or
+// fp32 where marked) for up to max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples).
 typedef struct {
     ModelDims dims;
     Precision precision;
@@ -1032,19 +1001,13 @@ static void* device_alloc(size_t bytes, const char* what, int batch) {
     cudaCheck(status);
     return p;
 }
-// The small kernels: `items` rows (or elements), `per_block` of them to a block of `threads`
-// threads (one a thread, or one a warp), on `stream`; the launch is checked.
+// The small kernels: `items` rows (or elements), `per_block` of them to a block of `threads` threads (one a thread, or
+// one a warp), on `stream`; the launch is checked.
 template <typename... Params, typename... Args>
 static void launch(void (*kernel)(Params...), long long items, int per_block, int threads, cudaStream_t stream,
                    Args... args) {
     kernel<<<(unsigned)((items + per_block - 1) / per_block), threads, 0, stream>>>(Params(args)...);
     cudaCheck(cudaGetLastError());
-}
-// W (fp32 on the device, rows x cols) in type U (plain_weights_kernel), on `stream`.
-template <typename U>
-static U* convert_weights(uint8_t* at, const float* w, int rows, int cols, int pitch, int copies, cudaStream_t stream) {
-    launch(plain_weights_kernel<U>, (long long)rows * pitch, 256, 256, stream, (U*)at, w, rows, cols, pitch, copies);
-    return (U*)at;
 }
 // The weights (fp32 on the device, PyTorch's layout; fc22's rows follow fc21's: t[FC21_W] is one [2Z][H1] layer) in
 // the path's types, each at a 256-byte boundary, and the products of the four layers and of AIS's backward pass.
@@ -1066,33 +1029,35 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
     uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights", pl->max_batch);
     pl->weights = base;
     const cudaDataType_t f32 = CUDA_R_32F, type = pl->type, back = pl->backward_type;
+    // tensor t[k] (rows x cols) at offset `at` in the type of u, rows `pitch` apart (plain_weights_kernel)
+    auto convert = [&](auto u, size_t at, int k, int rows, int cols, int pitch) {
+        typedef decltype(u) U;
+        launch(plain_weights_kernel<U>, (long long)rows * pitch, 256, 256, stream, (U*)(base + at), t[k], rows, cols,
+               pitch, 1);
+        return (const void*)(base + at);
+    };
     // The batch each algorithm is picked for (dev/gemm_pick_v1 times the candidates). fp32 runs on the SIMT cores (TF32
     // is off), where the pick for 4,096 rows (128 x 128 tiles) leaves 100 of 132 SMs idle at 1,024. The products that
     // run only on long passes (fc4_t for --iwae and AIS, the backward ones) are picked for 4,096 rows in fp32,
     // 65,536 in bf16 (AIS runs parts of 40,000 rows at n = 10,000).
     const int pick = type == f32 ? 1024 : 4096, long_pick = type == f32 ? 4096 : 65536;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
-    pl->fc1 = gemm_init(pl->lt, convert_weights<T>(base + w1, t[FC1_W], H1, INPUT_DIM, INPUT_DIM, 1, stream), H1,
-                        INPUT_DIM, INPUT_DIM, false, true,
-                        convert_weights<T>(base + b1, t[FC1_B], 1, H1, H1, 1, stream), type, type, 1.0f / 255.0f, pick);
-    pl->fc2 = gemm_init(pl->lt, convert_weights<T>(base + w2, t[FC21_W], MULV, H1, H1, 1, stream), MULV, H1, H1, false,
-                        false, convert_weights<float>(base + b2, t[FC21_B], 1, MULV, MULV, 1, stream), type, f32, 1.0f,
-                        pick);
+    pl->fc1 = gemm_init(pl->lt, convert(T(), w1, FC1_W, H1, INPUT_DIM, INPUT_DIM), H1, INPUT_DIM, INPUT_DIM, false,
+                        true, convert(T(), b1, FC1_B, 1, H1, H1), type, type, 1.0f / 255.0f, pick);
+    pl->fc2 = gemm_init(pl->lt, convert(T(), w2, FC21_W, MULV, H1, H1), MULV, H1, H1, false, false,
+                        convert(0.0f, b2, FC21_B, 1, MULV, MULV), type, f32, 1.0f, pick);
     // fc3: h3 = ReLU([z | 1] [W3 | b3]^T) in T (the bias in K; bf16 in parts); fc4: logits = h3 W4^T + b4 in fp32
     launch(fc3_weights_kernel<T>, (long long)H3 * zk, 256, 256, stream, (T*)(base + w3), t[FC3_W], t[FC3_B], H3, Z);
     pl->fc3 = gemm_init(pl->lt, base + w3, H3, zk, zk, false, true, NULL, type, type, 1.0f, pick);
-    pl->fc4 = gemm_init(pl->lt, convert_weights<T>(base + w4, t[FC4_W], INPUT_DIM, H3, H3, 1, stream), INPUT_DIM, H3,
-                        H3, false, false,
-                        convert_weights<float>(base + b4, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, f32,
-                        1.0f, pick);
+    pl->fc4 = gemm_init(pl->lt, convert(T(), w4, FC4_W, INPUT_DIM, H3, H3), INPUT_DIM, H3, H3, false, false,
+                        convert(0.0f, b4, FC4_B, 1, INPUT_DIM, INPUT_DIM), type, f32, 1.0f, pick);
     pl->fc4_t = gemm_init(pl->lt, base + w4, INPUT_DIM, H3, H3, false, false,
-                          convert_weights<T>(base + b4_type, t[FC4_B], 1, INPUT_DIM, INPUT_DIM, 1, stream), type, type,
-                          1.0f, long_pick);
+                          convert(T(), b4_type, FC4_B, 1, INPUT_DIM, INPUT_DIM), type, type, 1.0f, long_pick);
     // AIS's backward in B: dh = residual W4, then grad BCE = dh W3 in fp32 (z_pad(Z) wide)
-    pl->fc4_backward = gemm_init(pl->lt, convert_weights<B>(base + w4_back, t[FC4_W], INPUT_DIM, H3, H3, 1, stream),
-                                 INPUT_DIM, H3, H3, true, false, NULL, back, back, 1.0f, long_pick);
-    pl->fc3_backward = gemm_init(pl->lt, convert_weights<B>(base + w3_back, t[FC3_W], H3, Z, pad, 1, stream), H3, pad,
-                                 pad, true, false, NULL, back, f32, 1.0f, long_pick);
+    pl->fc4_backward = gemm_init(pl->lt, convert(B(), w4_back, FC4_W, INPUT_DIM, H3, H3), INPUT_DIM, H3, H3, true,
+                                 false, NULL, back, back, 1.0f, long_pick);
+    pl->fc3_backward = gemm_init(pl->lt, convert(B(), w3_back, FC3_W, H3, Z, pad), H3, pad, pad, true, false, NULL,
+                                 back, f32, 1.0f, long_pick);
 }
 // The plain model for up to max_batch images a forward pass and `rows` decoder rows a pass.
 static void plain_init(Plain* pl, const float* const* tensors, ModelDims dims, Precision precision, int max_batch,
@@ -1187,8 +1152,7 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
 // forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into chains.grad, and the BCE into
 // chains.bce when `energy` (a trajectory's start and end). The L - 1 evaluations between a trajectory's ends need only
 // the gradient: their logits are in T, which halves the bytes of bf16's logits (40,000 rows x 784: 125 MB in fp32).
-// Each point's gradient is then the same function of z in either direction along the trajectory (ends: fp32 logits;
-// between: T), so the leapfrog stays reversible.
+// Each point's gradient is the same function of z either way along the trajectory, so the leapfrog stays reversible.
 template <typename T>
 static void plain_ais_gradient(Plain* pl, const AisIO& io, const AisWork& w, int rows, bool energy) {
     typedef typename Backward<T>::type B;
@@ -1295,9 +1259,8 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
 // Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from sample_z_kernel), the
 // pictures and --interp (rows of chosen latents, no pixels: recon). Both run on Hopper's wgmma + TMA
 // (encoder_wgmma_kernel, decoder_wgmma_kernel); the tests check them against float64 and against the plain path. The
-// same design on sm_80's mma.sync is dev/'s (dev/encoder_v1.cu, dev/decoder_v1.cu), with its time beside these. Its
-// interface is rows of z in, per-row results out: a backward pass w.r.t. z fits the same shape (x - sigmoid(logits)
-// formed in the epilogue's registers).
+// same design on sm_80's mma.sync is dev/encoder_v1.cu's and dev/decoder_v1.cu's, timed beside these. Rows of z in,
+// per-row results out: a backward pass w.r.t. z fits the same shape (x - sigmoid(logits) formed in the epilogue).
 //
 // Both precisions run the same kernels (template parameter P); Path<P> holds what differs.
 //   bf16  each weight and activation is one bf16 (8 significant bits): one product per multiply
@@ -1420,8 +1383,8 @@ __device__ inline float byte_as_float(uint32_t word, int b) {
 // The decoder's shapes. fc4's 784 logits are cut into column blocks of DEC_BN (bf16: 4 of 200, one m64n200 wgmma; the
 // last block starts at 784 - DEC_BN and leaves its first DEC_OVERLAP columns to the block before); fc3's 400 hidden
 // units are taken in chunks of 80 = 5 k16 steps of fc4. Both layers carry their bias in the K padding: 1 in z's K =
-// 20..22 and in an extra k16 step of fc4, the weights there hold the bias split into three 16-bit parts (~fp32 exact),
-// so the tensor cores add it and the epilogue does not.
+// 20..22 and in an extra k16 step of fc4, where the weights hold the bias in three 16-bit parts (~fp32 exact): the
+// tensor cores add it, not the epilogue.
 enum {
     DEC_CHUNK = 80,
     DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK,
@@ -1528,7 +1491,7 @@ template <Precision P> __global__ void z_rows_kernel(uint4* __restrict__ z_rows,
 // layer's k16 steps over them: that layout is already mma's A layout, a[s] = blocks 2s (k 2t..) and 2s + 1 (k 8 +
 // 2t..); steps past the accumulators are zeros. h1 -> fc21/fc22 in the encoder and h3 -> fc4 in both decoders go
 // through it without leaving the registers. bf16 rounds first and takes the ReLU on bf16 pairs (the same values, half
-// the instructions); fp16 also gives the lo parts.
+// the instructions); fp16 gives the lo parts too.
 template <typename T, int STEPS, int H>
 __device__ inline void relu_to_a(uint32_t (&hi)[STEPS][4], uint32_t (&lo)[STEPS][4], const float (&h)[H]) {
     for (int s = 0; s < STEPS; s++)
@@ -1599,9 +1562,8 @@ template <typename T> __device__ inline void pixel_fragments(uint32_t (&a)[4][4]
             a[j][i] =
                 pack2<T>(byte_as_float(words[i % 2][j], (i / 2) * 2), byte_as_float(words[i % 2][j], (i / 2) * 2 + 1));
 }
-// Everything after fc1, for one warp's 16 images: h1 = ReLU(acc / 255 + b1) as A fragments, the
-// slice's partial [mu | logvar], the ticket, and for the last slice to arrive the merge, z and KL.
-// z_s, kl_s: this warp's [16][20] scratch in shared memory.
+// Everything after fc1, for one warp's 16 images: h1 = ReLU(acc / 255 + b1) as A fragments, the slice's partial [mu |
+// logvar], the ticket, and for the last slice to arrive the merge, z and KL. z_s, kl_s: the warp's [16][20] scratch.
 template <Precision P>
 __device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
                                       const typename Path<P>::T (*w_enc)[Path<P>::ENC_W_COLS + 8], int row16,
@@ -1676,8 +1638,7 @@ __device__ inline void copy_enc_weights(typename Path<P>::T (*dst)[Path<P>::ENC_
     const typename Path<P>::T* src = static_cast<const typename Path<P>::T*>(io.enc_w);
     copy_block_async(&dst[0][0], COLS + 8, src + slice * COLS, Path<P>::ENC_SLICES * COLS, MULV_DIM, COLS);
 }
-// fc3's A fragments (Z_K / 16 k16 steps) of rows row16 + g and + 8 (zeros past the rows): two
-// 16-byte loads per two steps.
+// fc3's A fragments (Z_K / 16 k16 steps) of rows row16 + g and + 8 (zeros past the rows): two 16-byte loads per two.
 template <int STEPS>
 __device__ inline void load_z_fragments(uint32_t (&z_a)[STEPS][4], const uint4* __restrict__ z_rows, int row16,
                                         int rows) {
@@ -1877,17 +1838,13 @@ __device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4]
     if constexpr (std::is_same<T, bf16>::value) WG_M64N80("bf16");
     else WG_M64N80("f16");
 }
-// fp32's fc4 (two fp16 copies of 88 rows: the column block that fits shared memory beside fc3).
-__device__ inline void wgmma_m64n88k16_rs(float (&d)[44], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-    WGMMA_RS("m64n88k16.f32.f16.f16", WG_ACC10() ", " WG_ACC10(1) ", " WG_ACC10(2) ", " WG_ACC10(3) ", %40, %41, %42, "
-             "%43", "{%44, %45, %46, %47}, %48", "%49", "0", WG_D10(), WG_D10(1), WG_D10(2), WG_D10(3), "+f"(d[40]),
-             "+f"(d[41]), "+f"(d[42]), "+f"(d[43]));
-}
-// fc4's product for a path: bf16 m64n200, fp32 m64n88.
+// fc4's product for a path: bf16 m64n200, fp32 m64n88 (two fp16 copies of 88 rows fit shared memory beside fc3).
 template <int R>
 __device__ inline void wgmma_fc4(float (&d)[R], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
     if constexpr (R == 100) wgmma_m64n200k16_rs(d, a, desc_b, accumulate);
-    else wgmma_m64n88k16_rs(d, a, desc_b, accumulate);
+    else WGMMA_RS("m64n88k16.f32.f16.f16", WG_ACC10() ", " WG_ACC10(1) ", " WG_ACC10(2) ", " WG_ACC10(3)
+                  ", %40, %41, %42, %43", "{%44, %45, %46, %47}, %48", "%49", "0", WG_D10(), WG_D10(1), WG_D10(2),
+                  WG_D10(3), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]));
 }
 // An empty asm "writes" each register: a constant A fragment is then materialised here, before a
 // wgmma.fence, rather than between wgmmas (where ptxas would have to add a fence of its own).
@@ -1950,8 +1907,7 @@ template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     const uint32_t w4_lo_tile = w4_tile + DEC_WG_SLICES * DEC_BN * 128; // fp32's lo copy
     uint32_t z_a[Z_STEPS][4]; // fc3's A fragments: z rows g and g + 8 of this warp's 16 in a tile
     auto load_z = [&](int tile) { load_z_fragments(z_a, io.z_rows, tile * 64 + warp * 16, io.rows); };
-    // fc3 of chunk c of the tile in z_a into h, as one wgmma group (the bias comes with the
-    // product: z's K = 20..22 hold 1).
+    // fc3 of chunk c of the tile in z_a into h, as one wgmma group (z's K = 20..22 hold 1: the product adds the bias).
     float h[2 * DEC_CHUNK / 4];
     auto fc3_chunk = [&](int c) {
         wgmma_fence();
@@ -2105,8 +2061,7 @@ struct SampleOut {
     float* kl;         // [rows]: KL(q(z|x) || N(0, I)) of the row's image, the ELBO's
     float* log_ratio;  // [rows]: log p(z) - log q(z|x), --iwae's
 };
-// z for `rows` rows from the images' [mu | logvar], as sample_kernel draws them (sample_latents): row r
-// is sample r % K of image r / K. One thread per row.
+// z for `rows` rows from the images' [mu | logvar] as sample_kernel draws them: row r is sample r % K of image r / K.
 template <Precision P>
 __global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, const float* __restrict__ eps_in,
                                 int rows, int K, uint32_t first_image, uint64_t seed, bool z_is_mu) {
@@ -2139,16 +2094,15 @@ enum {
 // each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when the proposal is rejected. Slot s of
 // thread i of block b: state[(b * AIS_STATE_SLOTS + s) * AIS_THREADS + i], a warp's 32 values adjacent. In registers
 // beside the gradient's accumulators they spill (the spill slots reloaded from L2 on the leapfrog's path after the
-// merge's fence) and the bf16 wgmmas serialize for want of registers. The pointer is not __restrict__: with it nvcc
-// keeps the values in registers again.
+// merge's fence) and the bf16 wgmmas serialize for want of registers. Not __restrict__: with it nvcc keeps them there.
 enum {
     AIS_THREADS = AIS_WARPS * 32,
     AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 2 * AIS_LATENTS, AIS_SLOT_Z0 = 4 * AIS_LATENTS,
     AIS_SLOT_GRAD0 = 6 * AIS_LATENTS, AIS_SLOT_BCE0 = 8 * AIS_LATENTS, AIS_STATE_SLOTS = AIS_SLOT_BCE0 + 2,
 };
-// Chains of a tile: a warpgroup's 64 when two such tiles hold as many images as the block's 128 (C = 16:
-// 4 + 4 of 8; not C = 5: 12 + 12 of 25, nor any C > 64), so that its images' step sizes need no other
-// warpgroup and the two run apart, one's epilogue beside the other's products; else the block's 128.
+// Chains of a tile: a warpgroup's 64 when two such tiles hold as many images as the block's 128 (C = 16: 4 + 4 of 8;
+// not C = 5: 12 + 12 of 25, nor any C > 64), so that its images' step sizes need no other warpgroup and the two run
+// apart, one's epilogue beside the other's products; else the block's 128.
 __host__ __device__ inline int ais_tile_rows(int C) {
     return 2 * (AIS_ROWS / 2 / C) >= AIS_ROWS / C ? AIS_ROWS / 2 : AIS_ROWS;
 }
@@ -2213,16 +2167,14 @@ __device__ inline void fence_cluster() {
 __device__ inline void fence_shared_release() {
     asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
 }
-__device__ inline void mbar_arrive_at(uint32_t bar, uint32_t rank) {
-    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-                 "mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
-                 : "memory");
-}
 // One arrival at the barrier at address bar in each other block of the cluster.
 template <int CLUSTER> __device__ inline void arrive_at_other_blocks(uint32_t bar) {
     const uint32_t own_rank = cluster_rank();
     for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++)
-        if (rank != own_rank) mbar_arrive_at(bar, rank);
+        if (rank != own_rank)
+            asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                         "mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
+                         : "memory");
 }
 __device__ inline void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
     uint32_t done = 0;
@@ -2325,9 +2277,8 @@ __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_
         bce_share[half] = ENERGY ? quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1)) : 0.0f;
     }
 }
-// The epilogue (its energy only when asked) and its values as the backward's A fragments, fp32's with
-// their lo parts: k16 step s holds the block's columns 16s .. 16s + 15, the last step's K 8..15 (past
-// its columns when they are 8 short of a k16 multiple) zero.
+// The epilogue (its energy only when asked) and its values as the backward's A fragments, fp32's with their lo parts:
+// k16 step s holds the block's columns 16s .. 16s + 15, the last step's K 8..15 zero (past the columns when 8 short).
 template <typename T, int N, int K_STEPS>
 __device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip, bool energy,
                                          float (&bce_share)[2], uint32_t (&ga)[K_STEPS][4],
@@ -2688,8 +2639,7 @@ __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4]
 // The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward products in a
 // turn (its first fc3 group just before) and its backward ones in the next (W3's last group just after), and runs its
 // epilogue and merge while the other issues (a turn for the forward or the backward alone gains nothing). Warpgroup 1
-// hands warpgroup 0 the first turn (ais_turns_first) and 0 takes 1's last hand-over (ais_turns_last), so both must
-// evaluate as often (ais_chains' tiles).
+// hands 0 the first turn (ais_turns_first), 0 takes 1's last (ais_turns_last): both evaluate as often (ais_chains).
 __device__ inline void ais_turn_wait() { named_bar_sync(AIS_BAR_TURN + threadIdx.x / 128, 256); }
 __device__ inline void ais_turn_pass() { named_bar_arrive(AIS_BAR_TURN + 1 - threadIdx.x / 128, 256); }
 __device__ inline void ais_turns_first() {
@@ -2698,8 +2648,8 @@ __device__ inline void ais_turns_first() {
 __device__ inline void ais_turns_last() {
     if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256);
 }
-// wgmma descriptor of a 16-bit tile of 8 x 8 core matrices without swizzle (AisW3Cores; layout type
-// 0): cores adjacent along K `leading` bytes apart, along M or N `stride` bytes apart.
+// wgmma descriptor of a 16-bit tile of 8 x 8 core matrices without swizzle (AisW3Cores; layout type 0): cores adjacent
+// along K `leading` bytes apart, along M or N `stride` bytes apart.
 __device__ inline uint64_t smem_desc_cores(uint32_t addr, uint32_t leading, uint32_t stride) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(leading >> 4) << 16 | (uint64_t)(stride >> 4) << 32;
 }
@@ -2738,8 +2688,8 @@ __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&
 // fp16 parts are multiples of 2^-48, so h is 0 or at least 2^-48, far above bf16's smallest 2^-133. In fp16 an h of at
 // most 2^-25 rounds to +0, hi and lo part alike: the unit then adds nothing to the forward, and the mask drops it. Pair
 // j (register r of k16 step i: j = 4i + r) keeps its two flags at bits j and 16 + j, so one shift places both. As
-// comparisons (h > 0) the bits become predicates that ptxas keeps by moving bits between registers, three instructions
-// a bit plus a repacking after the forward.
+// comparisons (h > 0) the bits become predicates that ptxas keeps by moving bits between registers: three instructions
+// a bit, and a repacking.
 __device__ inline uint32_t relu_pair_flags(uint32_t pair, int j) {
     uint32_t flags;
     asm("min.relu.s16x2 %0, %1, %2;\n" : "=r"(flags) : "r"(pair), "r"(0x00010001u));
@@ -3036,8 +2986,7 @@ static CUtensorMap tensor_map_16bit(const void* base, int rows, int cols, int bo
         fail("internal: cuTensorMapEncodeTiled failed (%d) for a %d x %d matrix", (int)r, rows, cols);
     return map;
 }
-// The encoder over io.M images in precision P: one block per SM of `sms`, whole groups of the slices, no
-// more than there are 64-image tasks.
+// The encoder over io.M images in precision P: a block per SM of `sms`, whole groups of slices, at most a group a task.
 template <Precision P>
 static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int sms, cudaStream_t stream) {
     constexpr int SLICES = Path<P>::ENC_SLICES;
@@ -3045,15 +2994,13 @@ static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int s
     encoder_wgmma_kernel<P><<<SLICES * copies, ENC_WG_GROUPS * 128, enc_wg_smem<P>(), stream>>>(w1_map, io);
     cudaCheck(cudaGetLastError());
 }
-// The decoder over io.rows z rows in precision P. Blocks come in groups of the column blocks, at most one
-// per SM of `sms` and no more than there are 64-row tiles. A programmatic dependent launch, so the decoder
-// loads its weights while the kernel before it finishes.
+// The decoder over io.rows z rows in precision P: groups of the column blocks, at most a block per SM of `sms` and a
+// group per 64-row tile. A programmatic dependent launch: the decoder loads its weights while the kernel before ends.
 template <Precision P>
 static void decoder_launch(const DecoderIO& io, const CUtensorMap& w4_map, const CUtensorMap& w3_map, int sms,
                            cudaStream_t stream) {
     constexpr int BLOCKS = Path<P>::DEC_COL_BLOCKS;
-    const int copies_needed = ceil_div(io.rows, 64);
-    const int copies = sms / BLOCKS < copies_needed ? sms / BLOCKS : copies_needed;
+    const int copies = std::min(sms / BLOCKS, ceil_div(io.rows, 64));
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
@@ -3102,8 +3049,7 @@ template <Precision P> static void allow_shared_memory() {
     cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, max, enc_wg_smem<P>()));
     cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, max, dec_wg_smem<P>()));
 }
-// Whether the code loaded for the current GPU has decoder_wgmma_kernel's body (an sm_90a build
-// on an sm_90 GPU); asks the GPU once.
+// Whether the code loaded for the current GPU has the fused kernels' bodies (an sm_90a build on an sm_90 GPU).
 static bool gpu_has_wgmma() {
     int *d_flag = NULL, flag = 0;
     cudaCheck(cudaMalloc(&d_flag, sizeof(int)));
@@ -3192,8 +3138,7 @@ template <Precision P> static void vae_init_path(VAE* m) {
     m->w4_map = tensor_map_16bit(m->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
     m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
 }
-// The most shared memory a block of the fused kernels asks for (ais_kernel's, ~226 KB): they need a GPU
-// that gives a block that much.
+// The most shared memory a block of the fused kernels asks for (ais_kernel's, ~226 KB): the GPU must give that much.
 static size_t fused_smem_bytes() {
     return std::max({(size_t)enc_wg_smem<PRECISION_FP32>(), (size_t)enc_wg_smem<PRECISION_BF16>(),
                      (size_t)dec_wg_smem<PRECISION_FP32>(), (size_t)dec_wg_smem<PRECISION_BF16>(),
@@ -3207,8 +3152,8 @@ static bool kernels_fit(Kernels kernels, ModelDims dims, Error* err) {
 }
 // The engine for a model of size dims on a GPU of compute capability major.minor that gives a block smem_optin bytes
 // of shared memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels` as
-// asked, auto being the fused kernels wherever they can run and the plain path elsewhere. False, with the reason,
-// where the fused kernels are asked for and cannot run.
+// asked, auto the fused kernels wherever they can run, else the plain path. False, with the reason, where the fused
+// kernels are asked for and cannot run.
 static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, size_t smem_optin, bool fused_code,
                         bool* fused, Error* err) {
     if (!kernels_fit(kernels, dims, err)) return false;
@@ -3227,8 +3172,7 @@ static int gpu_attribute(cudaDeviceAttr attribute) {
     cudaCheck(cudaDeviceGetAttribute(&value, attribute, device));
     return value;
 }
-// The engine `kernels` names, resolved for this GPU and a model of size dims: whether the fused kernels run (auto:
-// whether they can).
+// Whether the fused kernels run for `kernels` on this GPU and a model of size dims (auto: whether they can).
 static bool use_fused(Kernels kernels, ModelDims dims) {
     const int major = gpu_attribute(cudaDevAttrComputeCapabilityMajor);
     const int minor = gpu_attribute(cudaDevAttrComputeCapabilityMinor);
@@ -3369,8 +3313,8 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
 static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
 // Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels), K samples each, into the
 // device array log_px[n]. The encoder runs once per image, the n x K decoder rows in passes of as many images as
-// m->decoder_rows hold; all in the model's precision. eps: device [n][K][Z] noise to use instead of the generator
-// (tests), or NULL. Asynchronous on m->stream.
+// m->decoder_rows hold; all in the model's precision. eps: device [n][K][Z] noise instead of the generator (tests), or
+// NULL. Asynchronous.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
@@ -3413,9 +3357,8 @@ static void require_ais(const VAE* m) {
         fail("AIS runs on Hopper GPUs (sm_90) only: its kernel uses thread block clusters. HINT: run --ais on an "
              "H100 or H200 with a binary built for sm_90a (make vae does that there)");
 }
-// AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder,
-// or N(0, I) when from_prior; the caller fills in the rest of io (the schedule, the outputs, the
-// reverse run's z_start). Asynchronous on m->stream.
+// AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder, or N(0, I) when
+// from_prior; the caller fills in the rest of io (the schedule, the outputs, the reverse run's z_start). Asynchronous.
 static void vae_ais(VAE* m, AisIO io, bool from_prior) {
     require_ais(m);
     if (io.n < 1 || io.n > m->max_batch) fail("internal: %d AIS images outside 1..%d", io.n, m->max_batch);
