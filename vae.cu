@@ -2958,15 +2958,14 @@ template <Precision P> __global__ void __launch_bounds__(AIS_THREADS, 1)
 // ---- launchers (every launch goes to the model's stream, so a forward pass can be graph-captured) -------------------
 // cuTensorMapEncodeTiled is a driver API function; the runtime hands out its address, so the program needs no -lcuda.
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
-    if (encode == NULL) {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] { // once, for whichever GPU's thread asks first
         void* fn = NULL;
         cudaDriverEntryPointQueryResult found;
         cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
         if (found != cudaDriverEntryPointSuccess || fn == NULL)
             fail("the driver has no cuTensorMapEncodeTiled. HINT: update the NVIDIA driver");
-        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    }
+        return (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }();
     return encode;
 }
 // TMA descriptor of a row-major [rows][cols] matrix of 16-bit values read in boxes of box_rows x 64 columns (one
@@ -4133,27 +4132,22 @@ template <typename Work> static void on_each_gpu(Gpus* gs, Work work) {
 static void vae_free_all(Gpus* gs) {
     on_each_gpu(gs, [](Gpu* g) { vae_free(&g->m); });
 }
-// The images (or decodes) of a run that no GPU has taken yet.
+// What the GPUs of a run share: the images (or decodes) that none has taken yet, and the wall time of the timed part,
+// from when the last GPU is ready (its modules loaded and its buffers made) to when the last one is done.
 struct Slices {
     std::atomic<int> next{0};
-    const int count;
-    explicit Slices(int n) : count(n) {}
+    const int count, gpus;
+    std::mutex lock;
+    std::condition_variable all_ready;
+    int ready = 0;
+    double start_ms = 0.0, end_ms = 0.0;
+    Slices(int n, const Gpus* gs) : count(n), gpus(gs->count) {}
     // The next `want` of them (or the rest) as first .. first + *n - 1; false once none are left.
     bool take(int want, int* first, int* n) {
         *first = next.fetch_add(want);
         *n = std::min(want, count - *first);
         return *first < count;
     }
-};
-// The wall time of the timed part of a run on every GPU: from when the last GPU is ready (its modules loaded and its
-// buffers made) to when the last one is done.
-struct RunClock {
-    std::mutex lock;
-    std::condition_variable all_ready;
-    const int gpus;
-    int ready = 0;
-    double start_ms = 0.0, end_ms = 0.0;
-    explicit RunClock(int n) : gpus(n) {}
     static double now_ms() {
         return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
     }
@@ -4282,14 +4276,13 @@ struct Timer {
 static double evaluate(Gpus* gs, int count, int image0, int batch, const Config* cfg, float* bce, float* kl) {
     const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, false, false};
     const int slice = batch * ceil_div(ceil_div(count, 8 * gs->count), batch);
-    Slices slices(count);
-    RunClock clock(gs->count);
+    Slices slices(count, gs);
     on_each_gpu(gs, [&](Gpu* g) {
         VAE* m = &g->m;
         float* d_losses = (float*)device_alloc((size_t)2 * slice * sizeof(float), "the losses", batch);
         vae_forward(m, g->pixels, batch, 0, &opt, d_losses, d_losses + slice); // untimed: module loading stays out
         cudaCheck(cudaStreamSynchronize(m->stream));
-        clock.ready_to_start();
+        slices.ready_to_start();
         for (int first, n; slices.take(slice, &first, &n);) {
             for (int b = 0; b < n; b += batch)
                 vae_forward(m, g->pixels + (size_t)(first + b) * INPUT_DIM, std::min(batch, n - b), image0 + first + b,
@@ -4299,10 +4292,10 @@ static double evaluate(Gpus* gs, int count, int image0, int batch, const Config*
                                       m->stream));
             cudaCheck(cudaStreamSynchronize(m->stream));
         }
-        clock.done();
+        slices.done();
         cudaCheck(cudaFree(d_losses));
     });
-    return clock.ms();
+    return slices.ms();
 }
 static double mean_of(const float* v, int n) {
     double sum = 0.0;
@@ -4352,8 +4345,7 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
 // slices of whole decoder passes, ~2% of the images each, or a GPU's share where that is less (progress, unless NULL,
 // between them); returns the time in ms.
 static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg, Progress* progress, float* log_px) {
-    Slices slices(count);
-    RunClock clock(gs->count);
+    Slices slices(count, gs);
     on_each_gpu(gs, [&](Gpu* g) {
         VAE* m = &g->m;
         const int per_pass = vae_iwae_images_per_pass(m, K);
@@ -4361,17 +4353,17 @@ static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg
         float* d_log_px = (float*)device_alloc((size_t)slice * sizeof(float), "log p(x)", slice);
         vae_iwae(m, g->pixels, 1, 0, K, cfg->seed, NULL, d_log_px); // untimed: module loading stays out
         cudaCheck(cudaStreamSynchronize(m->stream));
-        clock.ready_to_start();
+        slices.ready_to_start();
         for (int first, n; slices.take(slice, &first, &n);) {
             vae_iwae(m, g->pixels + (size_t)first * INPUT_DIM, n, image0 + first, K, cfg->seed, NULL, d_log_px);
             cudaCheck(cudaMemcpyAsync(log_px + first, d_log_px, n * sizeof(float), cudaMemcpyDeviceToHost, m->stream));
             cudaCheck(cudaStreamSynchronize(m->stream));
             if (progress != NULL) progress->add(n);
         }
-        clock.done();
+        slices.done();
         cudaCheck(cudaFree(d_log_px));
     });
-    return clock.ms();
+    return slices.ms();
 }
 // --iwae K: log p(x) of every evaluated image, K importance samples each, beside its ELBO.
 static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
@@ -4432,8 +4424,7 @@ typedef struct { double* log_px; float *step, *ess, *acceptance; } AisResults; /
 static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const float* z_start, const char* what,
                       AisResults out) {
     Progress progress(what, n);
-    Slices slices(n);
-    RunClock clock(gs->count);
+    Slices slices(n, gs);
     on_each_gpu(gs, [&](Gpu* g) {
         VAE* m = &g->m;
         const int C = cfg->chains, Z = m->dims.z, round = vae_ais_round(m, C), rounds = ceil_div(n, round);
@@ -4452,7 +4443,7 @@ static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const floa
         vae_ais(m, io, cfg->ais_from_prior); // untimed: module loading stays out
         cudaCheck(cudaStreamSynchronize(m->stream));
         io.T = cfg->ais_t, io.leapfrog = cfg->leapfrog, io.reverse = z_start != NULL;
-        clock.ready_to_start();
+        slices.ready_to_start();
         for (int first, k; slices.take(slice, &first, &k);) {
             io.n = k, io.first_image = (uint32_t)(image0 + first);
             io.pixels = g->pixels + (size_t)first * INPUT_DIM;
@@ -4470,10 +4461,10 @@ static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const floa
             cudaCheck(cudaStreamSynchronize(m->stream));
             progress.add(k);
         }
-        clock.done();
+        slices.done();
         cudaCheck(cudaFree(d_z)), ais_buffers_free(&b);
     });
-    return clock.ms();
+    return slices.ms();
 }
 enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
 static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
@@ -4663,8 +4654,7 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
     for (int a = 0, p = 0; a < n; a++)
         for (int b = a + 1; b < n; b++) pairs[p++] = make_int2(a, b);
     std::vector<int2*> d_pairs(gs->count);
-    Slices slices(decodes);
-    RunClock clock(gs->count);
+    Slices slices(decodes, gs);
     on_each_gpu(gs, [&](Gpu* g) {
         VAE* m = &g->m;
         int2*& here = d_pairs[g - gs->gpu];
@@ -4674,7 +4664,7 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
         vae_encode(m, g->pixels, n); // m->mulv holds the N means from here on; decoding leaves it alone
         vae_decode_interpolations(m, here, 0, INTERP_STEPS, INTERP_STEPS); // untimed: module loading stays out
         cudaCheck(cudaStreamSynchronize(m->stream));
-        clock.ready_to_start();
+        slices.ready_to_start();
         for (int first, rows; slices.take(pass_rows, &first, &rows);) {
             vae_decode_interpolations(m, here, first, rows, INTERP_STEPS);
             if (first + rows == decodes)
@@ -4683,9 +4673,9 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
             if (gs->count > 1) cudaCheck(cudaStreamSynchronize(m->stream)); // done before this GPU takes more
         }
         cudaCheck(cudaStreamSynchronize(m->stream));
-        clock.done();
+        slices.done();
     });
-    const double batched_ms = clock.ms();
+    const double batched_ms = slices.ms();
 
     VAE* m = &gs->gpu[0].m;
     const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
