@@ -825,13 +825,44 @@ static void line_starting(const char* text, const char* start, size_t length, ch
     const size_t n = line != NULL ? strcspn(line, "\n") : 0;
     snprintf(out, out_size, "%.*s", (int)(length > 0 && length < n ? length : n), line != NULL ? line : "");
 }
+// A child process that holds all but 1.5 GB of GPU `device`'s free memory until it is killed (its pid, or -1 where the
+// allocation failed). CUDA stays out of this process: a child forked after it starts CUDA could not use it.
+static pid_t hold_gpu_memory(int device) {
+    int ready[2];
+    if (pipe(ready) != 0) return -1;
+    fflush(stdout);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        size_t free_bytes = 0, total_bytes = 0;
+        void* hold = NULL;
+        const size_t keep = (size_t)3 << 29;
+        const char held = cudaSetDevice(device) == cudaSuccess &&
+                          cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess && free_bytes > keep &&
+                          cudaMalloc(&hold, free_bytes - keep) == cudaSuccess;
+        if (write(ready[1], &held, 1) != 1 || !held) _exit(1);
+        for (;;) pause();
+    }
+    char held = 0;
+    close(ready[1]);
+    const bool ok = pid > 0 && read(ready[0], &held, 1) == 1 && held;
+    close(ready[0]);
+    if (pid > 0 && !ok) kill(pid, SIGKILL), waitpid(pid, NULL, 0);
+    return ok ? pid : -1;
+}
 // --devices through ./vae: each mode's results from several GPU threads against one GPU's, byte for byte: the CSVs,
 // the ELBO's and --interp's pictures, --bdmc's bounds. Every GPU of the machine where it has several; on one GPU,
 // three threads on it, which take the slices in an order of their own just the same. Then a GPU that fails (out of
-// memory: this process holds all but 1.5 GB of it) ends the run in one line that names it, and writes nothing.
+// memory: a child process holds all but 1.5 GB of it) ends the run in one line that names it, and writes nothing.
 static void test_devices() {
-    int gpus = 0;
-    cudaCheck(cudaGetDeviceCount(&gpus));
+    fflush(stdout);
+    const pid_t counter = fork(); // the GPUs, counted in a child: this process stays out of CUDA (hold_gpu_memory)
+    if (counter == 0) {
+        int count = 0;
+        _exit(cudaGetDeviceCount(&count) == cudaSuccess ? std::min(count, 100) : 0);
+    }
+    int status = 0;
+    const int gpus = counter > 0 && waitpid(counter, &status, 0) == counter && WIFEXITED(status) ? WEXITSTATUS(status)
+                                                                                                : 0;
     const char* devices = gpus > 1 ? "all" : "0,0,0";
     const char* modes[][10] = {{"-s", "5", "-b", "7", "-n", "37", "-o", NULL},
                                {"--zmu", "--kernels", "plain", "--precision", "bf16", "-n", "37", "-o", NULL},
@@ -884,17 +915,11 @@ static void test_devices() {
     char csv[160], name[32];
     snprintf(csv, sizeof(csv), "%s/devices.csv", scratch);
     snprintf(name, sizeof(name), "GPU %d (", target);
-    size_t free_bytes = 0, total_bytes = 0;
-    void* hold = NULL;
-    cudaCheck(cudaSetDevice(target));
-    cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
-    const size_t keep = (size_t)3 << 29;
-    const bool held = free_bytes > keep && cudaMalloc(&hold, free_bytes - keep) == cudaSuccess;
+    const pid_t holder = hold_gpu_memory(target);
     VaeRun v = run_vae({"--devices", gpus > 1 ? "0,1" : "0,0", "--iwae", "65536", "--kernels", "plain", "-n", "100",
                         "--csv", csv});
-    if (held) cudaCheck(cudaFree(hold));
-    cudaCheck(cudaSetDevice(0));
-    check(held && v.status == 1 && v.err != NULL && one_error_line(v.err, v.err_size, name) &&
+    if (holder > 0) kill(holder, SIGKILL), waitpid(holder, NULL, 0);
+    check(holder > 0 && v.status == 1 && v.err != NULL && one_error_line(v.err, v.err_size, name) &&
               access(csv, F_OK) != 0 && files_starting(scratch, "devices.csv.") == 0,
           "--devices with GPU %d out of memory: exit 1, one line naming it, no CSV (%.*s)", target,
           v.err != NULL ? (int)strcspn(v.err, "\n") : 0, v.err != NULL ? v.err : "");
