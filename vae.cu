@@ -4006,20 +4006,18 @@ static void print_row(const char* key, const char* fmt, ...) {
     va_end(args);
     say("| %-9s | %-46s |\n", key, value);
 }
-// The engine AIS runs on: --chains above the fused kernel's AIS_ROWS run on the plain path.
-static Kernels ais_kernels(const Config* cfg) { return cfg->chains > AIS_ROWS ? KERNELS_PLAIN : cfg->kernels; }
-// The engine the run asks for: --kernels, but AIS's --chains above AIS_ROWS run on the plain path.
+// The engine the run asks for: --kernels, but AIS's --chains above the fused kernel's AIS_ROWS run on the plain path.
 static Kernels run_kernels(const Config* cfg) {
-    return cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC ? ais_kernels(cfg) : cfg->kernels;
+    const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
+    return ais && cfg->chains > AIS_ROWS ? KERNELS_PLAIN : cfg->kernels;
 }
 // Which engine runs a model of size dims, and why, for the start-up table.
 static void print_kernels_row(const Config* cfg, ModelDims dims) {
-    const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
     if (use_fused(run_kernels(cfg), dims))
         print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
     else if (cfg->kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
     else if (!is_published(dims)) print_row("kernels", "plain: cuBLASLt (fused: 784-400-20-400 only)");
-    else if (ais && cfg->chains > AIS_ROWS) print_row("kernels", "plain: cuBLASLt (--chains above %d)", AIS_ROWS);
+    else if (run_kernels(cfg) == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--chains above %d)", AIS_ROWS);
     else print_row("kernels", "plain: cuBLASLt (no sm_90a code for this GPU)");
 }
 static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
@@ -4468,7 +4466,7 @@ static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const floa
 }
 enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
 static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
-    vae_init(m, w, AIS_BATCH, cfg->precision, ais_kernels(cfg), decoder_rows);
+    vae_init(m, w, AIS_BATCH, cfg->precision, run_kernels(cfg), decoder_rows);
     require_ais(m);
 }
 // --ais T: each image's log p(x) by AIS, beside the ELBO and IWAE with as many decoder evaluations.
