@@ -1215,8 +1215,7 @@ static void plain_ais_alloc(Plain* pl) {
         c.took = (int*)(c.h0 + R), c.nz = (int)Z;
     }
     cudaCheck(cudaStreamCreateWithFlags(&pl->ais[1].stream, cudaStreamNonBlocking));
-    cudaCheck(cudaEventCreateWithFlags(&pl->fork, cudaEventDisableTiming));
-    cudaCheck(cudaEventCreateWithFlags(&pl->join, cudaEventDisableTiming));
+    for (cudaEvent_t* e : {&pl->fork, &pl->join}) cudaCheck(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
 }
 // AIS on the plain path over io.n images (io.mulv filled in), in parts of even size, at most PLAIN_AIS_ROWS chains
 // each: two parts at a time, one in each set of buffers on its stream, step by step, so that both streams always have
