@@ -3069,8 +3069,7 @@ typedef struct {
     // fp32 activations for up to max_batch images, row-major [image][feature], written only when
     // asked for (h1 and h3 stay on chip; the fp32 path has them for the tests)
     float *h1, *mulv, *z, *h3, *logits, *recon;
-    // the decoder's rows (decoder_rows of them; --iwae's K per image): log p(z) - log q(z|x), and
-    // each row's BCE as the column blocks' parts for the caller to add
+    // per decoder row (decoder_rows; --iwae's K an image): log p(z) - log q(z|x), and its BCE in column blocks' parts
     int decoder_rows, bce_parts_per_row;
     float *row_log_ratio, *bce_parts;
     // the weights in the kernels' layouts (weights_kernel), once at load, in the path's 16-bit type
@@ -3092,8 +3091,7 @@ typedef struct {
     bool want_recon;       // also write recon = sigmoid(logits)
     bool keep_activations; // also write mulv, z and logits (and fp32's h1 and h3)
 } ForwardOptions;
-// The fused kernels' state in precision P (vae_init's second half): the weights in their layouts, the decoder's z rows,
-// the GPU-specific state and the activations.
+// The fused kernels' state in precision P (vae_init's second half): weights, z rows, GPU-specific state, activations.
 template <Precision P> static void vae_init_path(VAE* m) {
     typedef typename Path<P>::T T;
     constexpr int COPIES = Path<P>::SPLIT ? 2 : 1;
@@ -3155,10 +3153,9 @@ static bool kernels_fit(Kernels kernels, ModelDims dims, Error* err) {
     return set_error(err, "--kernels fused: the fused kernels are built for the 784-400-20-400 model; this one is "
                      "784-%d-%d-%d. HINT: --kernels plain (or auto) runs every size", dims.h1, dims.z, dims.h3);
 }
-// The engine for a model of size dims on a GPU of compute capability major.minor that gives a block smem_optin bytes
-// of shared memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels` as
-// asked, auto the fused kernels wherever they can run, else the plain path. False, with the reason, where the fused
-// kernels are asked for and cannot run.
+// The engine for a model of size dims on a GPU of compute capability major.minor with smem_optin bytes of shared memory
+// a block, fused_code: whether this binary has the fused kernels' sm_90a code. `kernels` as asked, auto the fused
+// kernels where they can run, else the plain path; false, with the reason, where asked-for fused kernels cannot run.
 static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, size_t smem_optin, bool fused_code,
                         bool* fused, Error* err) {
     if (!kernels_fit(kernels, dims, err)) return false;
@@ -3190,10 +3187,9 @@ static bool use_fused(Kernels kernels, ModelDims dims) {
 // The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a
 // row in fp32 for H3 = 400 (fc3's input, h3, the logits), ~20 KB for 4,096.
 enum { PLAIN_DECODER_ROWS = 1 << 18 };
-// max_batch: images per forward pass, and the most samples per image --iwae may take.
-// decoder_rows: rows per --iwae decoder pass (at least max_batch). A fused row costs at most 172 bytes
-// (fp32's z row, the BCE parts, the log ratio) and no activations, so its passes can be far longer; the
-// plain path keeps a row's h3 and logits and takes at most PLAIN_DECODER_ROWS (or max_batch).
+// max_batch: images a forward pass, and --iwae's most samples per image. decoder_rows: rows a --iwae decoder pass (at
+// least max_batch). A fused row costs at most 172 bytes (fp32's z row, BCE parts, log ratio) and no activations, so its
+// passes run far longer; the plain path keeps a row's h3 and logits: at most PLAIN_DECODER_ROWS (or max_batch).
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
                      int decoder_rows = 0) {
     memset(m, 0, sizeof(*m));
@@ -3231,9 +3227,8 @@ static void vae_free(VAE* m) {
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
 }
-// The decoder over `rows` z rows in m->z_rows, in the model's precision. With pixels, row r is
-// scored against image r / rows_per_image: its BCE goes to bce[r], or with bce NULL stays in
-// m->bce_parts for the caller to add. logits, recon and h3 when given.
+// The decoder over `rows` z rows in m->z_rows, in the model's precision. With pixels, row r is scored against image
+// r / rows_per_image: its BCE into bce[r] (bce NULL: left in m->bce_parts for the caller); logits, recon, h3 if given.
 static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,
                         float* recon, float* h3 = NULL) {
     const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits, recon,
@@ -3269,9 +3264,8 @@ static void vae_decode_interpolations(VAE* m, const int2* d_pairs, long long fir
            rows, steps, m->dims.z);
     vae_decode(m, m->z, rows);
 }
-// The whole forward pass and loss for images first_image .. first_image+B-1, whose pixels are
-// at `pixels` on the device, in the model's precision. Writes per-image BCE and KL to the device
-// arrays bce[B], kl[B]. Asynchronous on m->stream; nothing is allocated or copied.
+// The whole forward pass and loss of images first_image .. first_image+B-1 (device uint8 pixels), in the model's
+// precision: per-image BCE and KL into device bce[B], kl[B]. Asynchronous on m->stream; nothing is allocated or copied.
 static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
                         float* bce, float* kl) {
     if (B < 1 || B > m->max_batch) fail("internal: batch %d outside 1..%d", B, m->max_batch);
@@ -3292,18 +3286,16 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
     vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL, keep ? m->h3 : NULL);
 }
 static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
-// Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels), K samples each, into the
-// device array log_px[n]. The encoder runs once per image, the n x K decoder rows in passes of as many images as
-// m->decoder_rows hold; all in the model's precision. eps: device [n][K][Z] noise instead of the generator (tests), or
-// NULL. Asynchronous.
+// Importance-weighted log p(x) of n images from first_image (device uint8 pixels), K samples each, into device
+// log_px[n], in the model's precision: the encoder once per image, the n x K decoder rows in passes of as many images
+// as m->decoder_rows hold. eps: device [n][K][Z] noise instead of the generator's (tests), or NULL. Asynchronous.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
     const int images_per_pass = vae_iwae_images_per_pass(m, K);
     const SampleOut out = {m->z_rows, NULL, m->row_log_ratio};
     auto sample = BY_PRECISION(m->precision, sample_z_kernel);
-    // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
-    // holds few images (13 at K = 5000), far too few to fill the GPU.
+    // The encoder runs over as many images as m->mulv holds: a pass's few (13 at K = 5000) would not fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
         const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
         vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
@@ -3440,11 +3432,10 @@ static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, 
     out->count = (int)count;
     return host_copy(&out->labels, buf + 8, count, name, err);
 }
-// Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII),
-// then width, height and maxval (1..65535) as decimal numbers separated by whitespace, where '#'
-// starts a comment that runs to the end of its line; then width x height samples, row by row: in
-// P5 after exactly one whitespace byte, one byte each (two, big-endian, when maxval > 255); in P2
-// as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
+// Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII), then width, height and
+// maxval (1..65535) as decimal numbers separated by whitespace, where '#' starts a comment to the end of its line; then
+// width x height samples, row by row: in P5 after exactly one whitespace byte, one byte each (two, big-endian, when
+// maxval > 255); in P2 as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
 #define PGM_HINT \
     "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
 // The next header number at *pos, after whitespace and comments; at most `max`.
@@ -3798,9 +3789,8 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     for (int o = 0; o < NUM_OPTIONS; o++) spell(o, false, cfg->flag[o]); // for options the command line did not spell
     for (int b : {1024, 2048, 4096, 10000}) cfg->bench_batches[cfg->num_bench_batches++] = b;
 
-    // getopt_long's tables from OPTIONS: long options answer LONG_CODE + their index, short ones
-    // their letter. '+' stops at the first word that is not an option (it is refused below);
-    // ':' reports a missing value as ':' rather than '?'.
+    // getopt_long's tables from OPTIONS: long options answer LONG_CODE + their index, short ones their letter. '+'
+    // stops at the first word that is not an option (refused below); ':' reports a missing value as ':', not '?'.
     enum { LONG_CODE = 1000 };
     struct option long_options[NUM_OPTIONS + 1] = {};
     char short_options[3 * NUM_OPTIONS + 3] = "+:", *end = short_options + 2;
