@@ -3692,8 +3692,7 @@ static bool parse_path(const char* flag, const char* value, const char** out, Er
     if (strlen(value) > MAX_PATH_ARG)
         return set_error(err, "%s: a path of %zu characters, longer than %d. HINT: use a shorter path", flag,
                          strlen(value), (int)MAX_PATH_ARG);
-    *out = value;
-    return true;
+    return *out = value, true;
 }
 static bool parse_int(const char* flag, const char* text, int min, int max, int* out, Error* err) {
     unsigned long long v = 0;
