@@ -2950,14 +2950,15 @@ template <Precision P> __global__ void __launch_bounds__(AIS_THREADS, 1)
 // ---- launchers (every launch goes to the model's stream, so a forward pass can be graph-captured) -------------------
 // cuTensorMapEncodeTiled is a driver API function; the runtime hands out its address, so the program needs no -lcuda.
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
+    if (encode == NULL) {
         void* fn = NULL;
         cudaDriverEntryPointQueryResult found;
         cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
         if (found != cudaDriverEntryPointSuccess || fn == NULL)
             fail("the driver has no cuTensorMapEncodeTiled. HINT: update the NVIDIA driver");
-        return (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    }();
+        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
     return encode;
 }
 // TMA descriptor of a row-major [rows][cols] matrix of 16-bit values read in boxes of box_rows x 64 columns (one
