@@ -151,10 +151,9 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
     if (*data == NULL) return fclose(f), set_error(err, "%s: out of host memory reading %zu bytes", path, *size);
     size_t got = fread(*data, 1, *size, f);
     fclose(f);
-    if (got != *size) {
-        free(*data), *data = NULL;
-        return set_error(err, "%s: read %zu of %zu bytes. HINT: check the disk and the file", path, got, *size);
-    }
+    if (got != *size)
+        return free(*data), *data = NULL,
+               set_error(err, "%s: read %zu of %zu bytes. HINT: check the disk and the file", path, got, *size);
     const size_t length = strlen(path);
     if (length < 3 || strcmp(path + length - 3, ".gz") != 0) return true;
     uint8_t* packed = *data;
@@ -974,8 +973,7 @@ typedef struct {
 typedef struct {
     ModelDims dims;
     Precision precision;
-    cudaDataType_t type;   // T: CUDA_R_32F or CUDA_R_16BF
-    cudaDataType_t backward_type; // AIS's backward (Backward<T>): CUDA_R_32F or CUDA_R_16F
+    cudaDataType_t type, backward_type; // T and AIS's backward's Backward<T>: CUDA_R_32F, or CUDA_R_16BF and CUDA_R_16F
     size_t type_size;
     int max_batch, rows;
     cublasLtHandle_t lt;
@@ -983,11 +981,9 @@ typedef struct {
                            // AIS's backward copies of W4 and W3 in Backward<T>
     Gemm fc1, fc2, fc3, fc4, fc4_t; // fc4_t: fc4 with its logits in T, where only the BCE or gradient reads them
     void *x, *h1;          // [max_batch][784], [max_batch][H1]
-    float* mulv;           // [max_batch][2 Z] fp32: [mu | logvar]
-    float* z;              // [max_batch][Z] fp32
+    float *mulv, *z, *recon; // fp32 [max_batch][2 Z] ([mu | logvar]), [max_batch][Z], [max_batch][784]
     void *z_input, *h3;    // [rows][z_width], [rows][H3]
     float *logits, *bce, *log_ratio; // [rows][784], [rows], [rows] fp32
-    float* recon;          // [max_batch][784] fp32
     Gemm fc4_backward, fc3_backward;
     AisWork ais[2]; // AIS's two sets of buffers, allocated by its first run
     cudaEvent_t fork, join;
@@ -1157,15 +1153,12 @@ template <typename T>
 static void plain_ais_gradient(Plain* pl, const AisIO& io, const AisWork& w, int rows, bool energy) {
     typedef typename Backward<T>::type B;
     gemm(pl->lt, pl->fc3, w.h3, w.z_input, rows, w.stream);
-    if (energy) {
-        gemm(pl->lt, pl->fc4, w.logits, w.h3, rows, w.stream);
+    gemm(pl->lt, energy ? pl->fc4 : pl->fc4_t, w.logits, w.h3, rows, w.stream);
+    if (energy)
         launch(decoder_output_kernel<B, float>, rows, 4, 128, w.stream, w.chains.bce, (float*)NULL, (B*)w.residual,
                (const float*)w.logits, io.pixels, rows, io.chains);
-    } else {
-        gemm(pl->lt, pl->fc4_t, w.logits, w.h3, rows, w.stream);
-        launch(decoder_output_kernel<B, T>, rows, 4, 128, w.stream, (float*)NULL, (float*)NULL, (B*)w.residual,
-               (const T*)w.logits, io.pixels, rows, io.chains);
-    }
+    else launch(decoder_output_kernel<B, T>, rows, 4, 128, w.stream, (float*)NULL, (float*)NULL, (B*)w.residual,
+                (const T*)w.logits, io.pixels, rows, io.chains);
     gemm(pl->lt, pl->fc4_backward, w.dh, w.residual, rows, w.stream);
     const long long hidden = (long long)rows * pl->dims.h3;
     launch(relu_backward_kernel<B, T>, (hidden + 3) / 4, 256, 256, w.stream, (B*)w.dh, (const T*)w.h3, hidden);
@@ -1222,8 +1215,7 @@ static void plain_ais_alloc(Plain* pl) {
         c.took = (int*)(c.h0 + R), c.nz = (int)Z;
     }
     cudaCheck(cudaStreamCreateWithFlags(&pl->ais[1].stream, cudaStreamNonBlocking));
-    cudaCheck(cudaEventCreateWithFlags(&pl->fork, cudaEventDisableTiming));
-    cudaCheck(cudaEventCreateWithFlags(&pl->join, cudaEventDisableTiming));
+    for (cudaEvent_t* e : {&pl->fork, &pl->join}) cudaCheck(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
 }
 // AIS on the plain path over io.n images (io.mulv filled in), in parts of even size, at most PLAIN_AIS_ROWS chains
 // each: two parts at a time, one in each set of buffers on its stream, step by step, so that both streams always have
@@ -3001,8 +2993,7 @@ static void decoder_launch(const DecoderIO& io, const CUtensorMap& w4_map, const
     constexpr int BLOCKS = Path<P>::DEC_COL_BLOCKS;
     const int copies = std::min(sms / BLOCKS, ceil_div(io.rows, 64));
     cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization, attr.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(BLOCKS * copies), cfg.stream = stream, cfg.attrs = &attr, cfg.numAttrs = 1;
     cfg.blockDim = dim3(DEC_WG_THREADS), cfg.dynamicSmemBytes = dec_wg_smem<P>();
@@ -3052,8 +3043,7 @@ template <Precision P> static void allow_shared_memory() {
 static bool gpu_has_wgmma() {
     int *d_flag = NULL, flag = 0;
     cudaCheck(cudaMalloc(&d_flag, sizeof(int)));
-    has_wgmma_kernel<<<1, 1>>>(d_flag);
-    cudaCheck(cudaGetLastError());
+    launch(has_wgmma_kernel, 1, 1, 1, 0, d_flag);
     cudaCheck(cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost));
     cudaCheck(cudaFree(d_flag));
     return flag == 1;
@@ -3071,8 +3061,7 @@ typedef struct {
     ModelDims dims;
     int max_batch;
     Precision precision;
-    bool fused;   // the fused kernels (the published size only); else the plain path (m->plain), and none of the
-                  // fused state below
+    bool fused; // the fused kernels (the published size only), else the plain path (m->plain), none of the state below
     Plain plain;
     cudaStream_t stream;
     float* params;                   // one device allocation holding the fp32 tensors below
@@ -3080,17 +3069,15 @@ typedef struct {
     // fp32 activations for up to max_batch images, row-major [image][feature], written only when
     // asked for (h1 and h3 stay on chip; the fp32 path has them for the tests)
     float *h1, *mulv, *z, *h3, *logits, *recon;
-    // the decoder's rows (decoder_rows of them; --iwae's K per image): log p(z) - log q(z|x), and
-    // each row's BCE as the column blocks' parts for the caller to add
+    // per decoder row (decoder_rows; --iwae's K an image): log p(z) - log q(z|x), and its BCE in column blocks' parts
     int decoder_rows, bce_parts_per_row;
     float *row_log_ratio, *bce_parts;
     // the weights in the kernels' layouts (weights_kernel), once at load, in the path's 16-bit type
     void* params16;
-    const void *fc1_wp, *enc_w16, *fc3_wb, *fc4_wb;
+    const void *fc1_wp, *enc_w16, *fc3_wb, *fc4_wb, *ais_w3; // ais_w3: fc3 for ais_kernel, [parts][400][24]
     uint4* z_rows;                       // [decoder_rows][Z_K / 8]
     float* enc_partials;                 // [max_batch][slices][40]
     unsigned *enc_tickets, *dec_tickets; // per 16 images, per 16 decoder rows; zero between launches
-    const void* ais_w3;                  // fc3 for ais_kernel: [parts][400][24]
     int ais_clusters;                    // ais_kernel's clusters at once; 0 without sm_90a code (--ais needs it)
     float* ais_state;                    // ais_kernel's chain state for ais_clusters (ais_state_bytes)
     int sms; // persistent blocks: at most one per SM
@@ -3104,15 +3091,17 @@ typedef struct {
     bool want_recon;       // also write recon = sigmoid(logits)
     bool keep_activations; // also write mulv, z and logits (and fp32's h1 and h3)
 } ForwardOptions;
-// The weights in precision P's layouts, the decoder's z rows and the GPU-specific state (vae_init's second half).
+// The fused kernels' state in precision P (vae_init's second half): weights, z rows, GPU-specific state, activations.
 template <Precision P> static void vae_init_path(VAE* m) {
     typedef typename Path<P>::T T;
     constexpr int COPIES = Path<P>::SPLIT ? 2 : 1;
+    const int batch = m->max_batch;
+    const size_t B = (size_t)batch, R = (size_t)m->decoder_rows;
     const size_t fc1 = (size_t)Path<P>::ENC_SLICES * ENC_BN * FC1_K,
                  enc = (size_t)MULV_DIM * Path<P>::ENC_SLICES * Path<P>::ENC_W_COLS,
                  fc3 = (size_t)HIDDEN_DIM * Path<P>::Z_K, fc4 = (size_t)COPIES * INPUT_DIM * FC4_K,
                  ais_fc3 = (size_t)2 * HIDDEN_DIM * AIS_W3_K; // fp16 hi and lo in both paths (AisW3Cores)
-    T* p = (T*)device_alloc((fc1 + enc + fc3 + fc4 + ais_fc3) * sizeof(T), "the 16-bit weights", m->max_batch);
+    T* p = (T*)device_alloc((fc1 + enc + fc3 + fc4 + ais_fc3) * sizeof(T), "the 16-bit weights", batch);
     m->params16 = p;
     auto convert = [&](Layer layer, const float* w, const float* b, size_t count) {
         T* dst = p;
@@ -3128,14 +3117,29 @@ template <Precision P> static void vae_init_path(VAE* m) {
     launch(weights_kernel<PRECISION_FP32>, ais_fc3, 256, 256, m->stream, (fp16*)p, LAYER_AIS_FC3, m->tensor[FC3_W],
            m->tensor[FC3_B], (long long)ais_fc3);
     m->bce_parts_per_row = Path<P>::DEC_COL_BLOCKS;
-    m->z_rows = (uint4*)device_alloc((size_t)m->decoder_rows * Path<P>::Z_K * 2, "z rows", m->max_batch);
+    m->z_rows = (uint4*)device_alloc(R * Path<P>::Z_K * 2, "z rows", batch);
     allow_shared_memory<P>();
     m->ais_clusters = ais_max_clusters<P>();
     if (m->ais_clusters > 0) // not without sm_90a code, where --ais stops at require_ais
-        m->ais_state = (float*)device_alloc(ais_state_bytes<P>(m->ais_clusters), "the AIS chains' state", m->max_batch);
+        m->ais_state = (float*)device_alloc(ais_state_bytes<P>(m->ais_clusters), "the AIS chains' state", batch);
     m->w1_map = tensor_map_16bit(m->fc1_wp, Path<P>::ENC_SLICES * ENC_BN, FC1_K, ENC_BN);
     m->w4_map = tensor_map_16bit(m->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
     m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
+    if (P == PRECISION_FP32) { // the tests' view of the hidden layers
+        m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1", batch);
+        m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3", batch);
+    }
+    m->bce_parts = (float*)device_alloc(R * m->bce_parts_per_row * sizeof(float), "BCE parts", batch);
+    m->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar", batch);
+    m->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z", batch);
+    m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits", batch);
+    m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", batch);
+    m->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios", batch);
+    m->enc_partials = (float*)device_alloc(B * MAX_ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials", batch);
+    const size_t enc_tickets = ceil_div(batch, TASK_ROWS), dec_tickets = ceil_div(m->decoder_rows, TASK_ROWS);
+    m->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets", batch);
+    m->dec_tickets = m->enc_tickets + enc_tickets;
+    cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
 }
 // The most shared memory a block of the fused kernels asks for (ais_kernel's, ~226 KB): the GPU must give that much.
 static size_t fused_smem_bytes() {
@@ -3149,10 +3153,9 @@ static bool kernels_fit(Kernels kernels, ModelDims dims, Error* err) {
     return set_error(err, "--kernels fused: the fused kernels are built for the 784-400-20-400 model; this one is "
                      "784-%d-%d-%d. HINT: --kernels plain (or auto) runs every size", dims.h1, dims.z, dims.h3);
 }
-// The engine for a model of size dims on a GPU of compute capability major.minor that gives a block smem_optin bytes
-// of shared memory, where fused_code says whether this binary has the fused kernels' sm_90a code for it: `kernels` as
-// asked, auto the fused kernels wherever they can run, else the plain path. False, with the reason, where the fused
-// kernels are asked for and cannot run.
+// The engine for a model of size dims on a GPU of compute capability major.minor with smem_optin bytes of shared memory
+// a block, fused_code: whether this binary has the fused kernels' sm_90a code. `kernels` as asked, auto the fused
+// kernels where they can run, else the plain path; false, with the reason, where asked-for fused kernels cannot run.
 static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, size_t smem_optin, bool fused_code,
                         bool* fused, Error* err) {
     if (!kernels_fit(kernels, dims, err)) return false;
@@ -3164,7 +3167,6 @@ static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, s
     *fused = can && kernels != KERNELS_PLAIN;
     return true;
 }
-// An attribute of the current GPU.
 static int gpu_attribute(cudaDeviceAttr attribute) {
     int device, value;
     cudaCheck(cudaGetDevice(&device));
@@ -3185,10 +3187,9 @@ static bool use_fused(Kernels kernels, ModelDims dims) {
 // The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a
 // row in fp32 for H3 = 400 (fc3's input, h3, the logits), ~20 KB for 4,096.
 enum { PLAIN_DECODER_ROWS = 1 << 18 };
-// max_batch: images per forward pass, and the most samples per image --iwae may take.
-// decoder_rows: rows per --iwae decoder pass (at least max_batch). A fused row costs at most 172 bytes
-// (fp32's z row, the BCE parts, the log ratio) and no activations, so its passes can be far longer; the
-// plain path keeps a row's h3 and logits and takes at most PLAIN_DECODER_ROWS (or max_batch).
+// max_batch: images a forward pass, and --iwae's most samples per image. decoder_rows: rows a --iwae decoder pass (at
+// least max_batch). A fused row costs at most 172 bytes (fp32's z row, BCE parts, log ratio) and no activations, so its
+// passes run far longer; the plain path keeps a row's h3 and logits: at most PLAIN_DECODER_ROWS (or max_batch).
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
                      int decoder_rows = 0) {
     memset(m, 0, sizeof(*m));
@@ -3196,47 +3197,25 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     cudaCheck(cudaStreamCreate(&m->stream));
     // device layout: fc1.w fc1.b | fc21.w fc22.w | fc21.b fc22.b | fc3.w fc3.b fc4.w fc4.b
     const int order[NUM_TENSORS] = {FC1_W, FC1_B, FC21_W, FC22_W, FC21_B, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B};
-    m->params = (float*)device_alloc(w->count * sizeof(float), "the weights", max_batch);
-    size_t offset = 0;
+    float* at = m->params = (float*)device_alloc(w->count * sizeof(float), "the weights", max_batch);
     for (int t : order) {
-        float* at = m->params + offset;
         cudaCheck(cudaMemcpy(at, w->tensor[t], w->size[t] * sizeof(float), cudaMemcpyHostToDevice));
-        m->tensor[t] = at, offset += w->size[t];
+        m->tensor[t] = at, at += w->size[t];
     }
 
     m->sms = gpu_attribute(cudaDevAttrMultiProcessorCount);
     m->fused = use_fused(kernels, m->dims);
-    if (!m->fused) {
+    if (m->fused) {
+        m->decoder_rows = std::max(decoder_rows, max_batch);
+        BY_PRECISION(precision, vae_init_path)(m);
+    } else {
         const int rows = std::max(std::min(decoder_rows, (int)PLAIN_DECODER_ROWS), max_batch);
         plain_init(&m->plain, m->tensor, m->dims, precision, max_batch, rows, m->stream);
         Plain* pl = &m->plain; // the model's views are the plain path's buffers (h1, h3: fp32's only)
         m->mulv = pl->mulv, m->z = pl->z, m->logits = pl->logits, m->recon = pl->recon;
         m->decoder_rows = rows, m->bce_parts = pl->bce, m->bce_parts_per_row = 1, m->row_log_ratio = pl->log_ratio;
         if (precision == PRECISION_FP32) m->h1 = (float*)pl->h1, m->h3 = (float*)pl->h3;
-        cudaCheck(cudaStreamSynchronize(m->stream));
-        return;
     }
-    m->decoder_rows = decoder_rows > max_batch ? decoder_rows : max_batch;
-    BY_PRECISION(precision, vae_init_path)(m);
-
-    const size_t B = (size_t)max_batch;
-    const size_t R = (size_t)m->decoder_rows;
-    if (precision == PRECISION_FP32) { // the tests' view of the hidden layers
-        m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1", max_batch);
-        m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3", max_batch);
-    }
-    m->bce_parts = (float*)device_alloc(R * m->bce_parts_per_row * sizeof(float), "BCE parts", max_batch);
-    m->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar", max_batch);
-    m->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z", max_batch);
-    m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits", max_batch);
-    m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
-    m->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios", max_batch);
-    m->enc_partials =
-        (float*)device_alloc(B * MAX_ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials", max_batch);
-    const size_t enc_tickets = ceil_div(max_batch, TASK_ROWS), dec_tickets = ceil_div(m->decoder_rows, TASK_ROWS);
-    m->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets", max_batch);
-    m->dec_tickets = m->enc_tickets + enc_tickets;
-    cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
     cudaCheck(cudaStreamSynchronize(m->stream));
 }
 static void vae_free(VAE* m) {
@@ -3248,9 +3227,8 @@ static void vae_free(VAE* m) {
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
 }
-// The decoder over `rows` z rows in m->z_rows, in the model's precision. With pixels, row r is
-// scored against image r / rows_per_image: its BCE goes to bce[r], or with bce NULL stays in
-// m->bce_parts for the caller to add. logits, recon and h3 when given.
+// The decoder over `rows` z rows in m->z_rows, in the model's precision. With pixels, row r is scored against image
+// r / rows_per_image: its BCE into bce[r] (bce NULL: left in m->bce_parts for the caller); logits, recon, h3 if given.
 static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,
                         float* recon, float* h3 = NULL) {
     const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits, recon,
@@ -3286,9 +3264,8 @@ static void vae_decode_interpolations(VAE* m, const int2* d_pairs, long long fir
            rows, steps, m->dims.z);
     vae_decode(m, m->z, rows);
 }
-// The whole forward pass and loss for images first_image .. first_image+B-1, whose pixels are
-// at `pixels` on the device, in the model's precision. Writes per-image BCE and KL to the device
-// arrays bce[B], kl[B]. Asynchronous on m->stream; nothing is allocated or copied.
+// The whole forward pass and loss of images first_image .. first_image+B-1 (device uint8 pixels), in the model's
+// precision: per-image BCE and KL into device bce[B], kl[B]. Asynchronous on m->stream; nothing is allocated or copied.
 static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
                         float* bce, float* kl) {
     if (B < 1 || B > m->max_batch) fail("internal: batch %d outside 1..%d", B, m->max_batch);
@@ -3308,26 +3285,22 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
     vae_encoder(m, io);
     vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL, keep ? m->h3 : NULL);
 }
-// Images per --iwae pass at K samples each: as many as the decoder's rows hold.
 static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
-// Importance-weighted log p(x) of images first_image .. first_image+n-1 (device uint8 pixels), K samples each, into the
-// device array log_px[n]. The encoder runs once per image, the n x K decoder rows in passes of as many images as
-// m->decoder_rows hold; all in the model's precision. eps: device [n][K][Z] noise instead of the generator (tests), or
-// NULL. Asynchronous.
+// Importance-weighted log p(x) of n images from first_image (device uint8 pixels), K samples each, into device
+// log_px[n], in the model's precision: the encoder once per image, the n x K decoder rows in passes of as many images
+// as m->decoder_rows hold. eps: device [n][K][Z] noise instead of the generator's (tests), or NULL. Asynchronous.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      const float* eps, float* log_px) {
     if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
     const int images_per_pass = vae_iwae_images_per_pass(m, K);
     const SampleOut out = {m->z_rows, NULL, m->row_log_ratio};
     auto sample = BY_PRECISION(m->precision, sample_z_kernel);
-    // The encoder runs once over as many images as m->mulv holds, not once per pass: a pass
-    // holds few images (13 at K = 5000), far too few to fill the GPU.
+    // The encoder runs over as many images as m->mulv holds: a pass's few (13 at K = 5000) would not fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
         const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
         vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
         for (int first = group; first < group + group_size; first += images_per_pass) {
-            const int left = group + group_size - first, images = left < images_per_pass ? left : images_per_pass;
-            const int rows = images * K;
+            const int images = std::min(group + group_size - first, images_per_pass), rows = images * K;
             const uint32_t image = first_image + (uint32_t)first;
             const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
             const float* mulv = m->mulv + (size_t)(first - group) * 2 * m->dims.z;
@@ -3370,6 +3343,13 @@ static void vae_ais(VAE* m, AisIO io, bool from_prior) {
 }
 
 // ---- file formats: the weights file written by prepare_weights.py, MNIST idx files, PGM images ----------------------
+// A malloc'd copy of `count` values at src into *out, or the error (`name` names the file).
+template <typename T> static bool host_copy(T** out, const void* src, size_t count, const char* name, Error* err) {
+    *out = (T*)malloc(count * sizeof(T));
+    if (*out == NULL) return set_error(err, "%s: out of host memory", name);
+    memcpy(*out, src, count * sizeof(T));
+    return true;
+}
 // Validates a weights file held in memory and copies its tensors out. `name` is used in messages.
 static bool parse_weights(const uint8_t* buf, size_t size, const char* name, HostWeights* w, Error* err) {
     const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
@@ -3401,21 +3381,16 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
         return set_error(err, "%s: %zu bytes, the header promises %zu (truncated or padded). " WEIGHTS_HINT, name, size,
                          header_bytes + expected * sizeof(float));
     w->count = expected, w->dims = dims;
-    w->data = (float*)malloc(expected * sizeof(float));
-    if (w->data == NULL) return set_error(err, "%s: out of host memory", name);
-    memcpy(w->data, buf + header_bytes, expected * sizeof(float));
-    size_t offset = 0;
+    if (!host_copy(&w->data, buf + header_bytes, expected, name, err)) return false;
     for (int t = 0; t < NUM_TENSORS; t++) {
-        w->tensor[t] = w->data + offset, w->size[t] = tensor_size(dims, t);
+        w->size[t] = tensor_size(dims, t), w->tensor[t] = t == 0 ? w->data : w->tensor[t - 1] + w->size[t - 1];
         for (size_t i = 0; i < w->size[t]; i++)
             if (!isfinite(w->tensor[t][i])) {
                 set_error(err, "%s: %s[%zu] is %f; the weights must be finite. " WEIGHTS_HINT, name, TENSOR_NAMES[t], i,
                           w->tensor[t][i]);
-                free(w->data);
-                w->data = NULL;
+                free(w->data), w->data = NULL;
                 return false;
             }
-        offset += w->size[t];
     }
     return true;
 }
@@ -3439,10 +3414,7 @@ static bool parse_idx_images(const uint8_t* buf, size_t size, const char* name, 
         return set_error(err, "%s: header claims %u images (%zu bytes) but the file holds %zu bytes. " PREPARE_HINT,
                          name, count, expected, size);
     out->count = (int)count;
-    out->pixels = (uint8_t*)malloc(expected - 16);
-    if (out->pixels == NULL) return set_error(err, "%s: out of host memory", name);
-    memcpy(out->pixels, buf + 16, expected - 16);
-    return true;
+    return host_copy(&out->pixels, buf + 16, expected - 16, name, err);
 }
 static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, Labels* out, Error* err) {
     if (size < 8)
@@ -3458,16 +3430,12 @@ static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, 
         if (buf[8 + i] > 9)
             return set_error(err, "%s: label %u is %d, not a digit. " PREPARE_HINT, name, i, buf[8 + i]);
     out->count = (int)count;
-    out->labels = (uint8_t*)malloc(count);
-    if (out->labels == NULL) return set_error(err, "%s: out of host memory", name);
-    memcpy(out->labels, buf + 8, count);
-    return true;
+    return host_copy(&out->labels, buf + 8, count, name, err);
 }
-// Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII),
-// then width, height and maxval (1..65535) as decimal numbers separated by whitespace, where '#'
-// starts a comment that runs to the end of its line; then width x height samples, row by row: in
-// P5 after exactly one whitespace byte, one byte each (two, big-endian, when maxval > 255); in P2
-// as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
+// Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII), then width, height and
+// maxval (1..65535) as decimal numbers separated by whitespace, where '#' starts a comment to the end of its line; then
+// width x height samples, row by row: in P5 after exactly one whitespace byte, one byte each (two, big-endian, when
+// maxval > 255); in P2 as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
 #define PGM_HINT \
     "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
 // The next header number at *pos, after whitespace and comments; at most `max`.
@@ -3521,10 +3489,7 @@ static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images*
             return set_error(err, "%s: %zu bytes after the 28x28 image. HINT: pass one image per file", name,
                              size - pos);
     out->count = 1;
-    out->pixels = (uint8_t*)malloc(INPUT_DIM);
-    if (out->pixels == NULL) return set_error(err, "%s: out of host memory", name);
-    memcpy(out->pixels, pixels, INPUT_DIM);
-    return true;
+    return host_copy(&out->pixels, pixels, INPUT_DIM, name, err);
 }
 // Reads a whole file and hands it to one of the parsers above, which never touch the disk.
 template <typename T>
@@ -3561,10 +3526,8 @@ static bool write_ppm_grid(const char* path, const char* what, const float* tile
     if (f != NULL && fclose(f) != 0) ok = false;
     const int saved_errno = errno;
     free(rgb);
-    if (!ok)
-        return set_error(err, "%s: cannot write (%s). HINT: pass -o with a writable folder", path,
-                         strerror(saved_errno));
-    return true;
+    return ok || set_error(err, "%s: cannot write (%s). HINT: pass -o with a writable folder", path,
+                           strerror(saved_errno));
 }
 
 // ---- command line ---------------------------------------------------------------------------------------------------
@@ -3608,7 +3571,8 @@ static const struct {
 // The options each mode reads; any other one given with it is refused rather than ignored. O(X) is OPT_X's bit; every
 // mode reads the weights, --precision, --devices and -q (and --kernels: parse_args).
 #define O(name) OPT_BIT(OPT_##name)
-constexpr unsigned COMMON = O(WEIGHTS) | O(PRECISION) | O(DEVICES) | O(QUIET), IMAGES = O(DATA) | O(IMAGE) | O(INVERT) | O(COUNT);
+constexpr unsigned COMMON = O(WEIGHTS) | O(PRECISION) | O(DEVICES) | O(QUIET);
+constexpr unsigned IMAGES = O(DATA) | O(IMAGE) | O(INVERT) | O(COUNT);
 constexpr unsigned AIS_RUN = O(AIS) | O(CHAINS) | O(LEAPFROG) | O(AIS_INIT) | O(SEED);
 static const unsigned MODE_OPTIONS[] = {
     COMMON | IMAGES | O(BATCH) | O(SEED) | O(ZMU) | O(OUT) | O(CSV) | O(SHARD), // elbo: the evaluation, images, CSV
@@ -3625,22 +3589,18 @@ static const unsigned MODE_OPTIONS[] = {
 enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16, MAX_DEVICES = 64 };
 typedef struct {
     Mode mode;
-    const char* weights_path;
-    const char* data_dir;
+    const char *weights_path, *data_dir;
     const char* image_paths[MAX_IMAGE_FILES]; // --image: evaluated instead of the test set
     int num_image_files;
     bool invert;
-    const char* out_dir;
-    const char* csv_path; // NULL: no per-image CSV; "-": standard output
-    int batch;
-    int count; // images to evaluate; 0 = all
+    const char *out_dir, *csv_path; // csv_path NULL: no per-image CSV; "-": standard output
+    int batch, count;               // count: images to evaluate; 0 = all
     uint64_t seed;
     bool z_is_mu;
     Precision precision;
     Kernels kernels;
     bool quiet;
-    int iwae_k;     // --iwae: samples per image
-    int interp_n;   // --interp: images whose every pair is interpolated
+    int iwae_k, interp_n; // --iwae: samples per image; --interp: images whose every pair is interpolated
     int ais_t, chains, leapfrog; // --ais: intermediate distributions, chains per image, leapfrog steps
     bool ais_from_prior;         // --ais-init prior: p0 = N(0, I) instead of q(z|x)
     int bdmc_n;                  // --bdmc: simulated images
@@ -3732,10 +3692,8 @@ static bool parse_path(const char* flag, const char* value, const char** out, Er
     if (strlen(value) > MAX_PATH_ARG)
         return set_error(err, "%s: a path of %zu characters, longer than %d. HINT: use a shorter path", flag,
                          strlen(value), (int)MAX_PATH_ARG);
-    *out = value;
-    return true;
+    return *out = value, true;
 }
-// parse_number into an int.
 static bool parse_int(const char* flag, const char* text, int min, int max, int* out, Error* err) {
     unsigned long long v = 0;
     return parse_number(flag, text, min, max, &v, err) ? (*out = (int)v, true) : false;
@@ -3750,15 +3708,15 @@ static bool parse_choice(const char* flag, const char* value, const char* const 
     }
     return set_error(err, "%s needs %s, got '%s'. HINT: vae -h lists the options", flag, list, value);
 }
-// One option and its value (NULL for flags) into cfg.
-// A comma-separated list of at most max_count whole numbers in min..max, into out[] and *count; `what` names them in
-// the message for a malformed list (an item empty, over 23 characters or not digits, or too many).
-static bool parse_int_list(const char* flag, const char* value, int min, int max, int* out, int max_count, int* count,
-                           const char* what, Error* err) {
+// A list of at most max_count whole numbers in min..max, `separator` between them, into out[] and *count; `what` names
+// them in the message for a malformed list (an item empty, over 23 characters or not digits, or too many).
+static bool parse_int_list(const char* flag, const char* value, char separator, int min, int max, int* out,
+                           int max_count, int* count, const char* what, Error* err) {
+    const char separators[2] = {separator, '\0'};
     *count = 0;
     for (const char* item = value;; item++) {
         char text[24];
-        const size_t len = strcspn(item, ",");
+        const size_t len = strcspn(item, separators);
         snprintf(text, sizeof(text), "%.*s", (int)(len < sizeof(text) - 1 ? len : sizeof(text) - 1), item);
         if (*count == max_count || len >= sizeof(text) || text[0] == '\0' || strspn(text, "0123456789") != len)
             return set_error(err, "%s '%s' is not a list of up to %d %s. HINT: vae -h lists the options", flag, value,
@@ -3768,6 +3726,7 @@ static bool parse_int_list(const char* flag, const char* value, int min, int max
         if (*item == '\0') return true;
     }
 }
+// One option and its value (NULL for flags) into cfg.
 static bool apply_option(Config* cfg, int o, const char* flag, const char* value, Error* err) {
     switch (o) {
     case OPT_WEIGHTS: return parse_path(flag, value, &cfg->weights_path, err);
@@ -3799,24 +3758,20 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
     case OPT_LEAPFROG: return parse_int(flag, value, 1, AIS_MAX_LEAPFROG, &cfg->leapfrog, err);
     case OPT_KERNELS: return parse_choice(flag, value, KERNELS_NAMES, &cfg->kernels, err);
     case OPT_SHARD: { // K/N: both whole numbers, N in 1..MAX_SHARDS, K in 0..N-1
-        char k[24] = "", n[24] = "";
-        const char* slash = strchr(value, '/');
-        const bool split = slash != NULL && slash > value && slash - value < (long)sizeof(k) && slash[1] != '\0' &&
-                           strlen(slash + 1) < sizeof(n);
-        if (split) snprintf(k, sizeof(k), "%.*s", (int)(slash - value), value), snprintf(n, sizeof(n), "%s", slash + 1);
-        if (!split || !parse_int(flag, n, 1, MAX_SHARDS, &cfg->num_shards, err) ||
-            !parse_int(flag, k, 0, cfg->num_shards - 1, &cfg->shard, err))
+        int kn[2], count = 0;
+        if (!parse_int_list(flag, value, '/', 0, MAX_SHARDS, kn, 2, &count, "K/N", err) || count != 2 || kn[1] == 0 ||
+            kn[0] >= kn[1])
             return set_error(err, "%s '%s' is not K/N, the K-th (0..N-1) of N blocks with N up to %d (e.g. 0/8). HINT: "
                              "vae -h lists the options", flag, value, (int)MAX_SHARDS);
-        return true;
+        return cfg->shard = kn[0], cfg->num_shards = kn[1], true;
     }
     case OPT_DEVICES: // "all", or GPU numbers (a GPU listed twice gets two threads)
         cfg->num_devices = 0, cfg->all_devices = !strcmp(value, "all");
-        return cfg->all_devices || parse_int_list(flag, value, 0, MAX_DEVICES - 1, cfg->devices, MAX_DEVICES,
+        return cfg->all_devices || parse_int_list(flag, value, ',', 0, MAX_DEVICES - 1, cfg->devices, MAX_DEVICES,
                                                   &cfg->num_devices, "GPU numbers like 0,1 (or all)", err);
     case OPT_AIS_INIT: return parse_choice(flag, value, {"q", "prior"}, &cfg->ais_from_prior, err);
     case OPT_BENCH_BATCHES:
-        return parse_int_list(flag, value, 1, MAX_BATCH, cfg->bench_batches, MAX_BENCH_BATCHES,
+        return parse_int_list(flag, value, ',', 1, MAX_BATCH, cfg->bench_batches, MAX_BENCH_BATCHES,
                               &cfg->num_bench_batches, "batch sizes like 1024,4096", err);
     }
     return set_error(err, "internal: option %d has no handler", o);
@@ -3831,23 +3786,18 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
         else snprintf(flag, sizeof(flag), "-%c", OPTIONS[o].letter);
     };
     for (int o = 0; o < NUM_OPTIONS; o++) spell(o, false, cfg->flag[o]); // for options the command line did not spell
-    const int default_batches[] = {1024, 2048, 4096, 10000};
-    for (int b : default_batches) cfg->bench_batches[cfg->num_bench_batches++] = b;
+    for (int b : {1024, 2048, 4096, 10000}) cfg->bench_batches[cfg->num_bench_batches++] = b;
 
-    // getopt_long's tables from OPTIONS: long options answer LONG_CODE + their index, short ones
-    // their letter. '+' stops at the first word that is not an option (it is refused below);
-    // ':' reports a missing value as ':' rather than '?'.
+    // getopt_long's tables from OPTIONS: long options answer LONG_CODE + their index, short ones their letter. '+'
+    // stops at the first word that is not an option (refused below); ':' reports a missing value as ':', not '?'.
     enum { LONG_CODE = 1000 };
     struct option long_options[NUM_OPTIONS + 1] = {};
-    char short_options[3 * NUM_OPTIONS + 3] = "+:";
+    char short_options[3 * NUM_OPTIONS + 3] = "+:", *end = short_options + 2;
     for (int o = 0; o < NUM_OPTIONS; o++) {
         long_options[o] = {OPTIONS[o].name, OPTIONS[o].takes_value ? required_argument : no_argument, NULL,
                            LONG_CODE + o};
-        if (OPTIONS[o].letter != 0) {
-            const size_t n = strlen(short_options);
-            short_options[n] = OPTIONS[o].letter;
-            if (OPTIONS[o].takes_value) short_options[n + 1] = ':';
-        }
+        if (OPTIONS[o].letter != 0) *end++ = OPTIONS[o].letter;
+        if (OPTIONS[o].letter != 0 && OPTIONS[o].takes_value) *end++ = ':';
     }
     // The option a getopt code stands for (-1: none), spelled into flag as the user did (argv[optind - 1] holds
     // the word that named it, unless a short option was one of several in one word).
@@ -3860,20 +3810,18 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     optind = 0; // 0: restart GNU getopt's scan from scratch (the tests parse many command lines)
     opterr = 0;
     for (int code; (code = getopt_long(argc, argv, short_options, long_options, NULL)) != -1;) {
+        if (code == '?' && optopt != 0 && optopt < LONG_CODE)
+            return set_error(err, "unknown option '-%c'. HINT: vae -h lists the options", optopt);
+        if (code == '?' && optopt == 0)
+            return set_error(err, "unknown option '%s'. HINT: vae -h lists the options", argv[optind - 1]);
+        // a known option; with ':' (its value missing) or '?' (given a value it takes none of) it is in optopt
         char flag[24];
-        if (code == ':' || (code == '?' && optopt >= LONG_CODE)) {
-            const int o = option_of(optopt, flag);
-            if (o < 0) return set_error(err, "internal: getopt code %d", optopt);
-            if (code == ':') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
+        const int known = code == ':' || code == '?' ? optopt : code, o = option_of(known, flag);
+        if (o < 0) return set_error(err, "internal: getopt code %d", known);
+        if (code == ':') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
+        if (code == '?')
             return set_error(err, "%s takes no value, got '%s'. HINT: vae -h lists the options", flag,
                              argv[optind - 1]);
-        }
-        if (code == '?') {
-            if (optopt != 0) return set_error(err, "unknown option '-%c'. HINT: vae -h lists the options", optopt);
-            return set_error(err, "unknown option '%s'. HINT: vae -h lists the options", argv[optind - 1]);
-        }
-        const int o = option_of(code, flag);
-        if (o < 0) return set_error(err, "internal: getopt code %d", code);
         if (!apply_option(cfg, o, flag, optarg, err)) return false;
         cfg->given |= OPT_BIT(o);
         snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "%s", flag);
