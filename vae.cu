@@ -151,9 +151,10 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
     if (*data == NULL) return fclose(f), set_error(err, "%s: out of host memory reading %zu bytes", path, *size);
     size_t got = fread(*data, 1, *size, f);
     fclose(f);
-    if (got != *size)
-        return free(*data), *data = NULL,
-               set_error(err, "%s: read %zu of %zu bytes. HINT: check the disk and the file", path, got, *size);
+    if (got != *size) {
+        free(*data), *data = NULL;
+        return set_error(err, "%s: read %zu of %zu bytes. HINT: check the disk and the file", path, got, *size);
+    }
     const size_t length = strlen(path);
     if (length < 3 || strcmp(path + length - 3, ".gz") != 0) return true;
     uint8_t* packed = *data;
