@@ -3638,7 +3638,8 @@ static const char* USAGE =
     "                       plain: cuBLASLt and short kernels, any GPU from sm_75; fused: Hopper's\n"
     "                       wgmma, TMA and cluster kernels (sm_90 with a binary built for sm_90a)\n"
     "      --devices L      the GPUs to spread the images over: all, or a list like 0,1 (default 0);\n"
-    "                       the results are one GPU's, byte for byte; --bench times the first only\n"
+    "                       on GPUs of one model the results are one GPU's, byte for byte;\n"
+    "                       --bench times the first GPU only\n"
     "outputs\n"
     "  -o, --out DIR        folder for the images (default out; created if missing)\n"
     "      --csv FILE       also write per-image results (index,label,bce,kl[,log_px]) after a '#' line\n"
@@ -4124,8 +4125,9 @@ struct Progress {
         if (quiet) return;
         if (isatty(STDERR_FILENO)) {
             const int width = 40, filled = (int)(width * done / total);
-            fprintf(stderr, "\r%s [%.*s%*s] %3d%% (%lld/%lld)", what, filled, "########################################",
-                    width - filled, "", (int)(100 * done / total), done, total);
+            fprintf(stderr, "\r%s [%.*s%*s] %3d%% (%lld/%lld)", what, filled,
+                    "########################################", width - filled, "", (int)(100 * done / total), done,
+                    total);
             if (done == total) fputc('\n', stderr);
         } else if ((int)(10 * done / total) != decile) {
             decile = (int)(10 * done / total);
