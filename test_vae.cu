@@ -868,9 +868,10 @@ static void test_devices() {
                                {"--zmu", "--kernels", "plain", "--precision", "bf16", "-n", "37", "-o", NULL},
                                {"--iwae", "8", "-n", "37", NULL},
                                {"--iwae", "5", "--kernels", "plain", "--precision", "bf16", "-n", "37", NULL},
-                               {"--ais", "3", "--chains", "4", "-n", "37", NULL},
+                               {"--ais", "3", "--chains", "4", "-n", "2000", NULL}, // several fused rounds
                                {"--ais", "3", "--kernels", "plain", "-n", "300", NULL},
-                               {"--bdmc", "37", "--ais", "3", NULL},
+                               {"--bdmc", "2000", "--ais", "3", NULL},
+                               {"--bdmc", "300", "--ais", "3", "--kernels", "plain", NULL},
                                {"--interp", "120", "-o", NULL}};
     for (const auto& mode : modes) {
         char what[96] = "", out[2][160];

@@ -4158,12 +4158,13 @@ static Gpus open_gpus(const Config* cfg) {
     for (int i = 0; i < count; i++) {
         Gpu* g = &gs.gpu[i];
         cudaDeviceProp prop;
-        cudaCheck(cudaSetDevice(devices[i]));
+        if (count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "GPU %d: ", devices[i]); // until its name is known
         cudaCheck(cudaGetDeviceProperties(&prop, devices[i]));
         g->device = devices[i], g->sm = 10 * prop.major + prop.minor, g->sms = prop.multiProcessorCount;
         snprintf(g->name, sizeof(g->name), "%s", prop.name);
         snprintf(g->label, sizeof(g->label), "GPU %d (%s): ", g->device, g->name);
         if (count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
+        cudaCheck(cudaSetDevice(devices[i]));
         Error err;
         if (!gpu_supported(prop.name, prop.major, prop.minor, cfg->precision, &err)) fail("%s", err.msg);
         cudaFuncAttributes attr; // a binary built for other GPUs has no kernel this one can load
@@ -4616,9 +4617,6 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
         slices.ready_to_start();
         for (int first, rows; slices.take(pass_rows, &first, &rows);) {
             vae_decode_interpolations(m, here, first, rows, INTERP_STEPS);
-            if (first + rows == decodes)
-                cudaCheck(cudaMemcpyAsync(last, m->recon + (size_t)(rows - INTERP_STEPS) * INPUT_DIM,
-                                          pair_floats * sizeof(float), cudaMemcpyDeviceToHost, m->stream));
             if (gs->count > 1) cudaCheck(cudaStreamSynchronize(m->stream)); // done before this GPU takes more
         }
         cudaCheck(cudaStreamSynchronize(m->stream));
@@ -4626,7 +4624,13 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
     });
     const double batched_ms = slices.ms();
 
+    // the last pass again on the first GPU, whose one-pair decodes below it is compared with (GPUs of other kinds may
+    // run another engine); one GPU has it in m->recon already
     VAE* m = &gs->gpu[0].m;
+    const int last_pass = (decodes - 1) / pass_rows * pass_rows, last_rows = decodes - last_pass;
+    if (gs->count > 1) vae_decode_interpolations(m, d_pairs[0], last_pass, last_rows, INTERP_STEPS);
+    cudaCheck(cudaMemcpy(last, m->recon + (size_t)(last_rows - INTERP_STEPS) * INPUT_DIM, pair_floats * sizeof(float),
+                         cudaMemcpyDeviceToHost));
     const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
     Progress progress("one pair per call", num_pairs);
     Timer timer(m->stream);
@@ -4752,9 +4756,11 @@ int main(int argc, char** argv) {
             const Gpu* g = &gpus.gpu[i];
             char key[16];
             snprintf(key, sizeof(key), "gpu %d", g->device);
+            snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
             cudaCheck(cudaSetDevice(g->device));
             print_row(key, "%s, sm_%d: %s", g->name, g->sm, use_fused(run_kernels(&cfg), dims) ? "fused" : "plain");
         }
+        failing_gpu[0] = '\0';
         cudaCheck(cudaSetDevice(gpus.gpu[0].device));
     }
     print_row("weights", "%s", cfg.weights_path);
