@@ -989,12 +989,15 @@ typedef struct {
     AisWork ais[2]; // AIS's two sets of buffers, allocated by its first run
     cudaEvent_t fork, join;
 } Plain;
+// What to do when a GPU's memory runs out. The ELBO's batch is -b; main names the fix for the other modes, whose
+// buffers have a fixed size.
+static const char* out_of_memory_hint = "use a smaller -b";
 static void* device_alloc(size_t bytes, const char* what, int batch) {
     void* p = NULL;
     cudaError_t status = cudaMalloc(&p, bytes);
     if (status == cudaErrorMemoryAllocation)
-        fail("out of GPU memory allocating %s (%zu bytes) for batch size %d. HINT: use a smaller -b", what, bytes,
-             batch);
+        fail("out of GPU memory allocating %s (%zu bytes) for batch size %d. HINT: %s", what, bytes, batch,
+             out_of_memory_hint);
     cudaCheck(status);
     return p;
 }
@@ -4741,6 +4744,10 @@ int main(int argc, char** argv) {
         check_output_dir(cfg.flag[OPT_OUT], cfg.out_dir);
     if (cfg.csv_path != NULL && strcmp(cfg.csv_path, "-") != 0) check_output_file(cfg.flag[OPT_CSV], cfg.csv_path);
 
+    if (cfg.mode == MODE_BENCH) out_of_memory_hint = "pass smaller --bench-batches";
+    else if (cfg.mode != MODE_ELBO)
+        out_of_memory_hint = "this mode's buffers have a fixed size: free the GPU's memory (nvidia-smi lists the "
+                             "processes that hold it) or choose another GPU with --devices";
     Gpus gpus = open_gpus(&cfg);
     const int batch = cfg.batch < count ? cfg.batch : count;
     const ModelDims dims = weights.dims;
