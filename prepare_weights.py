@@ -33,9 +33,9 @@ the published checkpoint), and only the weights file is written: to --out, by de
 data/<the checkpoint's name without its suffix>.bin.
 
 --family makes the test models of other sizes (FAMILY_DIMS: 784-512-2-512, 784-256-64-256,
-784-300-10-500 and 784-97-33-101), each trained from torch.manual_seed(FAMILY_SEED) for FAMILY_EPOCHS epoch of Adam on the
-MNIST test images that 'make data' writes (data/t10k-images-idx3-ubyte), on the CPU. For each, in --out
-(default data/family), with NAME = vae_784_H1_Z_H3:
+784-300-10-500 and 784-97-33-101), each trained from torch.manual_seed(FAMILY_SEED) for FAMILY_EPOCHS
+epoch of Adam on the MNIST test images that 'make data' writes (data/t10k-images-idx3-ubyte), on the
+CPU. For each, in --out (default data/family), with NAME = vae_784_H1_Z_H3:
   NAME.pth                  torch.save(model.state_dict()) in the zip format
   NAME.bin                  its weights file, converted from NAME.pth as --checkpoint converts
   NAME_debug_state.bin      its reference activations (the debug state format below)

@@ -2007,6 +2007,7 @@ static void test_gpu_out_of_memory(const HostWeights* w) {
         int devices = 0;
         if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) _exit(77);
         VAE m;
+        set_out_of_memory_hint(MODE_ELBO, OOM_BATCH); // as main does for the ELBO at -b 2^30
         vae_init(&m, w, OOM_BATCH, PRECISION_FP32, KERNELS_AUTO); // must fail() with exit status 1
         _exit(0);
     }
@@ -2019,7 +2020,7 @@ static void test_gpu_out_of_memory(const HostWeights* w) {
     if (!check(read_file(err_path, &msg, &size, &err), "read the child's stderr: %s", err.msg)) return;
     char text[512], batch[64];
     snprintf(text, sizeof(text), "%.*s", (int)size, (const char*)msg);
-    snprintf(batch, sizeof(batch), "for batch size %d", OOM_BATCH);
+    snprintf(batch, sizeof(batch), "HINT: use a -b below %d", OOM_BATCH);
     const char* newline = strchr(text, '\n');
     check(WIFEXITED(status) && WEXITSTATUS(status) == 1 && !strncmp(text, "vae: error: out of GPU memory", 29) &&
               strstr(text, batch) != NULL && newline != NULL && newline[1] == '\0',

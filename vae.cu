@@ -19,7 +19,7 @@ kernels are Hopper's fast path (wgmma, TMA, thread-block clusters), picked at st
 (--kernels). The file reads top to bottom: utilities, the model's shapes, random numbers, the plain
 path (its kernels, then the model on cuBLASLt), the fused kernels and their launchers, the model's glue
 (which engine, one interface for both), file formats, image output, and (unless TESTING is defined,
-as test_vae.cu does) the CLI.
+as test_vae.cu does) the CLI, whose modes spread their images over the GPUs --devices names.
 */
 #include <cuda.h> // CUtensorMap and its enums only: the encoder comes through the runtime, no -lcuda
 #include <cudaTypedefs.h>
@@ -43,8 +43,8 @@ as test_vae.cu does) the CLI.
 #include <condition_variable>
 #include <mutex>
 #include <thread>
-#include <vector>
 #include <type_traits>
+#include <vector>
 #include <unistd.h>
 #include <zlib.h> // -d reads MNIST's idx files as shipped, gzipped
 
@@ -563,13 +563,13 @@ template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, 
         if (!(as_float(hidden.v[k]) > 0.0f)) store_as(&g.v[k], 0.0f);
     reinterpret_cast<Four<G>*>(grad)[i] = g;
 }
-// The plain path's weights, once at load: rows x cols of W (fp32, PyTorch's W[out][in]) as T in rows of `pitch`, the
-// columns repeated every pitch / copies with zeros between (fc3's backward copy: [W3 | 0]; the others one copy).
+// The plain path's weights, once at load: rows x cols of W (fp32, PyTorch's W[out][in]) as T in rows of `pitch`,
+// zeros past `cols` (fc3's backward copy: [W3 | 0]).
 template <typename T>
-__global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int rows, int cols, int pitch, int copies) {
+__global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int rows, int cols, int pitch) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * pitch) return;
-    const int r = (int)(i / pitch), c = (int)(i % pitch) % (pitch / copies);
+    const int r = (int)(i / pitch), c = (int)(i % pitch);
     store_as(&dst[i], c < cols ? w[(size_t)r * cols + c] : 0.0f);
 }
 // The importance-weighted log-likelihood (--iwae K; Burda et al., "Importance Weighted Autoencoders"):
@@ -989,15 +989,13 @@ typedef struct {
     AisWork ais[2]; // AIS's two sets of buffers, allocated by its first run
     cudaEvent_t fork, join;
 } Plain;
-// What to do when a GPU's memory runs out. The ELBO's batch is -b; main names the fix for the other modes, whose
-// buffers have a fixed size.
-static const char* out_of_memory_hint = "use a smaller -b";
-static void* device_alloc(size_t bytes, const char* what, int batch) {
+// What to do when a GPU's memory runs out: the fix the run's mode has (set_out_of_memory_hint).
+static char out_of_memory_hint[192] = "use a smaller batch";
+static void* device_alloc(size_t bytes, const char* what) {
     void* p = NULL;
     cudaError_t status = cudaMalloc(&p, bytes);
     if (status == cudaErrorMemoryAllocation)
-        fail("out of GPU memory allocating %s (%zu bytes) for batch size %d. HINT: %s", what, bytes, batch,
-             out_of_memory_hint);
+        fail("out of GPU memory allocating %s (%zu bytes). HINT: %s", what, bytes, out_of_memory_hint);
     cudaCheck(status);
     return p;
 }
@@ -1026,23 +1024,23 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
     const size_t w4 = slot((size_t)INPUT_DIM * H3 * sizeof(T)), b4 = slot(INPUT_DIM * sizeof(float));
     const size_t b4_type = slot(INPUT_DIM * sizeof(T));
     const size_t w3_back = slot((size_t)H3 * pad * sizeof(B)), w4_back = slot((size_t)INPUT_DIM * H3 * sizeof(B));
-    uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights", pl->max_batch);
+    uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights");
     pl->weights = base;
     const cudaDataType_t f32 = CUDA_R_32F, type = pl->type, back = pl->backward_type;
     // tensor t[k] (rows x cols) at offset `at` in the type of u, rows `pitch` apart (plain_weights_kernel)
     auto convert = [&](auto u, size_t at, int k, int rows, int cols, int pitch) {
         typedef decltype(u) U;
         launch(plain_weights_kernel<U>, (long long)rows * pitch, 256, 256, stream, (U*)(base + at), t[k], rows, cols,
-               pitch, 1);
+               pitch);
         return (const void*)(base + at);
     };
     // The batch each algorithm is picked for (dev/gemm_pick_v1 and v2 time the candidates). fp32 runs on the SIMT cores
     // (TF32 is off), where the pick for 4,096 rows (128 x 128 tiles) leaves 100 of 132 SMs idle at 1,024. The products
-    // that run only on long passes (fc4_t for --iwae and AIS, the backward ones) are picked for 4,096 rows in fp32,
-    // 65,536 in bf16 (AIS runs parts of 40,000 rows at n = 10,000); fp32's backward ones for 2,048, whose pick runs
-    // fc4's backward 10% faster at 80,000 rows than the 4,096 pick (H100).
+    // that run only on long passes (AIS runs parts of 40,000 rows at n = 10,000) are picked for 65,536 rows in bf16; in
+    // fp32, fc4_t (--iwae and AIS) for 4,096 and the backward ones for 2,048, whose pick runs fc4's backward 10% faster
+    // at 80,000 rows than the 4,096 pick (H100).
     const int pick = type == f32 ? 1024 : 4096, long_pick = type == f32 ? 4096 : 65536;
-    const int backward_pick = type == f32 ? 2048 : 65536;
+    const int backward_pick = type == f32 ? 2048 : long_pick;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
     pl->fc1 = gemm_init(pl->lt, convert(T(), w1, FC1_W, H1, INPUT_DIM, INPUT_DIM), H1, INPUT_DIM, INPUT_DIM, false,
                         true, convert(T(), b1, FC1_B, 1, H1, H1), type, type, 1.0f / 255.0f, pick);
@@ -1073,16 +1071,16 @@ static void plain_init(Plain* pl, const float* const* tensors, ModelDims dims, P
     (precision == PRECISION_BF16 ? plain_init_weights<bf16> : plain_init_weights<float>)(pl, tensors, stream);
     const size_t B = (size_t)max_batch, R = (size_t)rows, t = pl->type_size;
     const int zk = z_width(precision, dims.z);
-    pl->x = device_alloc(B * INPUT_DIM * t, "the pixels as fc1's input", max_batch);
-    pl->h1 = device_alloc(B * dims.h1 * t, "h1", max_batch);
-    pl->mulv = (float*)device_alloc(B * 2 * dims.z * sizeof(float), "mu/logvar", max_batch);
-    pl->z = (float*)device_alloc(B * dims.z * sizeof(float), "z", max_batch);
-    pl->z_input = device_alloc(R * zk * t, "fc3's input", max_batch);
-    pl->h3 = device_alloc(R * dims.h3 * t, "h3", max_batch);
-    pl->logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the logits", max_batch);
-    pl->bce = (float*)device_alloc(R * sizeof(float), "the rows' BCE", max_batch);
-    pl->log_ratio = (float*)device_alloc(R * sizeof(float), "the rows' log-density ratios", max_batch);
-    pl->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", max_batch);
+    pl->x = device_alloc(B * INPUT_DIM * t, "the pixels as fc1's input");
+    pl->h1 = device_alloc(B * dims.h1 * t, "h1");
+    pl->mulv = (float*)device_alloc(B * 2 * dims.z * sizeof(float), "mu/logvar");
+    pl->z = (float*)device_alloc(B * dims.z * sizeof(float), "z");
+    pl->z_input = device_alloc(R * zk * t, "fc3's input");
+    pl->h3 = device_alloc(R * dims.h3 * t, "h3");
+    pl->logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the logits");
+    pl->bce = (float*)device_alloc(R * sizeof(float), "the rows' BCE");
+    pl->log_ratio = (float*)device_alloc(R * sizeof(float), "the rows' log-density ratios");
+    pl->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon");
 }
 static void plain_free(Plain* pl) {
     void* buffers[] = {pl->weights, pl->x, pl->h1, pl->mulv, pl->z, pl->z_input, pl->h3, pl->logits, pl->bce,
@@ -1208,13 +1206,13 @@ static void plain_ais_alloc(Plain* pl) {
     const size_t R = PLAIN_AIS_ROWS, t = pl->type_size, Z = pl->dims.z, H3 = pl->dims.h3;
     const int zk = z_width(pl->precision, pl->dims.z);
     for (AisWork& w : pl->ais) {
-        w.z_input = device_alloc(R * zk * t, "the AIS chains' fc3 input", pl->max_batch);
-        w.h3 = device_alloc(R * H3 * t, "the AIS chains' h3", pl->max_batch);
-        w.logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the AIS chains' logits", pl->max_batch);
-        w.residual = device_alloc(R * INPUT_DIM * t, "the AIS chains' sigmoid - x", pl->max_batch);
-        w.dh = device_alloc(R * H3 * t, "the AIS chains' dh", pl->max_batch);
+        w.z_input = device_alloc(R * zk * t, "the AIS chains' fc3 input");
+        w.h3 = device_alloc(R * H3 * t, "the AIS chains' h3");
+        w.logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the AIS chains' logits");
+        w.residual = device_alloc(R * INPUT_DIM * t, "the AIS chains' sigmoid - x");
+        w.dh = device_alloc(R * H3 * t, "the AIS chains' dh");
         const size_t floats = R * (4 * Z + z_pad(Z) + 3) + R; // z p z0 grad0 | grad | bce bce0 h0 | took
-        float* f = (float*)device_alloc(floats * sizeof(float), "the AIS chains", pl->max_batch);
+        float* f = (float*)device_alloc(floats * sizeof(float), "the AIS chains");
         AisChains& c = w.chains;
         c.z = f, c.p = f + R * Z, c.z0 = f + 2 * R * Z, c.grad0 = f + 3 * R * Z;
         c.grad = f + 4 * R * Z, c.bce = c.grad + R * z_pad(Z), c.bce0 = c.bce + R, c.h0 = c.bce0 + R;
@@ -3107,7 +3105,7 @@ template <Precision P> static void vae_init_path(VAE* m) {
                  enc = (size_t)MULV_DIM * Path<P>::ENC_SLICES * Path<P>::ENC_W_COLS,
                  fc3 = (size_t)HIDDEN_DIM * Path<P>::Z_K, fc4 = (size_t)COPIES * INPUT_DIM * FC4_K,
                  ais_fc3 = (size_t)2 * HIDDEN_DIM * AIS_W3_K; // fp16 hi and lo in both paths (AisW3Cores)
-    T* p = (T*)device_alloc((fc1 + enc + fc3 + fc4 + ais_fc3) * sizeof(T), "the 16-bit weights", batch);
+    T* p = (T*)device_alloc((fc1 + enc + fc3 + fc4 + ais_fc3) * sizeof(T), "the 16-bit weights");
     m->params16 = p;
     auto convert = [&](Layer layer, const float* w, const float* b, size_t count) {
         T* dst = p;
@@ -3123,27 +3121,27 @@ template <Precision P> static void vae_init_path(VAE* m) {
     launch(weights_kernel<PRECISION_FP32>, ais_fc3, 256, 256, m->stream, (fp16*)p, LAYER_AIS_FC3, m->tensor[FC3_W],
            m->tensor[FC3_B], (long long)ais_fc3);
     m->bce_parts_per_row = Path<P>::DEC_COL_BLOCKS;
-    m->z_rows = (uint4*)device_alloc(R * Path<P>::Z_K * 2, "z rows", batch);
+    m->z_rows = (uint4*)device_alloc(R * Path<P>::Z_K * 2, "z rows");
     allow_shared_memory<P>();
     m->ais_clusters = ais_max_clusters<P>();
     if (m->ais_clusters > 0) // not without sm_90a code, where --ais stops at require_ais
-        m->ais_state = (float*)device_alloc(ais_state_bytes<P>(m->ais_clusters), "the AIS chains' state", batch);
+        m->ais_state = (float*)device_alloc(ais_state_bytes<P>(m->ais_clusters), "the AIS chains' state");
     m->w1_map = tensor_map_16bit(m->fc1_wp, Path<P>::ENC_SLICES * ENC_BN, FC1_K, ENC_BN);
     m->w4_map = tensor_map_16bit(m->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
     m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
     if (P == PRECISION_FP32) { // the tests' view of the hidden layers
-        m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1", batch);
-        m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3", batch);
+        m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1");
+        m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3");
     }
-    m->bce_parts = (float*)device_alloc(R * m->bce_parts_per_row * sizeof(float), "BCE parts", batch);
-    m->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar", batch);
-    m->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z", batch);
-    m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits", batch);
-    m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon", batch);
-    m->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios", batch);
-    m->enc_partials = (float*)device_alloc(B * MAX_ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials", batch);
+    m->bce_parts = (float*)device_alloc(R * m->bce_parts_per_row * sizeof(float), "BCE parts");
+    m->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar");
+    m->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z");
+    m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits");
+    m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon");
+    m->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios");
+    m->enc_partials = (float*)device_alloc(B * MAX_ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials");
     const size_t enc_tickets = ceil_div(batch, TASK_ROWS), dec_tickets = ceil_div(m->decoder_rows, TASK_ROWS);
-    m->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets", batch);
+    m->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets");
     m->dec_tickets = m->enc_tickets + enc_tickets;
     cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
 }
@@ -3190,8 +3188,8 @@ static bool use_fused(Kernels kernels, ModelDims dims) {
     if (!pick_engine(kernels, dims, major, minor, (size_t)smem, fused_code, &fused, &err)) fail("%s", err.msg);
     return fused;
 }
-// The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a
-// row in fp32 for H3 = 400 (fc3's input, h3, the logits), ~20 KB for 4,096.
+// The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a row in fp32 for
+// H3 = 400 (fc3's input, h3, the logits), ~20 KB for 4,096.
 enum { PLAIN_DECODER_ROWS = 1 << 18 };
 // max_batch: images a forward pass, and --iwae's most samples per image. decoder_rows: rows a --iwae decoder pass (at
 // least max_batch). A fused row costs at most 172 bytes (fp32's z row, BCE parts, log ratio) and no activations, so its
@@ -3203,7 +3201,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
     cudaCheck(cudaStreamCreate(&m->stream));
     // device layout: fc1.w fc1.b | fc21.w fc22.w | fc21.b fc22.b | fc3.w fc3.b fc4.w fc4.b
     const int order[NUM_TENSORS] = {FC1_W, FC1_B, FC21_W, FC22_W, FC21_B, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B};
-    float* at = m->params = (float*)device_alloc(w->count * sizeof(float), "the weights", max_batch);
+    float* at = m->params = (float*)device_alloc(w->count * sizeof(float), "the weights");
     for (int t : order) {
         cudaCheck(cudaMemcpy(at, w->tensor[t], w->size[t] * sizeof(float), cudaMemcpyHostToDevice));
         m->tensor[t] = at, at += w->size[t];
@@ -3554,6 +3552,14 @@ static bool gpu_supported(const char* name, int major, int minor, Precision prec
 }
 typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP, MODE_AIS, MODE_BDMC } Mode;
 static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bdmc"};
+// device_alloc's hint for the run's mode: the ELBO's batch is -b; the other modes' buffers have a fixed size.
+static void set_out_of_memory_hint(Mode mode, int batch) {
+    const char* fixed_size = "this mode's buffers have a fixed size: free the GPU's memory (nvidia-smi lists the "
+                             "processes that hold it) or choose another GPU with --devices";
+    if (mode == MODE_ELBO) snprintf(out_of_memory_hint, sizeof(out_of_memory_hint), "use a -b below %d", batch);
+    else snprintf(out_of_memory_hint, sizeof(out_of_memory_hint), "%s",
+                  mode == MODE_BENCH ? "pass smaller --bench-batches" : fixed_size);
+}
 // Every option: long name, short letter (0: none), whether it takes a value.
 enum Option {
     OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
@@ -3966,9 +3972,9 @@ static Kernels run_kernels(const Config* cfg) {
     const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
     return ais && cfg->chains > AIS_ROWS ? KERNELS_PLAIN : cfg->kernels;
 }
-// Which engine runs a model of size dims, and why, for the start-up table.
-static void print_kernels_row(const Config* cfg, ModelDims dims) {
-    if (use_fused(run_kernels(cfg), dims))
+// Which engine runs a model of size dims (fused: use_fused's answer), and why, for the start-up table.
+static void print_kernels_row(const Config* cfg, ModelDims dims, bool fused) {
+    if (fused)
         print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
     else if (cfg->kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
     else if (!is_published(dims)) print_row("kernels", "plain: cuBLASLt (fused: 784-400-20-400 only)");
@@ -4063,6 +4069,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
 // host's arrays, so the CSV, the means and the pictures are a one-GPU run's, byte for byte.
 typedef struct {
     int device, sm, sms; // the CUDA device number, its compute capability (90: 9.0) and SMs
+    bool fused;          // the engine this run takes on it: fused or plain (use_fused)
     char name[256];
     char label[300]; // "GPU 1 (NVIDIA H100 80GB HBM3): ", for failing_gpu
     VAE m;
@@ -4142,7 +4149,7 @@ struct Progress {
 };
 // The run's GPUs: --devices' (every GPU, or the list; GPU 0 by default), the first alone for --bench, each checked:
 // this binary has code for it, and it has what --precision needs.
-static Gpus open_gpus(const Config* cfg) {
+static Gpus open_gpus(const Config* cfg, ModelDims dims) {
     int available = 0, devices[MAX_DEVICES], count = 0;
     const cudaError_t status = cudaGetDeviceCount(&available);
     if (status != cudaSuccess || available == 0)
@@ -4177,6 +4184,7 @@ static Gpus open_gpus(const Config* cfg) {
         if (loaded != cudaSuccess)
             fail("this vae has no code for the %s (sm_%d): %s. HINT: rebuild it here: make clean && make vae", g->name,
                  g->sm, cudaGetErrorString(loaded));
+        g->fused = use_fused(run_kernels(cfg), dims);
     }
     failing_gpu[0] = '\0';
     cudaCheck(cudaSetDevice(gs.gpu[0].device));
@@ -4234,7 +4242,7 @@ static double evaluate(Gpus* gs, int count, int image0, int batch, const Config*
     Slices slices(count, gs);
     on_each_gpu(gs, [&](Gpu* g) {
         VAE* m = &g->m;
-        float* d_losses = (float*)device_alloc((size_t)2 * slice * sizeof(float), "the losses", batch);
+        float* d_losses = (float*)device_alloc((size_t)2 * slice * sizeof(float), "the losses");
         vae_forward(m, g->pixels, batch, 0, &opt, d_losses, d_losses + slice); // untimed: module loading stays out
         cudaCheck(cudaStreamSynchronize(m->stream));
         slices.ready_to_start();
@@ -4305,7 +4313,7 @@ static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg
         VAE* m = &g->m;
         const int per_pass = vae_iwae_images_per_pass(m, K);
         const int slice = std::min(per_pass * ceil_div(ceil_div(count, per_pass), 50), ceil_div(count, gs->count));
-        float* d_log_px = (float*)device_alloc((size_t)slice * sizeof(float), "log p(x)", slice);
+        float* d_log_px = (float*)device_alloc((size_t)slice * sizeof(float), "log p(x)");
         vae_iwae(m, g->pixels, 1, 0, K, cfg->seed, NULL, d_log_px); // untimed: module loading stays out
         cudaCheck(cudaStreamSynchronize(m->stream));
         slices.ready_to_start();
@@ -4343,17 +4351,17 @@ static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Con
     if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl,log_px", {bce, kl, log_px});
     free(results), vae_free_all(gs);
 }
-// The device buffers of AIS over n images of C chains: the schedule, per chain its log weight and
-// acceptances, per image the step size and the estimates.
+// The device buffers of AIS over n images of C chains: the schedule, per chain its log weight and acceptances, per
+// image the step size and the estimates.
 typedef struct { double *beta, *log_w, *log_px; int* accepted; float *step, *ess, *acceptance; } AisBuffers;
 static AisBuffers ais_buffers(int n, const Config* cfg) {
     const size_t rows = (size_t)n * cfg->chains;
     AisBuffers b;
-    b.beta = (double*)device_alloc((cfg->ais_t + 1) * sizeof(double), "the AIS schedule", n);
-    b.log_w = (double*)device_alloc(rows * sizeof(double), "the AIS log weights", n);
-    b.accepted = (int*)device_alloc(rows * sizeof(int), "the AIS acceptances", n);
-    b.log_px = (double*)device_alloc(n * sizeof(double), "log p(x)", n);
-    b.step = (float*)device_alloc((size_t)3 * n * sizeof(float), "the AIS step sizes", n);
+    b.beta = (double*)device_alloc((cfg->ais_t + 1) * sizeof(double), "the AIS schedule");
+    b.log_w = (double*)device_alloc(rows * sizeof(double), "the AIS log weights");
+    b.accepted = (int*)device_alloc(rows * sizeof(int), "the AIS acceptances");
+    b.log_px = (double*)device_alloc(n * sizeof(double), "log p(x)");
+    b.step = (float*)device_alloc((size_t)3 * n * sizeof(float), "the AIS step sizes");
     b.ess = b.step + n, b.acceptance = b.step + 2 * n;
     double* beta = (double*)malloc((cfg->ais_t + 1) * sizeof(double));
     if (beta == NULL) fail("out of host memory for the AIS schedule");
@@ -4388,7 +4396,7 @@ static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const floa
         AisBuffers b = ais_buffers(slice, cfg);
         float* d_z = NULL;
         if (z_start != NULL) {
-            d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the AIS start z", n);
+            d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the AIS start z");
             cudaCheck(cudaMemcpy(d_z, z_start, (size_t)n * Z * sizeof(float), cudaMemcpyHostToDevice));
         }
         AisIO io = {};
@@ -4485,7 +4493,7 @@ static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
     float* recon = z + (size_t)n * Z;
     for (int i = 0; i < n; i++)
         for (int j = 0; j < Z; j++) z[(size_t)i * Z + j] = gaussian(cfg->seed, STREAM_SIMULATE, i, 0, j);
-    float* d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the simulated z", n);
+    float* d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the simulated z");
     cudaCheck(cudaMemcpy(d_z, z, (size_t)n * Z * sizeof(float), cudaMemcpyHostToDevice));
     for (int first = 0; first < n; first += AIS_BATCH) {
         const int B = n - first < AIS_BATCH ? n - first : AIS_BATCH;
@@ -4498,7 +4506,7 @@ static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
     }
     cudaCheck(cudaFree(d_z));
     on_each_gpu(gs, [&](Gpu* g) {
-        g->pixels = (uint8_t*)device_alloc((size_t)n * INPUT_DIM, "the simulated images", n);
+        g->pixels = (uint8_t*)device_alloc((size_t)n * INPUT_DIM, "the simulated images");
         cudaCheck(cudaMemcpy(g->pixels, pixels, (size_t)n * INPUT_DIM, cudaMemcpyHostToDevice));
     });
     double ms[2];
@@ -4535,7 +4543,7 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
     // (pixels in, two losses out, the weights once) at its memory bandwidth, whichever is longer
     const double floor_flops = 770e12, floor_bytes_per_s = 4.2e12;
     const int max_batch = *std::max_element(cfg->bench_batches, cfg->bench_batches + cfg->num_bench_batches);
-    float* d_losses = (float*)device_alloc((size_t)2 * max_batch * sizeof(float), "the losses", max_batch);
+    float* d_losses = (float*)device_alloc((size_t)2 * max_batch * sizeof(float), "the losses");
     printf("forward + loss per batch, z %s: CUDA graph replays after %d warm-up; latency = median of %d single\n"
            "replays from an idle GPU, throughput = %d back-to-back replays / %d (images/s and TFLOP/s from it);\n"
            "floor = the FLOPs at 770 TFLOP/s or the bytes at 4.2 TB/s\n", cfg->z_is_mu ? "= mu" : "sampled", WARMUP,
@@ -4593,11 +4601,10 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
     }
     cudaCheck(cudaFree(d_losses));
 }
-// --interp N: every pair of the first N images, INTERP_STEPS decodes each on the line between
-// their latent means, first in passes of as many decodes as the model holds (on every GPU), then
-// one pair per call on the first GPU (a launch and a wait for 11 decodes, the way an interactive
-// loop would ask). Both decode on the device and leave the images there; neither copies them back
-// inside the timing.
+// --interp N: every pair of the first N images, INTERP_STEPS decodes each on the line between their latent means, first
+// in passes of as many decodes as the model holds (on every GPU), then one pair per call on the first GPU (a launch and
+// a wait for 11 decodes, the way an interactive loop would ask). Both decode on the device and leave the images there;
+// neither copies them back inside the timing.
 static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
     const int n = cfg->interp_n, num_pairs = n * (n - 1) / 2, decodes = num_pairs * INTERP_STEPS;
     const int pass_rows = IWAE_ROWS - IWAE_ROWS % INTERP_STEPS; // whole pairs per pass
@@ -4614,7 +4621,7 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
         VAE* m = &g->m;
         int2*& here = d_pairs[g - gs->gpu];
         vae_init(m, w, pass_rows, cfg->precision, cfg->kernels);
-        here = (int2*)device_alloc((size_t)num_pairs * sizeof(int2), "the pairs", num_pairs);
+        here = (int2*)device_alloc((size_t)num_pairs * sizeof(int2), "the pairs");
         cudaCheck(cudaMemcpy(here, pairs, (size_t)num_pairs * sizeof(int2), cudaMemcpyHostToDevice));
         vae_encode(m, g->pixels, n); // m->mulv holds the N means from here on; decoding leaves it alone
         vae_decode_interpolations(m, here, 0, INTERP_STEPS, INTERP_STEPS); // untimed: module loading stays out
@@ -4622,18 +4629,17 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
         slices.ready_to_start();
         for (int first, rows; slices.take(pass_rows, &first, &rows);) {
             vae_decode_interpolations(m, here, first, rows, INTERP_STEPS);
-            if (gs->count > 1) cudaCheck(cudaStreamSynchronize(m->stream)); // done before this GPU takes more
+            cudaCheck(cudaStreamSynchronize(m->stream)); // done before this GPU takes more
         }
-        cudaCheck(cudaStreamSynchronize(m->stream));
         slices.done();
     });
     const double batched_ms = slices.ms();
 
-    // the last pass again on the first GPU, whose one-pair decodes below it is compared with (GPUs of other kinds may
-    // run another engine); one GPU has it in m->recon already
+    // the last pass again (untimed) on the first GPU, whose one-pair decodes below it is compared with: another GPU may
+    // have taken it, and GPUs of other kinds may run another engine
     VAE* m = &gs->gpu[0].m;
     const int last_pass = (decodes - 1) / pass_rows * pass_rows, last_rows = decodes - last_pass;
-    if (gs->count > 1) vae_decode_interpolations(m, d_pairs[0], last_pass, last_rows, INTERP_STEPS);
+    vae_decode_interpolations(m, d_pairs[0], last_pass, last_rows, INTERP_STEPS);
     cudaCheck(cudaMemcpy(last, m->recon + (size_t)(last_rows - INTERP_STEPS) * INPUT_DIM, pair_floats * sizeof(float),
                          cudaMemcpyDeviceToHost));
     const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
@@ -4746,12 +4752,9 @@ int main(int argc, char** argv) {
         check_output_dir(cfg.flag[OPT_OUT], cfg.out_dir);
     if (cfg.csv_path != NULL && strcmp(cfg.csv_path, "-") != 0) check_output_file(cfg.flag[OPT_CSV], cfg.csv_path);
 
-    if (cfg.mode == MODE_BENCH) out_of_memory_hint = "pass smaller --bench-batches";
-    else if (cfg.mode != MODE_ELBO)
-        out_of_memory_hint = "this mode's buffers have a fixed size: free the GPU's memory (nvidia-smi lists the "
-                             "processes that hold it) or choose another GPU with --devices";
-    Gpus gpus = open_gpus(&cfg);
     const int batch = cfg.batch < count ? cfg.batch : count;
+    set_out_of_memory_hint(cfg.mode, batch);
+    Gpus gpus = open_gpus(&cfg, weights.dims);
     const ModelDims dims = weights.dims;
     print_separator();
     if (gpus.count == 1) {
@@ -4765,12 +4768,8 @@ int main(int argc, char** argv) {
             const Gpu* g = &gpus.gpu[i];
             char key[16];
             snprintf(key, sizeof(key), "gpu %d", g->device);
-            snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
-            cudaCheck(cudaSetDevice(g->device));
-            print_row(key, "%s, sm_%d: %s", g->name, g->sm, use_fused(run_kernels(&cfg), dims) ? "fused" : "plain");
+            print_row(key, "%s, sm_%d: %s", g->name, g->sm, g->fused ? "fused" : "plain");
         }
-        failing_gpu[0] = '\0';
-        cudaCheck(cudaSetDevice(gpus.gpu[0].device));
     }
     print_row("weights", "%s", cfg.weights_path);
     print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, dims.h1, dims.z, dims.h3, INPUT_DIM);
@@ -4781,7 +4780,7 @@ int main(int argc, char** argv) {
     if (labels.labels == NULL && cfg.mode != MODE_BDMC) print_row("labels", "none (each image's label is -1)");
     if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
     print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
-    if (cfg.mode != MODE_BENCH && gpus.count == 1) print_kernels_row(&cfg, dims);
+    if (cfg.mode != MODE_BENCH && gpus.count == 1) print_kernels_row(&cfg, dims, gpus.gpu[0].fused);
     if (cfg.mode == MODE_ELBO || cfg.mode == MODE_BENCH)
         print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
     if (cfg.mode != MODE_INTERP) print_row("seed", "%llu", (unsigned long long)cfg.seed);
@@ -4799,7 +4798,7 @@ int main(int argc, char** argv) {
     // the images stay on each GPU as uint8 for the whole run: no copies in the batch loop (--bdmc makes its own)
     if (cfg.mode != MODE_BDMC)
         on_each_gpu(&gpus, [&](Gpu* g) {
-            g->pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the images", batch);
+            g->pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the images");
             cudaCheck(cudaMemcpy(g->pixels, images.pixels + (size_t)first * INPUT_DIM, (size_t)count * INPUT_DIM,
                                  cudaMemcpyHostToDevice));
         });

@@ -27,7 +27,7 @@ __global__ void fill_kernel(uint8_t* p, size_t bytes, uint32_t seed, int type_si
 }
 
 static void* random_buffer(size_t bytes, uint32_t seed, int type_size) {
-    void* p = device_alloc(bytes, "a test buffer", 1);
+    void* p = device_alloc(bytes, "a test buffer");
     fill_kernel<<<(unsigned)((bytes / type_size + 255) / 256), 256>>>((uint8_t*)p, bytes, seed, type_size);
     cudaCheck(cudaGetLastError());
     return p;
