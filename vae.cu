@@ -4629,8 +4629,11 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
         slices.ready_to_start();
         for (int first, rows; slices.take(pass_rows, &first, &rows);) {
             vae_decode_interpolations(m, here, first, rows, INTERP_STEPS);
-            cudaCheck(cudaStreamSynchronize(m->stream)); // done before this GPU takes more
+            // done before this GPU takes more; one GPU queues its passes back to back (N = 1000, bf16: 14.5 ms with a
+            // wait after each of the 84 passes, 13.8 ms without in an earlier call)
+            if (gs->count > 1) cudaCheck(cudaStreamSynchronize(m->stream));
         }
+        cudaCheck(cudaStreamSynchronize(m->stream));
         slices.done();
     });
     const double batched_ms = slices.ms();
