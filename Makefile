@@ -50,9 +50,11 @@ LDLIBS ?= -lcublasLt -lz
 
 # prepare_weights.py needs numpy for what ./vae reads, and PyTorch for the reference dumps make test
 # checks against (Debian: python3-numpy, python3-torch; python3-torch lives in /usr/bin).
-find_python = $(firstword $(foreach p,python3 /usr/bin/python3 python,$(shell $(p) -c 'import $(1)' >/dev/null 2>&1 && echo $(p))))
-PYTHON ?= $(call find_python,numpy)
-PYTHON_TORCH ?= $(call find_python,torch)
+# Each is looked for once, when first used: every Python started costs 0.1-2 s, and make test runs make many times.
+find_python = $(shell for p in python3 /usr/bin/python3 python; do $$p -c 'import $(1)' >/dev/null 2>&1 && \
+                      { echo $$p; break; }; done)
+PYTHON ?= $(eval PYTHON := $(call find_python,numpy))$(PYTHON)
+PYTHON_TORCH ?= $(eval PYTHON_TORCH := $(call find_python,torch))$(PYTHON_TORCH)
 # Inputs for prepare_weights.py: a local folder when there is one, else it downloads them.
 DATA_SRC ?= $(wildcard ../shared/data)
 INPUTS = data/vae_weights.bin data/t10k-images-idx3-ubyte data/t10k-labels-idx1-ubyte

@@ -28,9 +28,9 @@ or, without --src, are downloaded; either way their MD5s are checked.
 z -> fc3 -> H3 -> fc4 -> 784, with 1 <= H1, H3 <= 4096 and 1 <= Z <= 64, from a state_dict that is
 the file's object itself or its entry 'state_dict' or 'model' (a dict beside other entries: epoch,
 optimizer, ...), its keys perhaps prefixed 'module.' (DataParallel), its tensors float32, float16,
-bfloat16 or float64. The file is judged by its keys, shapes and finite values (an MD5 checks only
-the published checkpoint), and only the weights file is written: to --out, by default
-data/<the checkpoint's name without its suffix>.bin.
+bfloat16 or float64 (rounded to float32; the line that reports the conversion says by how much). The
+file is judged by its keys, shapes and finite values (an MD5 checks only the published checkpoint), and
+only the weights file is written: to --out, by default data/<the checkpoint's name without its suffix>.bin.
 
 --family makes the test models of other sizes (FAMILY_DIMS: 784-512-2-512, 784-256-64-256,
 784-300-10-500 and 784-97-33-101), each trained from torch.manual_seed(FAMILY_SEED) for FAMILY_EPOCHS
@@ -80,14 +80,16 @@ import contextlib
 import functools
 import gzip
 import hashlib
-import importlib
+import importlib.util
 import io
 import json
 import math
 import os
 import pickle
 import pickletools
+import shlex
 import shutil
+import subprocess
 import sys
 import urllib.request
 import zipfile
@@ -96,9 +98,8 @@ try:
     import numpy as np
 except ImportError:
     np = None  # main() says so after parsing the arguments, so that --help works without numpy
-# the hint names this interpreter: another python3 on PATH may be the one that has numpy
-NUMPY_MISSING = (f"prepare_weights.py: error: {sys.executable} has no numpy. HINT: {sys.executable} -m pip install "
-                 f"numpy, or run 'make data', which finds a Python that has it")
+# where the Makefile looks for a Python with numpy (and one with torch), in its order
+PYTHON_CANDIDATES = ("python3", "/usr/bin/python3", "python")
 
 INPUT_DIM = 784  # 28x28 images
 MAX_HIDDEN, MAX_LATENT = 4096, 64  # the sizes of the family that vae.cu takes: 1 <= H1, H3 <= 4096, 1 <= Z <= 64
@@ -122,6 +123,7 @@ TENSOR_ORDER = list(VAE_LAYOUT)
 SHAPE_ORDER = ["fc1.weight", "fc21.weight", "fc3.weight"] + [n for n in TENSOR_ORDER
                                                              if n not in ("fc1.weight", "fc21.weight", "fc3.weight")]
 SIZE_BOUNDS = {"H1": (1, MAX_HIDDEN), "Z": (1, MAX_LATENT), "H3": (1, MAX_HIDDEN)}
+SIZE_LIMITS = f"1 <= H1, H3 <= {MAX_HIDDEN} and 1 <= Z <= {MAX_LATENT}"
 # (batch size, first test image): a batch that is no tile multiple, and a single image
 DEBUG_CASES = [(37, 0), (1, 9999)]
 DEBUG_SEED = 1234
@@ -154,6 +156,31 @@ TORCH_HINT = "apt-get install -y python3-torch python3-numpy (Debian's torch, fo
 def fail(msg):
     print(f"prepare_weights.py: error: {msg}", file=sys.stderr)
     sys.exit(1)
+
+
+def other_python_with(module, probe="import {}"):
+    """The first of PYTHON_CANDIDATES, as named there, that runs probe of module; None if none does. This
+    interpreter is left out: the caller knows that it lacks module."""
+    for name in PYTHON_CANDIDATES:
+        where = shutil.which(name)
+        if where is None or os.path.abspath(where) == os.path.abspath(sys.executable):
+            continue
+        try:
+            found = subprocess.run([where, "-c", probe.format(module)], stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if found:
+            return name
+    return None
+
+
+def numpy_missing():
+    """The error for a Python without numpy: the same command with a Python that has it, else how to install it."""
+    found = other_python_with("numpy")
+    hint = (f"{found} has numpy: {shlex.join([found, *sys.argv])}" if found else
+            f"{sys.executable} -m pip install numpy, or apt-get install -y python3-numpy")
+    return f"prepare_weights.py: error: {sys.executable} has no numpy. HINT: {hint}"
 
 
 def vae_shapes(dims):
@@ -189,6 +216,9 @@ PUBLISHED_HINT = f"use the published checkpoint, {SOURCES[CHECKPOINT][0]}"
 STATE_HINT = ("save the VAE's state_dict with torch.save(model.state_dict(), path) or safetensors; "
               "or use the published checkpoint")
 DAMAGED_HINT = "save the checkpoint again, with torch.save or safetensors"
+# the weights cannot be cut down to size: only a model trained within the limits fits
+SIZE_HINT = (f"train the VAE with {SIZE_LIMITS} (the published one is 784-{PUBLISHED_DIMS.h1}-{PUBLISHED_DIMS.z}-"
+             f"{PUBLISHED_DIMS.h3}), or {PUBLISHED_HINT}")
 
 # dtype name -> bytes per element, for every dtype the formats can name; the first four are converted
 ELEMENT_SIZES = {
@@ -229,6 +259,16 @@ TensorRef = collections.namedtuple("TensorRef", "storage offset size stride")
 # a tensor of any format, once its view is checked: dtype (an ELEMENT_SIZES name), shape, and read(), which gives
 # its raw values (RAW_DTYPES) as a numpy array of that shape; only called once names and shapes are checked
 Tensor = collections.namedtuple("Tensor", "dtype shape read")
+
+
+class Weights(dict):
+    """A checkpoint's VAE tensors, {name: float32 array} in vae_weights.bin's order, and what becoming float32 did
+    to them: dtypes {name: the checkpoint's dtype} and rounded {name: largest absolute change} of the float64
+    tensors whose values float32 does not hold exactly (the other dtypes convert exactly)."""
+
+    def __init__(self, tensors, dtypes, rounded):
+        super().__init__(tensors)
+        self.dtypes, self.rounded = dtypes, rounded
 
 
 def rebuild_tensor(storage, offset, size, stride, *_):
@@ -276,6 +316,32 @@ class StateDictUnpickler(pickle.Unpickler):
         return ref
 
 
+@functools.lru_cache(maxsize=None)
+def python_with_torch():
+    """A Python that has torch, for a command in a hint: this one, else the first of PYTHON_CANDIDATES; None if none
+    has it. Each is asked whether it would find torch, not made to import it, which takes seconds."""
+    try:
+        if importlib.util.find_spec("torch") is not None:
+            return sys.executable
+    except (ImportError, ValueError):  # ValueError: a torch in sys.modules without a __spec__
+        pass
+    return other_python_with("torch", "import importlib.util, sys; sys.exit(importlib.util.find_spec({!r}) is None)")
+
+
+def protocol_error(path, protocol):
+    """The refusal of a pickle newer than PICKLE_PROTOCOL, with the command that saves the file again in it:
+    torch.save's default protocol, in the zip format, beside the file."""
+    out = os.path.splitext(path)[0] + f"_protocol{PICKLE_PROTOCOL}.pth"
+    # JSON's strings are Python's too, and their double quotes leave the single ones to the shell
+    code = f'import torch; torch.save(torch.load({json.dumps(path)}, map_location="cpu"), {json.dumps(out)})'
+    python = python_with_torch()
+    command = shlex.join([python or "/usr/bin/python3", "-c", code])
+    return CheckpointError(path, f"it was saved with pickle protocol {protocol}, and this converter reads only "
+                                 f"protocol {PICKLE_PROTOCOL}, torch.save's default",
+                           ("" if python else f"install torch, {TORCH_HINT}; then ")
+                           + f"save it again with that default: {command}; then convert {shlex.quote(out)}")
+
+
 def load_pickle(stream, unpickler, path, what, kind):
     """The next pickle in stream, read by unpickler; raises CheckpointError if it is damaged or too new."""
     start = stream.tell()
@@ -284,11 +350,10 @@ def load_pickle(stream, unpickler, path, what, kind):
         # the unpickler would trust to size an allocation (a bytearray8 of 2**60 bytes, a memo slot
         # of 2**32) before it could tell that the file is too short for them.
         ops = list(pickletools.genops(stream))
+        declared = ops[0][1] if ops and ops[0][0].name == "PROTO" else 0
         for opcode, arg, pos in ops:
             if opcode.proto > PICKLE_PROTOCOL:
-                raise CheckpointError(path, f"its {what} holds pickle opcode {opcode.name} at byte {pos}, newer "
-                                            f"than the protocol {PICKLE_PROTOCOL} that torch.save writes",
-                                      "save it again with torch.save's default pickle_protocol")
+                raise protocol_error(path, max(declared, opcode.proto))
             if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and arg >= len(ops):
                 raise CheckpointError(path, f"its {what} stores to pickle memo slot {arg} at byte {pos}, "
                                             f"beyond its {len(ops)} opcodes", DAMAGED_HINT)
@@ -585,8 +650,8 @@ def tensor_of(path, name, ref, storages):
 
 def vae_tensors(path, state):
     """The VAE's tensors in a state_dict ({name: Tensor or other value}) as {name: float32 array}, in
-    vae_weights.bin's order: the names, then the shapes (so that no claimed size is ever allocated), the
-    dtypes, and the values, each checked."""
+    vae_weights.bin's order (a Weights): the names, then the shapes (so that no claimed size is ever allocated),
+    the dtypes, and the values, each checked."""
     names = {}  # name without its DataParallel prefix -> key
     for key in state:
         if not isinstance(key, str):
@@ -609,7 +674,12 @@ def vae_tensors(path, state):
         if tensor.dtype not in RAW_DTYPES:
             raise CheckpointError(path, f"{name} has dtype {tensor.dtype}; the reader converts float32, float16, "
                                         f"bfloat16 and float64", "save the state_dict of a floating-point model")
-    return {name: to_float32(path, name, tensor) for name, tensor in tensors.items()}
+    weights, rounded = {}, {}
+    for name, tensor in tensors.items():
+        weights[name], change = to_float32(path, name, tensor)
+        if change:
+            rounded[name] = change
+    return Weights(weights, {name: tensor.dtype for name, tensor in tensors.items()}, rounded)
 
 
 def check_shapes(path, shapes):
@@ -623,8 +693,8 @@ def check_shapes(path, shapes):
                 if isinstance(size, str) and size not in sizes:
                     low, high = SIZE_BOUNDS[size]
                     if not low <= n <= high:
-                        raise CheckpointError(path, f"{name} has shape {shape}: {size} = {n} is out of bounds "
-                                                    f"({low} <= {size} <= {high})")
+                        raise CheckpointError(path, f"{name} has shape {shape}: {size} = {n} is outside the sizes "
+                                                    f"that vae.cu runs ({SIZE_LIMITS})", SIZE_HINT)
                     sizes[size], source[size] = n, name
         expected = [sizes.get(size, size) for size in layout]
         if shape == expected:
@@ -644,7 +714,8 @@ def dims_of(tensors):
 
 
 def to_float32(path, name, tensor):
-    """A tensor's values as a contiguous float32 array; bfloat16 is float32's upper half, so it converts exactly."""
+    """A tensor's values as a contiguous float32 array, and the largest absolute change that rounding made (0 but
+    for float64: float16 and bfloat16, float32's upper half, convert exactly)."""
     raw = tensor.read()
     if tensor.dtype == "bfloat16":
         values = (raw.astype(np.uint32) << 16).view(np.float32)
@@ -660,7 +731,8 @@ def to_float32(path, name, tensor):
                                   "the weights must be finite float32 values")
         raise CheckpointError(path, f"{at} is {values[index]}, a non-finite value",
                               "the weights must be finite; check the training run that saved them")
-    return values
+    change = float(np.abs(values - raw).max(initial=0.0)) if tensor.dtype == "float64" else 0.0
+    return values, change
 
 
 # ----------------------------------------------------------------------------
@@ -802,7 +874,7 @@ def header(magic, version, dims, extra):
 
 
 def write_weights(state, path):
-    """Writes vae_weights.bin's version-2 format for checked VAE tensors ({name: float32 array})."""
+    """Writes vae_weights.bin's version-2 format for checked VAE tensors (a Weights, or {name: float32 array})."""
     dims = dims_of(state)
     tensors = [state[k].astype("<f4").ravel() for k in TENSOR_ORDER]
     total = sum(t.size for t in tensors)
@@ -812,7 +884,7 @@ def write_weights(state, path):
         for t in tensors:
             f.write(t.tobytes())
         f.flush()
-        # read back and compare bit for bit with the checkpoint before the file takes path's place
+        # read back and compare bit for bit with what was written before the file takes path's place
         blob = np.fromfile(f.name, dtype="<i4")
         if not np.array_equal(blob[:HEADER_INTS], h):
             fail(f"{path}: header did not read back")
@@ -822,10 +894,22 @@ def write_weights(state, path):
         offset = 0
         for name, t in zip(TENSOR_ORDER, tensors):
             if not np.array_equal(floats[offset:offset + t.size].view("<u4"), t.view("<u4")):
-                fail(f"{path}: {name} does not match the checkpoint bit for bit")
+                fail(f"{path}: {name} did not read back bit for bit as written")
             offset += t.size
     print(f"wrote {path}: H1 = {dims.h1}, Z = {dims.z}, H3 = {dims.h3}; {len(tensors)} tensors, {total} floats, "
-          f"matches the checkpoint bit for bit")
+          f"{conversion_note(state)}")
+
+
+def conversion_note(state):
+    """How the file written from state compares with the checkpoint that state was read from."""
+    rounded = getattr(state, "rounded", {})
+    if rounded:
+        return (f"{len(rounded)} of {len(state)} tensors rounded from float64 to float32 (largest change "
+                f"{max(rounded.values()):.2g}), matches the rounded values bit for bit")
+    converted = sorted({dtype for dtype in getattr(state, "dtypes", {}).values() if dtype != "float32"})
+    if converted:
+        return f"{' and '.join(converted)} converted to float32 exactly, matches the checkpoint's values exactly"
+    return "matches the checkpoint bit for bit"
 
 
 def write_idx_files(raw_images, raw_labels, out, count):
@@ -1109,7 +1193,7 @@ def main():
                         "legacy format) or safetensors; float32, float16, bfloat16 or float64")
     args = p.parse_args()
     if np is None:
-        sys.exit(NUMPY_MISSING)
+        sys.exit(numpy_missing())
     if args.checkpoint and args.family:
         fail("--checkpoint converts one file; --family makes the test models. HINT: pass one of them")
     if args.checkpoint:
