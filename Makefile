@@ -13,7 +13,7 @@ DETECTED_ARCH := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheade
 ARCH := $(call normalize_arch,$(DETECTED_ARCH))
 ifeq ($(call is_arch,$(ARCH)),)
 ifneq ($(strip $(DETECTED_ARCH)),)
-$(info vae.cu: nvidia-smi gave no compute capability ('$(strip $(DETECTED_ARCH))'); building the portable binary)
+SMI_NOTICE := vae.cu: nvidia-smi gave no compute capability ('$(strip $(DETECTED_ARCH))'); building the portable binary
 endif
 ARCH :=
 endif
@@ -26,16 +26,21 @@ endif
 ifeq ($(ARCH),)
 ARCH_FLAGS := -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=[sm_80,compute_80] \
               -gencode arch=compute_90a,code=sm_90a
-$(info vae.cu: no GPU detected: building for sm_75, sm_80 (+ PTX for newer GPUs) and sm_90a. HINT: GPU_ARCH=86 builds for one GPU)
+BUILD_NOTICE := vae.cu: no GPU detected: building for sm_75, sm_80 (+ PTX for newer GPUs) and sm_90a. HINT: GPU_ARCH=86 builds for one GPU
 else ifeq ($(shell test $(ARCH) -lt $(MIN_ARCH) && echo old),old)
 $(error vae.cu: sm_$(ARCH) is older than sm_$(MIN_ARCH), the oldest GPU vae.cu runs on (the T4; cuBLASLt and the plain path's kernels). HINT: GPU_ARCH=75, or leave it unset for the portable binary)
 else ifeq ($(ARCH),90)
 # -gencode because the -arch=sm_90a shorthand also runs a plain sm_90 pass
 ARCH_FLAGS := -gencode arch=compute_90a,code=sm_90a
-$(info vae.cu: building for sm_90a)
+BUILD_NOTICE := vae.cu: building for sm_90a
 else
 ARCH_FLAGS := -arch=sm_$(ARCH)
-$(info vae.cu: building for sm_$(ARCH))
+BUILD_NOTICE := vae.cu: building for sm_$(ARCH)
+endif
+# what the build is for, said unless make was asked only for help or clean
+ifneq ($(filter-out help clean,$(or $(MAKECMDGOALS),all)),)
+$(if $(SMI_NOTICE),$(info $(SMI_NOTICE)))
+$(if $(BUILD_NOTICE),$(info $(BUILD_NOTICE)))
 endif
 # the commit --version names, when built from a checkout
 GIT_COMMIT := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
@@ -65,7 +70,7 @@ DATA = $(INPUTS) $(REFERENCES)
 FAMILY_NAMES = vae_784_512_2_512 vae_784_256_64_256 vae_784_300_10_500 vae_784_97_33_101
 FAMILY = $(foreach n,$(FAMILY_NAMES),$(addprefix data/family/$(n),.pth .bin _debug_state.bin _iwae_state.bin))
 
-.PHONY: all test dev data family fuzz fuzz-build sanitize clean help
+.PHONY: all test test-exhaustive dev data family fuzz fuzz-build sanitize clean help
 all: vae test_vae dev
 
 # ./vae needs the weights and the test set: a fresh clone gets them with the first build
@@ -76,22 +81,33 @@ test_vae: test_vae.cu vae.cu cpu_reference.h
 	$(NVCC) $(NVCCFLAGS) $(VERSION_FLAGS) $(INFO_FLAGS) $< -o $@ $(LDLIBS)
 
 # The CUDA tests, the converter's tests (against torch.load when PyTorch is there) and the Makefile's choice of GPU
-# code. All three run, each ending in "N passed, N failed, N skipped"; one line then sums them, and make test fails
-# if any program failed a check or stopped without its count.
+# code, all three at once: test_vae in front, so its progress shows, the other two into logs printed after it. Each ends
+# in "N passed, N failed, N skipped"; one line then sums them with the wall time, and the target fails if any program
+# failed a check or stopped without its count. make test samples where a sweep is exhaustive (./vae runs on corrupt
+# files, the converter's corrupt reads; AIS's and BDMC's T = 1000); make test-exhaustive runs every case.
 COUNT_LINE = ^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped$$
-run_test = { $(2); echo $$? > $$log/$(1).rc; } 2>&1 | tee $$log/$(1).out;
-test: vae test_vae $(DATA) $(FAMILY)
-	@log=$$(mktemp -d); \
-	$(call run_test,1,VAE_TEST_PYTHON=$(PYTHON_TORCH) ./test_vae) \
-	$(call run_test,2,$(or $(PYTHON_TORCH),$(PYTHON)) test_prepare_weights.py $(if $(DATA_SRC),--src $(DATA_SRC))) \
-	$(call run_test,3,bash test_build.sh) \
+define run_tests
+	@log=$$(mktemp -d); start=$$(date +%s); \
+	{ $(or $(PYTHON_TORCH),$(PYTHON)) test_prepare_weights.py $(1) $(if $(DATA_SRC),--src $(DATA_SRC)); \
+	  echo $$? > $$log/2.rc; } > $$log/2.out 2>&1 & \
+	{ bash test_build.sh; echo $$? > $$log/3.rc; } > $$log/3.out 2>&1 & \
+	{ VAE_TEST_PYTHON=$(PYTHON_TORCH) ./test_vae $(1); echo $$? > $$log/1.rc; } 2>&1 | tee $$log/1.out; \
+	wait; cat $$log/2.out $$log/3.out; \
 	for i in 1 2 3; do grep -E '$(COUNT_LINE)' $$log/$$i.out | tail -n 1; done | \
-	awk -v rcs="$$(cat $$log/*.rc | tr -d "\n")" \
-	    '{ p += $$1; f += $$3; s += $$5; n++ } END { printf "make test: %d passed, %d failed, %d skipped\n", p, f, s; \
-	    if (n < 3) print "make test: " 3 - n " of the 3 programs stopped before their count"; \
-	    if (rcs != "000") print "make test: exit statuses " rcs " (test_vae, test_prepare_weights.py, test_build.sh)"; \
+	awk -v rcs="$$(cat $$log/1.rc $$log/2.rc $$log/3.rc 2>/dev/null | tr -d "\n")" -v s=$$(( $$(date +%s) - start )) \
+	    '{ p += $$1; f += $$3; k += $$5; n++ } END { \
+	    printf "make $@: %d passed, %d failed, %d skipped in %d s\n", p, f, k, s; \
+	    if (n < 3) print "make $@: " 3 - n " of the 3 programs stopped before their count"; \
+	    if (rcs != "000") print "make $@: exit statuses " rcs " (test_vae, test_prepare_weights.py, test_build.sh)"; \
 	    exit f > 0 || n < 3 || rcs != "000" }'; \
 	status=$$?; rm -rf $$log; exit $$status
+endef
+
+test: vae test_vae $(DATA) $(FAMILY)
+	$(call run_tests)
+
+test-exhaustive: vae test_vae $(DATA) $(FAMILY)
+	$(call run_tests,--exhaustive)
 
 dev:
 	$(MAKE) -C dev all $(if $(ARCH),GPU_ARCH=$(ARCH))
@@ -147,7 +163,8 @@ clean:
 
 help:
 	@echo "make vae        build ./vae (and data/ on first use: the weights and MNIST's test set, numpy only)"
-	@echo "make test       test_vae, test_prepare_weights.py and test_build.sh, then one summary line"
+	@echo "make test       test_vae, test_prepare_weights.py and test_build.sh at once, then one summary line"
+	@echo "make test-exhaustive  the same with every case of the sampled sweeps (several minutes more)"
 	@echo "make data       data/: the weights file, the test set and the reference dumps (those need PyTorch)"
 	@echo "make family     data/family/: test models of other sizes, their weights files and dumps (needs PyTorch)"
 	@echo "make dev        the kernel studies in dev/ (make -C dev NAME builds one; -j speeds it up)"

@@ -3,7 +3,7 @@
 #   - no GPU found (nvidia-smi absent or failing): a portable fat binary, sm_75 + sm_80 + its PTX + sm_90a,
 #     with a notice when nvidia-smi printed an error instead of a compute capability;
 #   - GPU_ARCH in its forms (90, 9.0, sm_90, sm_90a; 86, 8.6, sm_86) and nvidia-smi's answer;
-#   - older than sm_75, or not a compute capability: make stops with one line;
+#   - older than sm_75, or not a compute capability: make stops with one line; make help says no build notice;
 #   - vae and test_vae link cuBLASLt (the plain path's matrix products) and not cuBLAS;
 #   - a built ./vae holds the code its nvcc line promises (cuobjdump), when there is one;
 #   - README.md's command-line block is ./vae -h's output, byte for byte, when there is a ./vae.
@@ -59,6 +59,10 @@ for arch in junk 9.x sm_ "NVIDIA-SMI has failed"; do
     [ $rc -ne 0 ] && [ "$(echo "$out" | grep -c .)" -eq 1 ] && echo "$out" | grep -q 'not a compute capability'
     check "GPU_ARCH='$arch': make stops with one line" $? "rc $rc: $out"
 done
+
+out=$(PATH="$fake:$PATH" env -u GPU_ARCH MAKEFLAGS= MAKELEVEL= make -s help 2>&1); rc=$?
+[ $rc -eq 0 ] && echo "$out" | head -n 1 | grep -q '^make vae ' && ! echo "$out" | grep -q 'building for'
+check "make help: the targets from its first line, no build notice" $? "$(echo "$out" | head -n 2)"
 
 echo "Makefile: what each target links"
 for target in vae test_vae; do

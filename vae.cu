@@ -165,29 +165,43 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
 // Output files are written under a temporary name beside their final one and renamed into place together once the run
 // has succeeded (outputs_commit), so a run that fails - no GPU, a bad input found late, a full disk - leaves every
 // existing file as it was and creates nothing. An exit before the commit (fail(), cudaCheck) removes the temporary
-// files, and the output folder if this run made it, from an atexit (and at_quick_exit) handler.
+// files, and the output folders this run made, from an atexit (and at_quick_exit) handler.
 enum { MAX_OUTPUTS = 8, MAX_PATH = 4096 };
 static struct { char final_path[MAX_PATH], temp_path[MAX_PATH + 8], what[128]; } pending_outputs[MAX_OUTPUTS];
 static int num_pending_outputs = 0;
-static char created_dir[MAX_PATH] = ""; // the output folder, while this run made it and nothing is committed
+// The output folder while nothing is committed, and how many of its last path components this run made (mkdir -p).
+static char created_dir[MAX_PATH] = "";
+static int created_levels = 0;
 static void outputs_discard() {
     for (int i = 0; i < num_pending_outputs; i++) remove(pending_outputs[i].temp_path);
     num_pending_outputs = 0;
-    if (created_dir[0] != '\0') rmdir(created_dir); // only if empty: nothing of anyone else's goes
-    created_dir[0] = '\0';
+    for (; created_levels > 0; created_levels--) { // deepest first, each only if empty: nothing of anyone else's goes
+        rmdir(created_dir);
+        char* slash = strrchr(created_dir, '/'); // output_dir_make left no '/' at the end
+        if (slash == NULL) break;
+        *slash = '\0';
+    }
+    created_levels = 0;
 }
 static void discard_outputs_at_exit() {
     static bool registered = false;
     if (!registered) registered = atexit(outputs_discard) == 0 && at_quick_exit(outputs_discard) == 0;
 }
-// Makes the output folder if it is missing; an exit before the commit removes it again.
+// Makes the output folder and its missing parents, as mkdir -p does; an exit before the commit removes them again.
 static bool output_dir_make(const char* dir, Error* err) {
     discard_outputs_at_exit();
-    if (mkdir(dir, 0777) == 0) snprintf(created_dir, sizeof(created_dir), "%s", dir);
-    else if (errno != EEXIST)
-        return set_error(err, "%s: cannot create the folder (%s). HINT: pass -o with a writable folder", dir,
-                         strerror(errno));
-    return true;
+    snprintf(created_dir, sizeof(created_dir), "%s", dir);
+    for (size_t n = strlen(created_dir); n > 1 && created_dir[n - 1] == '/'; n--) created_dir[n - 1] = '\0';
+    for (char* slash = created_dir + 1;; slash++) { // each ancestor, then the folder itself
+        slash = strchr(slash, '/');
+        if (slash != NULL) *slash = '\0';
+        if (mkdir(created_dir, 0777) == 0) created_levels++;
+        else if (errno != EEXIST)
+            return set_error(err, "%s: cannot create the folder (%s). HINT: pass -o with a writable folder",
+                             created_dir, strerror(errno));
+        if (slash == NULL) return true;
+        *slash = '/';
+    }
 }
 // A new temporary file beside `path` (path.XXXXXX, with the mode fopen would give), or NULL with
 // errno set. Its contents reach `path` at outputs_commit(); `what` describes it there.
@@ -219,7 +233,7 @@ static bool outputs_commit(Error* err, FILE* report) {
         if (report != NULL) fprintf(report, "wrote %s (%s)\n", pending_outputs[i].final_path, pending_outputs[i].what);
     }
     num_pending_outputs = 0;
-    created_dir[0] = '\0';
+    created_levels = 0;
     return true;
 }
 
@@ -576,22 +590,28 @@ __global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int ro
 //   log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
 // The K samples of an image are K decoder rows (sample_kernel); log p(x|z) = -BCE. Per image, log w_k = log_ratio_k -
 // BCE_k (BCE_k as `parts` partial sums added in order: the fused decoder's column blocks; 1 on the plain path),
-// combined by a running (max, sum of exp) so no exp overflows. One block per image: thread t takes k = t, t + 256, ...,
-// then the warps merge by a shuffle tree and the 8 warp results in order, the same on every run.
+// combined by a running (max, sum of exp) so no exp overflows. An image's samples go in chunks of LSE_CHUNK, a block
+// each, so that a pass of one image at K = 159,856 (--ais-iwae) fills the GPU with 157 blocks instead of one: thread t
+// takes k = t, t + 256, ... of its chunk, then the warps merge by a shuffle tree and the 8 warp results in order. One
+// chunk (K <= 1,024) is the image's result; more leave their (max, sum) in `partials`, and iwae_merge_kernel merges
+// them in chunk order. The chunks depend on K alone, so an image's bits do not depend on the images beside it.
 __device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
     const float top = fmaxf(m, m2);
     if (top == -INFINITY) return; // both empty
     s = s * expf(m - top) + s2 * expf(m2 - top);
     m = top;
 }
-enum { LSE_THREADS = 256 };
+
+enum { LSE_THREADS = 256, LSE_CHUNK = 1024 };
+
 __global__ void __launch_bounds__(LSE_THREADS)
-    iwae_logsumexp_kernel(float* __restrict__ log_px, const float* __restrict__ bce_parts, int parts,
-                          const float* __restrict__ log_ratio, int K) {
+    iwae_logsumexp_kernel(float* __restrict__ log_px, float2* __restrict__ partials,
+                          const float* __restrict__ bce_parts, int parts, const float* __restrict__ log_ratio, int K) {
     __shared__ float warp_m[LSE_THREADS / 32], warp_s[LSE_THREADS / 32];
-    const int image = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int chunks = ceil_div(K, LSE_CHUNK), image = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, end = min(K, (chunk + 1) * LSE_CHUNK);
     float m = -INFINITY, s = 0.0f;
-    for (int k = threadIdx.x; k < K; k += LSE_THREADS) {
+    for (int k = chunk * LSE_CHUNK + threadIdx.x; k < end; k += LSE_THREADS) {
         const size_t r = (size_t)image * K + k;
         float bce = 0.0f;
         for (int p = 0; p < parts; p++) bce += bce_parts[r * parts + p];
@@ -603,10 +623,22 @@ __global__ void __launch_bounds__(LSE_THREADS)
     }
     if (lane == 0) warp_m[warp] = m, warp_s[warp] = s;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < LSE_THREADS / 32; w++) logsumexp_merge(m, s, warp_m[w], warp_s[w]);
-        log_px[image] = m + logf(s) - logf((float)K);
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < LSE_THREADS / 32; w++) logsumexp_merge(m, s, warp_m[w], warp_s[w]);
+    if (chunks == 1) log_px[image] = m + logf(s) - logf((float)K);
+    else partials[blockIdx.x] = make_float2(m, s);
+}
+
+// One thread an image: its chunks' (max, sum) merged in chunk order.
+__global__ void iwae_merge_kernel(float* __restrict__ log_px, const float2* __restrict__ partials, int images, int K) {
+    const int image = blockIdx.x * blockDim.x + threadIdx.x, chunks = ceil_div(K, LSE_CHUNK);
+    if (image >= images) return;
+    float m = -INFINITY, s = 0.0f;
+    for (int c = 0; c < chunks; c++) {
+        const float2 p = partials[(size_t)image * chunks + c];
+        logsumexp_merge(m, s, p.x, p.y);
     }
+    log_px[image] = m + logf(s) - logf((float)K);
 }
 
 // ---- the plain path, part 1 (continued): annealed importance sampling (--ais T, --bdmc N) ---------------------------
@@ -3076,6 +3108,7 @@ typedef struct {
     // per decoder row (decoder_rows; --iwae's K an image): log p(z) - log q(z|x), and its BCE in column blocks' parts
     int decoder_rows, bce_parts_per_row;
     float *row_log_ratio, *bce_parts;
+    float2* lse_partials; // the logsumexp's (max, sum) per chunk of LSE_CHUNK rows: 2 decoder_rows / LSE_CHUNK at most
     // the weights in the kernels' layouts (weights_kernel), once at load, in the path's 16-bit type
     void* params16;
     const void *fc1_wp, *enc_w16, *fc3_wb, *fc4_wb, *ais_w3; // ais_w3: fc3 for ais_kernel, [parts][400][24]
@@ -3220,6 +3253,9 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
         m->decoder_rows = rows, m->bce_parts = pl->bce, m->bce_parts_per_row = 1, m->row_log_ratio = pl->log_ratio;
         if (precision == PRECISION_FP32) m->h1 = (float*)pl->h1, m->h3 = (float*)pl->h3;
     }
+    // K > LSE_CHUNK samples an image: decoder_rows / K images of at most 2 K / LSE_CHUNK chunks
+    m->lse_partials = (float2*)device_alloc((2 * (size_t)m->decoder_rows / LSE_CHUNK + 1) * sizeof(float2),
+                                            "the logsumexp's partials");
     cudaCheck(cudaStreamSynchronize(m->stream));
 }
 static void vae_free(VAE* m) {
@@ -3227,7 +3263,7 @@ static void vae_free(VAE* m) {
                        m->row_log_ratio, m->enc_partials, m->enc_tickets, m->ais_state};
     if (m->fused) for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     else plain_free(&m->plain);                                   // the views above are its buffers
-    cudaCheck(cudaFree(m->params));
+    cudaCheck(cudaFree(m->lse_partials)), cudaCheck(cudaFree(m->params));
     cudaCheck(cudaStreamDestroy(m->stream));
     memset(m, 0, sizeof(*m));
 }
@@ -3316,8 +3352,11 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
                 plain_sample(&m->plain, rows, K, mulv, e, image, seed, false, NULL, NULL, m->row_log_ratio, m->stream);
                 plain_decode(&m->plain, x, rows, K, m->bce_parts, NULL, true, m->stream);
             }
-            launch(iwae_logsumexp_kernel, images, 1, LSE_THREADS, m->stream, log_px + first, m->bce_parts,
-                   m->bce_parts_per_row, m->row_log_ratio, K);
+            const int chunks = ceil_div(K, LSE_CHUNK);
+            launch(iwae_logsumexp_kernel, (long long)images * chunks, 1, LSE_THREADS, m->stream, log_px + first,
+                   m->lse_partials, m->bce_parts, m->bce_parts_per_row, m->row_log_ratio, K);
+            if (chunks > 1)
+                launch(iwae_merge_kernel, images, 128, 128, m->stream, log_px + first, m->lse_partials, images, K);
         }
     }
 }
@@ -3550,6 +3589,22 @@ static bool gpu_supported(const char* name, int major, int minor, Precision prec
                          "--precision fp32", name, major, minor);
     return true;
 }
+// The refusal where CUDA finds no GPU (`status` from cudaGetDeviceCount, the driver's and this build's runtime's CUDA
+// versions as 1000 major + 10 minor; driver 0: no driver installed), in words a user can act on.
+static bool no_gpu_error(cudaError_t status, int driver, int runtime, Error* err) {
+    const char* lead = "no CUDA device available";
+    if (driver == 0)
+        return set_error(err, "%s: this machine has no NVIDIA driver (libcuda.so.1 was not found). HINT: run on a "
+                         "machine with an NVIDIA GPU and its driver installed (nvidia-smi then lists the GPU)", lead);
+    if (status == cudaErrorInsufficientDriver || driver < runtime)
+        return set_error(err, "%s: the NVIDIA driver supports CUDA up to %d.%d; this vae was built with CUDA %d.%d. "
+                         "HINT: update the NVIDIA driver, or rebuild with a CUDA toolkit of %d.%d or older", lead,
+                         driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10, driver / 1000,
+                         driver % 1000 / 10);
+    return set_error(err, "%s (%s). HINT: run on a machine with an NVIDIA GPU (nvidia-smi lists the GPUs its driver "
+                     "sees)", lead, status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
+}
+
 typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP, MODE_AIS, MODE_BDMC } Mode;
 static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bdmc"};
 // device_alloc's hint for the run's mode: the ELBO's batch is -b; the other modes' buffers have a fixed size.
@@ -3564,7 +3619,7 @@ static void set_out_of_memory_hint(Mode mode, int batch) {
 enum Option {
     OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
     OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_AIS, OPT_CHAINS, OPT_LEAPFROG,
-    OPT_AIS_INIT, OPT_BDMC, OPT_KERNELS, OPT_SHARD, OPT_DEVICES, OPT_VERSION, OPT_HELP, NUM_OPTIONS
+    OPT_AIS_INIT, OPT_AIS_IWAE, OPT_BDMC, OPT_KERNELS, OPT_SHARD, OPT_DEVICES, OPT_VERSION, OPT_HELP, NUM_OPTIONS
 };
 static const struct {
     const char* name;
@@ -3576,8 +3631,8 @@ static const struct {
     {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
     {"iwae", 0, true},      {"bench", 0, false},         {"bench-batches", 0, true},  {"interp", 0, true},
     {"ais", 0, true},       {"chains", 0, true},         {"leapfrog", 0, true},       {"ais-init", 0, true},
-    {"bdmc", 0, true},      {"kernels", 0, true},        {"shard", 0, true},          {"devices", 0, true},
-    {"version", 0, false},  {"help", 'h', false},
+    {"ais-iwae", 0, false}, {"bdmc", 0, true},           {"kernels", 0, true},        {"shard", 0, true},
+    {"devices", 0, true},   {"version", 0, false},       {"help", 'h', false},
 };
 #define OPT_BIT(o) (1u << (o))
 // The options each mode reads; any other one given with it is refused rather than ignored. O(X) is OPT_X's bit; every
@@ -3594,7 +3649,7 @@ static const unsigned MODE_OPTIONS[] = {
     COMMON | O(DATA) | O(COUNT) | O(SEED) | O(ZMU) | O(BENCH) | O(BENCH_BATCHES),
     COMMON | O(DATA) | O(OUT) | O(INTERP), // interp: decodes latent means (no noise), writes interp.ppm
     // ais: the chains sample their own z (no --zmu) in launches it sizes (no -b), writes no images
-    COMMON | IMAGES | O(CSV) | AIS_RUN | O(SHARD),
+    COMMON | IMAGES | O(CSV) | AIS_RUN | O(AIS_IWAE) | O(SHARD),
     COMMON | AIS_RUN | O(BDMC), // bdmc: simulates its own images (no inputs but the weights)
 };
 #undef O
@@ -3615,6 +3670,7 @@ typedef struct {
     int iwae_k, interp_n; // --iwae: samples per image; --interp: images whose every pair is interpolated
     int ais_t, chains, leapfrog; // --ais: intermediate distributions, chains per image, leapfrog steps
     bool ais_from_prior;         // --ais-init prior: p0 = N(0, I) instead of q(z|x)
+    bool ais_iwae;               // --ais-iwae: also IWAE with as many decoder evaluations as AIS made
     int bdmc_n;                  // --bdmc: simulated images
     int shard, num_shards;       // --shard K/N: block K of N of the images (N = 0: all of them)
     int devices[MAX_DEVICES], num_devices; // --devices: the GPUs the run spreads over (0: GPU 0 alone)
@@ -3636,11 +3692,11 @@ static const char* USAGE =
     "      --image FILE     instead of the test set: a 28x28 PGM (P5 or P2), a white digit on black as\n"
     "                       in MNIST; repeat for more; each is printed with its losses\n"
     "      --invert         the --image files are black on white\n"
-    "  -n, --count N        evaluate the first N images (default all)\n"
+    "  -n, --count N        evaluate the first N images, 1 or more (default all)\n"
     "      --shard K/N      of those, the K-th of N contiguous blocks (K = 0..N-1), for a cluster's array\n"
     "                       jobs: --csv rows keep their index among all; no pictures\n"
     "evaluation\n"
-    "  -b, --batch-size N   images per forward pass (default 4096)\n"
+    "  -b, --batch-size N   images per forward pass, 1..1048576 (default 4096)\n"
     "  -s, --seed N         seed of the noise eps, 0..2^64-1 (default 0)\n"
     "      --zmu            use z = mu instead of sampling z\n"
     "      --precision P    fp32: exact, within 1e-5 of float64 (default); bf16: 2-3x faster, within ~1e-2\n"
@@ -3666,11 +3722,13 @@ static const char* USAGE =
     "      --interp N       every pair of the first N test images (2..1000), 11 steps each, decoded\n"
     "                       batched and one pair per call: both times; the first pairs in interp.ppm\n"
     "      --ais T          log p(x) by annealed importance sampling over T distributions (1..100000), HMC\n"
-    "                       in the latent space: mean NLL, acceptance, time, beside the ELBO and\n"
-    "                       IWAE; --csv writes index,label,log_px,ess,acceptance\n"
+    "                       in the latent space: mean NLL, acceptance, time, beside the ELBO;\n"
+    "                       --csv writes index,label,log_px,ess,acceptance\n"
     "      --chains C       --ais: chains per image (1..256, default 16; above 128 on the plain path)\n"
     "      --leapfrog L     --ais: leapfrog steps per HMC transition (1..1000, default 10; 1 is MALA)\n"
     "      --ais-init P     --ais: start from q (the encoder's q(z|x), default) or prior (N(0, I))\n"
+    "      --ais-iwae       --ais: also IWAE with as many decoder evaluations, between the ELBO and AIS\n"
+    "                       (at the defaults K = 159,856 samples an image: about as long as AIS)\n"
     "      --bdmc N         with --ais T: N simulated images (z ~ p(z), x ~ p(x|z), binary), forward AIS\n"
     "                       (a lower bound of log p(x)) and reverse AIS from the true z (an upper bound)\n"
     "      --version        version, commit, CUDA runtime and driver\n"
@@ -3731,7 +3789,9 @@ static bool parse_int_list(const char* flag, const char* value, char separator, 
         char text[24];
         const size_t len = strcspn(item, separators);
         snprintf(text, sizeof(text), "%.*s", (int)(len < sizeof(text) - 1 ? len : sizeof(text) - 1), item);
-        if (*count == max_count || len >= sizeof(text) || text[0] == '\0' || strspn(text, "0123456789") != len)
+        const size_t sign = text[0] == '-'; // "-1" is a number out of range, as parse_int says
+        if (*count == max_count || len >= sizeof(text) || len == sign ||
+            strspn(text + sign, "0123456789") != len - sign)
             return set_error(err, "%s '%s' is not a list of up to %d %s. HINT: vae -h lists the options", flag, value,
                              max_count, what);
         if (!parse_int(flag, text, min, max, &out[(*count)++], err)) return false;
@@ -3753,6 +3813,7 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
         return parse_path(flag, value, &cfg->image_paths[cfg->num_image_files++], err);
     case OPT_INVERT: cfg->invert = true; return true;
     case OPT_ZMU: cfg->z_is_mu = true; return true;
+    case OPT_AIS_IWAE: cfg->ais_iwae = true; return true;
     case OPT_QUIET: cfg->quiet = true; return true;
     case OPT_BENCH: cfg->mode = MODE_BENCH; return true;
     case OPT_VERSION: cfg->version = true; return true;
@@ -3778,10 +3839,19 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
                              "vae -h lists the options", flag, value, (int)MAX_SHARDS);
         return cfg->shard = kn[0], cfg->num_shards = kn[1], true;
     }
-    case OPT_DEVICES: // "all", or GPU numbers (a GPU listed twice gets two threads)
+    case OPT_DEVICES: // "all", or GPU numbers, each once
         cfg->num_devices = 0, cfg->all_devices = !strcmp(value, "all");
-        return cfg->all_devices || parse_int_list(flag, value, ',', 0, MAX_DEVICES - 1, cfg->devices, MAX_DEVICES,
-                                                  &cfg->num_devices, "GPU numbers like 0,1 (or all)", err);
+        if (cfg->all_devices) return true;
+        if (!parse_int_list(flag, value, ',', 0, MAX_DEVICES - 1, cfg->devices, MAX_DEVICES, &cfg->num_devices,
+                            "GPU numbers like 0,1 (or all)", err))
+            return false;
+        // The tests run the several-GPU path on one GPU by listing it again (a thread each) under this variable.
+        for (int i = 0; i < cfg->num_devices && getenv("VAE_TEST_REPEAT_GPUS") == NULL; i++)
+            for (int j = 0; j < i; j++)
+                if (cfg->devices[i] == cfg->devices[j])
+                    return set_error(err, "%s %s lists GPU %d twice. HINT: name each GPU once, e.g. --devices 0,1, or "
+                                     "pass --devices all", flag, value, cfg->devices[i]);
+        return true;
     case OPT_AIS_INIT: return parse_choice(flag, value, {"q", "prior"}, &cfg->ais_from_prior, err);
     case OPT_BENCH_BATCHES:
         return parse_int_list(flag, value, ',', 1, MAX_BATCH, cfg->bench_batches, MAX_BENCH_BATCHES,
@@ -3861,7 +3931,7 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
                          "(or auto) runs more, or --chains %d", cfg->flag[OPT_CHAINS], cfg->chains, AIS_ROWS, AIS_ROWS);
     if (cfg->z_is_mu && cfg->mode == MODE_IWAE)
         return set_error(err, "--iwae samples z by definition; --zmu does not apply. HINT: drop --zmu");
-    for (int o : {OPT_CHAINS, OPT_LEAPFROG, OPT_AIS_INIT})
+    for (int o : {OPT_CHAINS, OPT_LEAPFROG, OPT_AIS_INIT, OPT_AIS_IWAE})
         if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(o)))
             return set_error(err, "%s applies to --ais only. HINT: add --ais T or drop %s", cfg->flag[o], cfg->flag[o]);
     if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(OPT_BENCH_BATCHES)))
@@ -3929,24 +3999,31 @@ static bool writable_folder(const char* folder) {
     struct stat st;
     return stat(folder, &st) == 0 && S_ISDIR(st.st_mode) && access(folder, W_OK) == 0;
 }
-// Outputs are checked before any work and written only at its end: the folder -o names must be
-// a writable folder or one that can be made (it is made only when the outputs are written); a
+// Outputs are checked before any work and written only at its end: the folder -o names must be a writable folder or
+// one that can be made with its missing parents, as mkdir -p does (they are made only when the outputs are written); a
 // --csv file must not be a folder, and its folder must be writable.
 static void check_output_dir(const char* flag, const char* dir) {
     struct stat st;
-    if (stat(dir, &st) == 0) {
-        if (!S_ISDIR(st.st_mode)) fail("%s %s: not a folder. HINT: pass %s with a writable folder", flag, dir, flag);
-        if (access(dir, W_OK) != 0)
-            fail("%s %s: cannot write there (%s). HINT: pass %s with a writable folder", flag, dir, strerror(errno),
-                 flag);
-        return;
+    char existing[MAX_PATH]; // the folder itself, else its nearest ancestor that exists
+    snprintf(existing, sizeof(existing), "%s", dir);
+    while (stat(existing, &st) != 0) {
+        if (errno != ENOENT)
+            fail("%s %s: cannot create the folder (%s: %s). HINT: pass %s with a writable folder", flag, dir, existing,
+                 strerror(errno), flag);
+        char parent[MAX_PATH];
+        parent_folder(existing, parent);
+        if (!strcmp(parent, existing))
+            fail("%s %s: no folder above it exists. HINT: pass %s with a writable folder", flag, dir, flag);
+        memcpy(existing, parent, sizeof(existing));
     }
-    const int missing = errno == ENOENT;
-    char parent[MAX_PATH];
-    parent_folder(dir, parent);
-    if (!missing || !writable_folder(parent))
-        fail("%s %s: cannot create the folder (%s). HINT: pass %s with a writable folder", flag, dir,
-             missing ? "its parent folder is missing or not writable" : strerror(errno), flag);
+    const bool is_dir = !strcmp(existing, dir);
+    if (!S_ISDIR(st.st_mode))
+        fail("%s %s: %s is not a folder. HINT: pass %s with a writable folder", flag, dir, is_dir ? "it" : existing,
+             flag);
+    if (access(existing, W_OK) != 0)
+        fail("%s %s: cannot %s (%s%s%s). HINT: pass %s with a writable folder", flag, dir,
+             is_dir ? "write there" : "create the folder", is_dir ? "" : existing, is_dir ? "" : ": ", strerror(errno),
+             flag);
 }
 static void check_output_file(const char* flag, const char* path) {
     struct stat st;
@@ -4152,9 +4229,14 @@ struct Progress {
 static Gpus open_gpus(const Config* cfg, ModelDims dims) {
     int available = 0, devices[MAX_DEVICES], count = 0;
     const cudaError_t status = cudaGetDeviceCount(&available);
-    if (status != cudaSuccess || available == 0)
-        fail("no CUDA device available (%s). HINT: run on a machine with an NVIDIA GPU and its driver",
-             status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
+    if (status != cudaSuccess || available == 0) {
+        int driver = 0, runtime = 0;
+        Error err;
+        if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+        cudaCheck(cudaRuntimeGetVersion(&runtime));
+        no_gpu_error(status, driver, runtime, &err);
+        fail("%s", err.msg);
+    }
     if (cfg->all_devices) for (; count < available && count < MAX_DEVICES; count++) devices[count] = count;
     for (; count < cfg->num_devices; count++) {
         devices[count] = cfg->devices[count];
@@ -4301,7 +4383,13 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
     fprintf(console, "mean KL    %10.4f\n", mean_kl);
     fprintf(console, "mean loss  %10.4f   (BCE + KL = -ELBO)\n", mean_bce + mean_kl);
     if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl", {bce, kl});
-    if (cfg->num_shards == 0) write_images(&gs->gpu[0].m, images, in->labels, count, gs->gpu[0].pixels, cfg);
+    if (cfg->num_shards == 0) { // the pictures: a few decodes, and the files written
+        const double start = Slices::now_ms();
+        write_images(&gs->gpu[0].m, images, in->labels, count, gs->gpu[0].pixels, cfg);
+        const double pictures_ms = Slices::now_ms() - start;
+        fprintf(console, "time       %10.3f ms (evaluation %.3f ms, pictures %.3f ms)\n", ms + pictures_ms, ms,
+                pictures_ms);
+    }
     free(bce), vae_free_all(gs);
 }
 // log p(x) of `count` images (image0 the first one's global index) by IWAE with K samples, to the host, on every GPU in
@@ -4336,8 +4424,8 @@ static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Con
     if (results == NULL) fail("out of host memory for %d results", count);
     float *log_px = results, *bce = results + count, *kl = results + 2 * count;
     Progress progress("iwae", count);
-    const double ms = iwae_all(gs, count, in->first, K, cfg, &progress, log_px);
-    evaluate(gs, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl);
+    const double iwae_ms = iwae_all(gs, count, in->first, K, cfg, &progress, log_px);
+    const double elbo_ms = evaluate(gs, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl);
     if (cfg->num_image_files > 0)
         for (int i = 0; i < count; i++)
             fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f  log p(x) %.4f\n", cfg->image_paths[i], bce[i], kl[i],
@@ -4346,8 +4434,8 @@ static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Con
     fprintf(console, "mean -ELBO %10.4f   (BCE + KL, one sample; the bound IWAE tightens)\n",
             mean_of(bce, count) + mean_of(kl, count));
     print_mean_nll("mean NLL   ", log_px, count);
-    fprintf(console, "time       %10.2f ms%s (%.3g decoder passes/s, progress reports included)\n", ms, on_gpus(gs),
-            (double)count * K / (ms * 1e-3));
+    fprintf(console, "time       %10.2f ms%s (IWAE %.2f ms: %.3g decoder passes/s, progress reports included; ELBO "
+            "%.2f ms)\n", iwae_ms + elbo_ms, on_gpus(gs), iwae_ms, (double)count * K / (iwae_ms * 1e-3), elbo_ms);
     if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl,log_px", {bce, kl, log_px});
     free(results), vae_free_all(gs);
 }
@@ -4434,22 +4522,28 @@ static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decode
     vae_init(m, w, AIS_BATCH, cfg->precision, run_kernels(cfg), decoder_rows);
     require_ais(m);
 }
-// --ais T: each image's log p(x) by AIS, beside the ELBO and IWAE with as many decoder evaluations.
+// --ais T: each image's log p(x) by AIS, beside the ELBO, and with --ais-iwae IWAE with as many decoder evaluations.
 static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int count = in->count, C = cfg->chains, T = cfg->ais_t, L = cfg->leapfrog;
     const long long evals_per_image = (long long)C * (1 + (long long)(T - 1) * L); // gradient evaluations
-    bool iwae = evals_per_image <= IWAE_PASS_ROWS; // IWAE's K: one image's rows fit a decoder pass
+    const bool iwae = cfg->ais_iwae; // IWAE's K = evals_per_image: one image's rows must fit a decoder pass
     on_each_gpu(gs, [&](Gpu* g) { ais_init(&g->m, w, cfg, iwae ? IWAE_PASS_ROWS : 0); });
-    for (int i = 0; i < gs->count; i++) iwae = iwae && evals_per_image <= gs->gpu[i].m.decoder_rows; // plain: shorter
+    for (int i = 0; i < gs->count && iwae; i++)
+        if (evals_per_image > gs->gpu[i].m.decoder_rows)
+            fail("%s: IWAE with K = C (1 + (T - 1) L) = %lld samples an image needs that many decoder rows a pass; "
+                 "the %s engine takes %d. HINT: a smaller --ais T, --chains or --leapfrog, or drop %s",
+                 cfg->flag[OPT_AIS_IWAE], evals_per_image, gs->gpu[i].m.fused ? "fused" : "plain",
+                 gs->gpu[i].m.decoder_rows, cfg->flag[OPT_AIS_IWAE]);
 
     double* log_px = (double*)malloc((size_t)count * sizeof(double));
     float* results = (float*)malloc((size_t)7 * count * sizeof(float));
     if (log_px == NULL || results == NULL) fail("out of host memory for %d results", count);
     float *step = results, *ess = results + count, *acceptance = results + 2 * count, *bce = results + 3 * count;
     float *kl = results + 4 * count, *iwae_px = results + 5 * count, *ais_px = results + 6 * count;
-    const double ms = ais_all(gs, count, in->first, cfg, NULL, "ais", {log_px, step, ess, acceptance});
-    evaluate(gs, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl);
-    if (iwae) iwae_all(gs, count, in->first, (int)evals_per_image, cfg, NULL, iwae_px);
+    const double ais_ms = ais_all(gs, count, in->first, cfg, NULL, "ais", {log_px, step, ess, acceptance});
+    const double elbo_ms = evaluate(gs, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl);
+    Progress progress("iwae", count);
+    const double iwae_ms = iwae ? iwae_all(gs, count, in->first, (int)evals_per_image, cfg, &progress, iwae_px) : 0.0;
     double accept = 0.0, ess_sum = 0.0, iwae_sum = 0.0;
     float step_min = step[0], step_max = step[0];
     for (int i = 0; i < count; i++) {
@@ -4466,14 +4560,17 @@ static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Conf
     if (T > 1)
         fprintf(console, "acceptance  %10.4f   (mean; step sizes %.4g .. %.4g; effective sample size %.2f of %d)\n",
                 accept / count, step_min, step_max, ess_sum / count, C);
-    fprintf(console, "time        %10.3f s%s  (%.3g gradient evaluations/s, %.1f TFLOP/s of decoder work)\n",
-            ms * 1e-3, on_gpus(gs), evals / (ms * 1e-3), evals * ais_flops_per_eval(w->dims) / (ms * 1e9));
+    fprintf(console, "time        %10.3f s%s  (AIS %.3f s: %.3g gradient evaluations/s, %.1f TFLOP/s of decoder "
+            "work; ELBO %.3f s", (ais_ms + elbo_ms + iwae_ms) * 1e-3, on_gpus(gs), ais_ms * 1e-3,
+            evals / (ais_ms * 1e-3), evals * ais_flops_per_eval(w->dims) / (ais_ms * 1e9), elbo_ms * 1e-3);
+    if (iwae) fprintf(console, "; IWAE %.3f s)\n", iwae_ms * 1e-3);
+    else fprintf(console, ")\n");
     if (iwae)
         fprintf(console, "inference gap: -ELBO %.4f > IWAE (K = %lld, as many decoder evaluations) %.4f > AIS %.4f "
                 "nats\n", -elbo, evals_per_image, -iwae_sum / count, -mean);
     else
-        fprintf(console, "inference gap: -ELBO %.4f > AIS %.4f nats (IWAE with %lld samples a image: over a decoder "
-                "pass, not run)\n", -elbo, -mean, evals_per_image);
+        fprintf(console, "inference gap: -ELBO %.4f > AIS %.4f nats (IWAE with as many decoder evaluations, K = %lld, "
+                "between them: add %s)\n", -elbo, -mean, evals_per_image, "--ais-iwae");
     if (cfg->csv_path != NULL) write_csv(cfg, in, "log_px,ess,acceptance", {ais_px, ess, acceptance});
     free(log_px), free(results), vae_free_all(gs);
 }
@@ -4491,6 +4588,7 @@ static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
     if (z == NULL || pixels == NULL || bounds == NULL || estimates == NULL)
         fail("out of host memory for %d simulated images", n);
     float* recon = z + (size_t)n * Z;
+    const double simulation_start = Slices::now_ms();
     for (int i = 0; i < n; i++)
         for (int j = 0; j < Z; j++) z[(size_t)i * Z + j] = gaussian(cfg->seed, STREAM_SIMULATE, i, 0, j);
     float* d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the simulated z");
@@ -4509,6 +4607,7 @@ static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
         g->pixels = (uint8_t*)device_alloc((size_t)n * INPUT_DIM, "the simulated images");
         cudaCheck(cudaMemcpy(g->pixels, pixels, (size_t)n * INPUT_DIM, cudaMemcpyHostToDevice));
     });
+    const double simulation_ms = Slices::now_ms() - simulation_start;
     double ms[2];
     for (int reverse = 0; reverse < 2; reverse++) {
         const AisResults out = {bounds + (size_t)reverse * n, estimates, estimates + n, estimates + 2 * n};
@@ -4528,6 +4627,8 @@ static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
             ms[1] * 1e-3, on_gpus(gs));
     fprintf(console, "gap         %10.4f   (nats, upper - lower; per image %.4f .. %.4f)\n", (upper - lower) / n,
             gap_min, gap_max);
+    fprintf(console, "time        %10.3f s%s  (simulating the images %.3f s, forward %.3f s, reverse %.3f s)\n",
+            (simulation_ms + ms[0] + ms[1]) * 1e-3, on_gpus(gs), simulation_ms * 1e-3, ms[0] * 1e-3, ms[1] * 1e-3);
     free(z), free(pixels), free(bounds), free(estimates), vae_free_all(gs);
 }
 // --bench: one whole forward+loss (sampled z) per batch size and precision, captured once as a CUDA graph and replayed:
@@ -4641,12 +4742,14 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
     // the last pass again (untimed) on the first GPU, whose one-pair decodes below it is compared with: another GPU may
     // have taken it, and GPUs of other kinds may run another engine
     VAE* m = &gs->gpu[0].m;
+    const double rest_start = Slices::now_ms(); // the check and the picture, beside the two timed ways
     const int last_pass = (decodes - 1) / pass_rows * pass_rows, last_rows = decodes - last_pass;
     vae_decode_interpolations(m, d_pairs[0], last_pass, last_rows, INTERP_STEPS);
     cudaCheck(cudaMemcpy(last, m->recon + (size_t)(last_rows - INTERP_STEPS) * INPUT_DIM, pair_floats * sizeof(float),
                          cudaMemcpyDeviceToHost));
     const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
     Progress progress("one pair per call", num_pairs);
+    const double single_start = Slices::now_ms();
     Timer timer(m->stream);
     for (int p = 0, reported = 0; p < num_pairs; p++) {
         vae_decode_interpolations(m, d_pairs[0], (long long)p * INTERP_STEPS, INTERP_STEPS, INTERP_STEPS);
@@ -4654,6 +4757,7 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
         if ((p + 1) % report_every == 0 || p + 1 == num_pairs) progress.add(p + 1 - reported), reported = p + 1;
     }
     const float single_ms = timer.elapsed_ms();
+    const double single_end = Slices::now_ms();
     cudaCheck(cudaMemcpy(last + pair_floats, m->recon, pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
     const bool same = !memcmp(last, last + pair_floats, pair_floats * sizeof(float));
 
@@ -4673,6 +4777,9 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
     char what[96];
     snprintf(what, sizeof(what), "the first %d pairs, t = 0, 0.1, ..., 1", rows);
     write_grid(cfg, "interp.ppm", what, tiles, rows, INTERP_STEPS);
+    const double rest_ms = single_start - rest_start + Slices::now_ms() - single_end;
+    fprintf(console, "time             %10.2f ms (batched %.2f ms, one pair a call %.2f ms, the check and interp.ppm "
+            "%.2f ms)\n", batched_ms + single_ms + rest_ms, batched_ms, single_ms, rest_ms);
     free(pairs), free(tiles), free(last);
     on_each_gpu(gs, [&](Gpu* g) { cudaCheck(cudaFree(d_pairs[g - gs->gpu])), vae_free(&g->m); });
 }
@@ -4722,10 +4829,18 @@ int main(int argc, char** argv) {
         load_image_files(&cfg, &images);
         snprintf(images_path, sizeof(images_path), "%d --image file%s", images.count, images.count > 1 ? "s" : "");
     } else if (cfg.mode != MODE_BDMC) { // --bdmc simulates its images: no test set
+        // -d names the user's folder: 'make data' makes data/ only
+        const bool own_data = cfg.given & OPT_BIT(OPT_DATA);
+        const char* data_hint = own_data ? "HINT: pass -d with the folder that holds t10k-images-idx3-ubyte or its .gz"
+                                         : PREPARE_HINT;
+        struct stat st;
+        const int missing = stat(cfg.data_dir, &st) == 0 ? 0 : errno;
+        if (missing != 0 || !S_ISDIR(st.st_mode))
+            fail("%s %s: %s. %s", cfg.flag[OPT_DATA], cfg.data_dir,
+                 missing == ENOENT ? "no such folder" : missing != 0 ? strerror(missing) : "not a folder", data_hint);
         idx_path(images_path, cfg.data_dir, "t10k-images-idx3-ubyte");
         idx_path(labels_path, cfg.data_dir, "t10k-labels-idx1-ubyte");
-        if (!load_file(images_path, parse_idx_images, &images, &err)) fail("%s", err.msg);
-        struct stat st;
+        if (!load_file(images_path, parse_idx_images, &images, &err, data_hint)) fail("%s", err.msg);
         const bool have_labels = stat(labels_path, &st) == 0 || errno != ENOENT; // optional, but never half-read
         if (have_labels && !load_file(labels_path, parse_idx_labels, &labels, &err)) fail("%s", err.msg);
         if (have_labels && labels.count != images.count)
