@@ -4,6 +4,7 @@ test_vae.cu: checks vae.cu against PyTorch.
     make test        prepares data/ if missing, builds, runs this
 
     ./test_vae --quick --precision bf16    a GPU subset for compute-sanitizer (dev/sanitize.sh)
+    ./test_vae --exhaustive                every case of the sampled sweeps (make test-exhaustive)
 
 Host checks (run everywhere, GPU or not): the weight, idx and reference-state files load; a
 plain-loop float64 CPU forward pass (cpu_reference.h) over our weights and pixel reader
@@ -11,7 +12,8 @@ reproduces PyTorch's float64 activations; the generator matches the published Ph
 answers; a corpus of corrupt files (truncated at every header byte, every header field set to 0,
 1, -1, huge, off by one, byte-swapped, non-finite weights, bad labels, directories, empty and
 oversized files) is refused with a message by the parsers, and by ./vae as one line and exit
-status 1 when ./vae is built; bad flags likewise.
+status 1 when ./vae is built (a sample of each family: each ./vae run costs ~85 ms, its CUDA
+libraries loading, and ~1,340 of the inputs are ones it reads; --exhaustive sends every one); bad flags likewise.
 GPU checks: every activation of vae_forward against PyTorch's float64 reference (outputs
 poisoned with NaN beforehand, so an unwritten element fails); per-image results identical across
 batch sizes; the same seed reproduces bit for bit; full-test-set mean losses; a batch too large
@@ -22,6 +24,7 @@ Ends with "N passed, N failed, N skipped"; exits non-zero if anything failed.
 #include "vae.cu"
 #include "cpu_reference.h" // the float64 CPU model the checks compare against
 
+#include <chrono>
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
@@ -46,6 +49,21 @@ static bool check(bool ok, const char* fmt, ...) {
 static void skip(const char* what, const char* why) {
     printf("  %-7s %s (%s)\n", "skip", what, why);
     n_skipped++;
+}
+
+// --exhaustive: every case of the sweeps that the default run samples (./vae on the corrupt inputs, AIS's and
+// BDMC's T = 1000). The checks are the same ones; sampling changes how much backs them.
+static bool exhaustive = false;
+
+static double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// One line with a phase's wall time, from `since` (now_s()); returns now, the next phase's start.
+static double phase_done(const char* what, double since) {
+    const double now = now_s();
+    printf("  (%s: %.1f s)\n", what, now - since);
+    return now;
 }
 
 // Tolerances, as max |ours - float64 reference| / max |reference| over a tensor.
@@ -324,9 +342,17 @@ static bool parse_iwae_state(uint8_t* buf, size_t size, const char* name, int nu
 typedef struct {
     int num_images;           // bounds the debug state's cases
     int tried, rejected;      // parser calls on corrupt input, and how many refused with a message
-    int vae_tried, vae_clean; // the same inputs given to ./vae, and its clean one-line refusals
+    int vae_cases;            // those inputs that ./vae reads (it does not read the reference states)
+    int vae_tried, vae_clean; // the ones given to ./vae (all, or a sample), and its clean one-line refusals
+    int family_cases;         // vae_cases of the current family so far: picks the sample
     char first_msg[160];      // one refusal per family, printed as an example
 } Corpus;
+
+// Without --exhaustive, ./vae gets the first case of each family and every 16th after it. The corpus holds ~1,340
+// inputs that ./vae reads (1,025 of them the weights file cut at each header byte) and each run costs ~85 ms, its CUDA
+// libraries loading: ~2 minutes in all, ~9 s sampled. The parsers in process still get every case, and every family
+// still reaches ./vae.
+enum { VAE_SAMPLE_EVERY = 16 };
 
 enum { R_WEIGHTS, R_IMAGES, R_LABELS, R_DEBUG, R_IWAE, R_PGM, NUM_READERS };
 static const char* READER_NAMES[NUM_READERS] = {"weights", "idx images", "idx labels", "debug state", "IWAE state",
@@ -474,6 +500,8 @@ static void expect_refused(Corpus* c, int r, const uint8_t* buf, size_t size, co
         check(false, "%s: %s was accepted", READER_NAMES[r], what);
     }
     if (vae_bin == NULL || r == R_DEBUG || r == R_IWAE) return; // ./vae does not read the reference states
+    c->vae_cases++;
+    if (c->family_cases++ % VAE_SAMPLE_EVERY != 0 && !exhaustive) return;
     // ./vae reads the weights from -w, both idx files from -d and greymaps from --image: put the
     // broken one where it looks
     static const char* where[] = {"w.bin", "img/t10k-images-idx3-ubyte", "lab/t10k-labels-idx1-ubyte", "", "",
@@ -496,17 +524,23 @@ static void expect_refused(Corpus* c, int r, const uint8_t* buf, size_t size, co
 
 // A family of corrupt inputs is reported as one check, with one of its messages as an example.
 typedef struct {
-    int tried, rejected, vae_tried, vae_clean;
+    int tried, rejected, vae_cases, vae_tried, vae_clean;
 } Mark;
 static Mark family_start(Corpus* c) {
     c->first_msg[0] = '\0';
-    return Mark{c->tried, c->rejected, c->vae_tried, c->vae_clean};
+    c->family_cases = 0;
+    return Mark{c->tried, c->rejected, c->vae_cases, c->vae_tried, c->vae_clean};
 }
 static void family_done(Corpus* c, Mark m, const char* what) {
     const int tried = c->tried - m.tried, rejected = c->rejected - m.rejected;
+    const int vae_cases = c->vae_cases - m.vae_cases;
     const int vae_tried = c->vae_tried - m.vae_tried, vae_clean = c->vae_clean - m.vae_clean;
-    char vae[64] = "";
-    if (vae_tried > 0) snprintf(vae, sizeof(vae), ", ./vae %d/%d", vae_clean, vae_tried);
+    char vae[96] = "";
+    if (vae_tried > 0 && vae_tried < vae_cases)
+        snprintf(vae, sizeof(vae), ", ./vae %d/%d (sampled 1 in %d of %d)", vae_clean, vae_tried, VAE_SAMPLE_EVERY,
+                 vae_cases);
+    else if (vae_tried > 0)
+        snprintf(vae, sizeof(vae), ", ./vae %d/%d (every case)", vae_clean, vae_tried);
     check(tried > 0 && rejected == tried && vae_clean == vae_tried, "%s: %d/%d refused%s (e.g. %s)", what, rejected,
           tried, vae, c->first_msg);
 }
@@ -729,10 +763,11 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
             // ./vae -w at it, and -d at a folder where each idx file in turn is it
             char why[256], out_dir[128];
             snprintf(out_dir, sizeof(out_dir), "%s/out", scratch);
-            c.vae_tried++;
+            // 5 paths x 4 runs, every one: each path meets its own branch of read_file, each flag its own reader
+            c.vae_cases++, c.vae_tried++;
             if (vae_refuses({"-w", f, "-o", out_dir}, f, why, sizeof(why))) c.vae_clean++;
             else check(false, "./vae -w %s: %s", f, why);
-            c.vae_tried++;
+            c.vae_cases++, c.vae_tried++;
             if (vae_refuses({"--image", f, "-o", out_dir}, f, why, sizeof(why))) c.vae_clean++;
             else check(false, "./vae --image %s: %s", f, why);
             for (const char* sub : {"img", "lab"}) {
@@ -748,7 +783,7 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
                     continue;
                 }
                 if (f == missing && !strcmp(sub, "lab")) continue; // the labels are optional: test_cli runs it
-                c.vae_tried++;
+                c.vae_cases++, c.vae_tried++;
                 if (vae_refuses({"-d", dir, "-o", out_dir}, path, why, sizeof(why))) c.vae_clean++;
                 else check(false, "./vae -d with %s as %s: %s", f, path, why);
                 if (f == dir_path && rmdir(path) != 0) check(false, "rmdir %s: %s", path, strerror(errno));
@@ -758,8 +793,16 @@ static void test_corrupt_files(const char* const paths[NUM_READERS], int num_ima
     family_done(&c, m, "a directory, a missing file, an empty file, /dev/null, a 1 GiB + 1 file");
     if (remove(empty) != 0 || remove(huge) != 0) check(false, "remove %s and %s: %s", empty, huge, strerror(errno));
 
-    printf("  corrupt inputs: %d tried, %d rejected; through ./vae: %d tried, %d clean one-line errors\n", c.tried,
-           c.rejected, c.vae_tried, c.vae_clean);
+    char sample[80];
+    if (c.vae_cases == 0)
+        snprintf(sample, sizeof(sample), "./vae not run");
+    else if (c.vae_tried < c.vae_cases)
+        snprintf(sample, sizeof(sample), "sampled 1 in %d per family of %d; --exhaustive: all", VAE_SAMPLE_EVERY,
+                 c.vae_cases);
+    else
+        snprintf(sample, sizeof(sample), "every case");
+    printf("  corrupt inputs: %d tried, %d rejected; through ./vae: %d tried (%s), %d clean one-line errors\n",
+           c.tried, c.rejected, c.vae_tried, sample, c.vae_clean);
 }
 
 // Parses one command line (argv[0] = "vae") into cfg; err gets the refusal.
@@ -854,6 +897,7 @@ static pid_t hold_gpu_memory(int device) {
 // three threads on it, which take the slices in an order of their own just the same. Then a GPU that fails (out of
 // memory: a child process holds all but 1.5 GB of it) ends the run in one line that names it, and writes nothing.
 static void test_devices() {
+    setenv("VAE_TEST_REPEAT_GPUS", "1", 1); // --devices 0,0,0: the several-GPU path on one GPU
     fflush(stdout);
     const pid_t counter = fork(); // the GPUs, counted in a child: this process stays out of CUDA (hold_gpu_memory)
     if (counter == 0) {
@@ -926,6 +970,60 @@ static void test_devices() {
           "--devices with GPU %d out of memory: exit 1, one line naming it (no -b hint), no CSV (%.*s)", target,
           v.err != NULL ? (int)strcspn(v.err, "\n") : 0, v.err != NULL ? v.err : "");
     vae_run_free(&v);
+    unsetenv("VAE_TEST_REPEAT_GPUS");
+}
+
+// The total of the last line of `out` that starts with "time" (in s or ms) against its parts: every "N s" or "N ms"
+// inside its brackets (rates such as "evaluations/s" are no part). True when there are two parts or more and they
+// add up to the total within the rounding of the printed digits (0.005 of the line's unit each, at most).
+static bool time_adds_up(const char* out, char* line, size_t line_size) {
+    const char* at = NULL;
+    for (const char* p = out; p != NULL && *p != '\0'; p = strchr(p, '\n'), p = p ? p + 1 : p)
+        if (!strncmp(p, "time ", 5)) at = p;
+    snprintf(line, line_size, "%.*s", at ? (int)strcspn(at, "\n") : 0, at ? at : "");
+    if (at == NULL) return false;
+    char* end;
+    const double total = strtod(at + 5, &end);
+    const double unit = !strncmp(end, " ms", 3) ? 1e-3 : 1.0;
+    const char* open = strchr(at, '('), *stop = at + strcspn(at, "\n");
+    double sum = 0.0;
+    int parts = 0;
+    for (const char* p = open; p != NULL && p < stop; p++) {
+        if (!isdigit((unsigned char)*p) || isdigit((unsigned char)p[-1]) || p[-1] == '.') continue;
+        const double v = strtod(p, &end);
+        const double scale = !strncmp(end, " ms", 3) && strchr(",;)", end[3]) ? 1e-3
+                           : !strncmp(end, " s", 2) && strchr(",;)", end[2])  ? 1.0
+                                                                               : 0.0;
+        if (scale > 0.0) sum += v * scale, parts++;
+        p = end - 1;
+    }
+    return parts >= 2 && fabs(sum - total * unit) <= (parts + 1) * 0.005 * unit; // each printed to 2 or 3 decimals
+}
+
+// Every mode prints one "time" line whose parts add up to it, and --ais names --ais-iwae without it and prints the
+// IWAE of the inference gap with it.
+static void test_times() {
+    printf("printed times: each mode's parts and their total\n");
+    char interp_dir[160], line[512];
+    snprintf(interp_dir, sizeof(interp_dir), "%s/times", scratch);
+    const std::initializer_list<const char*> runs[] = {
+        {"-n", "100", "-o", interp_dir, "-q"},           {"--iwae", "8", "-n", "37", "-q"},
+        {"--ais", "3", "-n", "37", "-q"},                {"--ais", "3", "-n", "37", "--ais-iwae", "-q"},
+        {"--bdmc", "37", "--ais", "3", "-q"},            {"--interp", "5", "-o", interp_dir, "-q"},
+    };
+    for (const auto& args : runs) {
+        char text[160] = "./vae";
+        for (const char* a : args) snprintf(text + strlen(text), sizeof(text) - strlen(text), " %s", a);
+        VaeRun v = run_vae(args);
+        bool ok = v.status == 0 && v.out != NULL && time_adds_up(v.out, line, sizeof(line));
+        if (ok && strstr(text, "--ais 3")) {
+            const bool with_iwae = strstr(text, "--ais-iwae") != NULL;
+            ok = with_iwae ? strstr(v.out, "> IWAE (K = 336, as many decoder evaluations)") && strstr(line, "; IWAE ")
+                           : strstr(v.out, "add --ais-iwae)") && !strstr(line, "IWAE");
+        }
+        check(ok, "%s: %s (exit %d)", text, line, v.status);
+        vae_run_free(&v);
+    }
 }
 
 // --shard K/N through ./vae: the three shards' CSVs, the first whole and the others' rows after their two header
@@ -1141,7 +1239,12 @@ static void test_cli(int num_images, const Images* images) {
         // --devices: every mode (--bench times the first GPU)
         {{"--devices", "all"}, true},
         {{"--devices", "0,1", "--iwae", "8", "--shard", "1/2"}, true},
-        {{"--devices", "0,0,0", "--ais", "10"}, true},
+        {{"--devices", "0,0,0", "--ais", "10"}, false}, // a GPU twice: the tests' variable only (test_devices)
+        {{"--devices", "1,0", "--ais", "10"}, true},
+        {{"--ais", "10", "--ais-iwae"}, true},
+        {{"--ais-iwae"}, false},
+        {{"--iwae", "8", "--ais-iwae"}, false},
+        {{"--bdmc", "8", "--ais", "10", "--ais-iwae"}, false},
         {{"--devices", "63", "--bdmc", "8", "--ais", "10"}, true},
         {{"--devices", "1,0", "--bench"}, true},
         {{"--devices", "2", "--interp", "5"}, true},
@@ -1184,9 +1287,36 @@ static void test_cli(int num_images, const Images* images) {
               cfg.num_image_files == 2 && !strcmp(cfg.image_paths[1], "b.pgm") && cfg.invert, "--image repeats");
     check(parse_line({"--shard", "3/8"}, &cfg, &err, line, sizeof(line)) && cfg.shard == 3 && cfg.num_shards == 8,
           "--shard 3/8 reaches the config");
-    check(parse_line({"--devices", "2,0,2"}, &cfg, &err, line, sizeof(line)) && cfg.num_devices == 3 &&
-              cfg.devices[0] == 2 && cfg.devices[1] == 0 && cfg.devices[2] == 2 && !cfg.all_devices,
-          "--devices 2,0,2 reaches the config in order");
+    check(parse_line({"--devices", "2,0,1"}, &cfg, &err, line, sizeof(line)) && cfg.num_devices == 3 &&
+              cfg.devices[0] == 2 && cfg.devices[1] == 0 && cfg.devices[2] == 1 && !cfg.all_devices,
+          "--devices 2,0,1 reaches the config in order");
+    check(!parse_line({"--devices", "0,1,0"}, &cfg, &err, line, sizeof(line)) && strstr(err.msg, "GPU 0 twice") &&
+              strstr(err.msg, "HINT"), "a GPU listed twice is refused before any GPU is looked at: %s", err.msg);
+    setenv("VAE_TEST_REPEAT_GPUS", "1", 1);
+    check(parse_line({"--devices", "0,0,0"}, &cfg, &err, line, sizeof(line)) && cfg.num_devices == 3,
+          "VAE_TEST_REPEAT_GPUS (the tests' several-GPU runs on one GPU) lets --devices 0,0,0 through");
+    unsetenv("VAE_TEST_REPEAT_GPUS");
+    {
+        Error minus = {}, zero = {};
+        const bool both = !parse_line({"--bench", "--bench-batches", "-1"}, &cfg, &minus, line, sizeof(line)) &&
+                          !parse_line({"--bench", "--bench-batches", "64,0"}, &cfg, &zero, line, sizeof(line));
+        check(both && strstr(minus.msg, "-1 is outside 1..1048576") && strstr(zero.msg, "0 is outside 1..1048576"),
+              "--bench-batches -1 and 0 get the same words: %s / %s", minus.msg, zero.msg);
+    }
+    {
+        char range[64];
+        snprintf(range, sizeof(range), "images per forward pass, 1..%d (default 4096)", (int)MAX_BATCH);
+        check(strstr(USAGE, range) && strstr(USAGE, "evaluate the first N images, 1 or more (default all)"),
+              "-h gives the ranges of -b (1..%d) and -n", (int)MAX_BATCH);
+    }
+    // where CUDA finds no GPU: no driver, a driver older than the runtime, or a driver without GPUs
+    check(!no_gpu_error(cudaErrorInsufficientDriver, 0, 13000, &err) && strstr(err.msg, "no NVIDIA driver") &&
+              !strstr(err.msg, "insufficient"), "no driver: %s", err.msg);
+    check(!no_gpu_error(cudaErrorInsufficientDriver, 12020, 13000, &err) && strstr(err.msg, "up to 12.2") &&
+              strstr(err.msg, "CUDA 13.0") && strstr(err.msg, "update the NVIDIA driver"), "an old driver: %s",
+          err.msg);
+    check(!no_gpu_error(cudaErrorNoDevice, 13000, 13000, &err) && strstr(err.msg, "no CUDA device available") &&
+              strstr(err.msg, "nvidia-smi"), "a driver without GPUs: %s", err.msg);
     check(parse_line({"--devices", "0,1", "--devices", "all"}, &cfg, &err, line, sizeof(line)) && cfg.all_devices &&
               cfg.num_devices == 0, "--devices all after a list: every GPU");
     {
@@ -1261,12 +1391,12 @@ static void test_cli(int num_images, const Images* images) {
     // Through ./vae: each of these must end it before the GPU is touched, with one line naming
     // the problem and exit status 1 (the cases that need a GPU are in dev/sanitize.sh).
     if (vae_bin == NULL) return; // reported as skipped by scratch_open
-    char one_more[32], one_more_flag[48], out_dir[128], csv[160], deep_dir[160], no_file[160];
+    char one_more[32], one_more_flag[48], out_dir[128], csv[160], no_file[160], no_dir[160];
     snprintf(one_more, sizeof(one_more), "%d", num_images + 1);
     snprintf(one_more_flag, sizeof(one_more_flag), "-n %d", num_images + 1);
     snprintf(out_dir, sizeof(out_dir), "%s/out", scratch);
     snprintf(csv, sizeof(csv), "%s/no-such-folder/x.csv", scratch);
-    snprintf(deep_dir, sizeof(deep_dir), "%s/no/such/folder", scratch);
+    snprintf(no_dir, sizeof(no_dir), "%s/no/such/folder", scratch);
     snprintf(no_file, sizeof(no_file), "%s/no-such.pgm", scratch);
     struct {
         std::initializer_list<const char*> args;
@@ -1286,7 +1416,10 @@ static void test_cli(int num_images, const Images* images) {
         {{"-n", one_more, "-o", out_dir}, one_more_flag}, // one more image than the test set holds
         {{"-n", "2147483647", "-o", out_dir}, "-n 2147483647"},
         {{"-o", "data/vae_weights.bin"}, "not a folder"},
-        {{"-o", deep_dir}, "cannot create the folder"},
+        {{"-o", "data/vae_weights.bin/a/b"}, "data/vae_weights.bin is not a folder"},
+        {{"-d", no_dir}, "no such folder. HINT: pass -d with the folder that holds t10k-images-idx3-ubyte"},
+        {{"-d", "data/vae_weights.bin"}, "not a folder"},
+        {{"-d", out_dir}, "t10k-images-idx3-ubyte: No such file or directory. HINT: pass -d with the folder"},
         {{"--csv", csv, "-o", out_dir}, csv},
         {{"--csv", scratch, "-o", out_dir}, "a folder"},
         {{"--bench", "-n", "100"}, "--bench-batches"},
@@ -1310,25 +1443,29 @@ static void test_cli(int num_images, const Images* images) {
     // A failed run leaves an existing file as it was and creates nothing; a run that succeeds
     // replaces it whole. Without a GPU the run below fails for that reason alone, after finding
     // and validating the weights and images: the quick start's only error on such a machine.
-    char results[160], new_out[160];
+    char results[160], new_out[192], new_top[160]; // -o makes its missing parents, as mkdir -p does
     snprintf(results, sizeof(results), "%s/results.csv", scratch);
-    snprintf(new_out, sizeof(new_out), "%s/new_out", scratch);
+    snprintf(new_top, sizeof(new_top), "%s/new_out", scratch);
+    snprintf(new_out, sizeof(new_out), "%s/a/b", new_top);
     const char* precious = "precious results\n";
     char why[256];
     struct stat st;
     bool ok = write_whole_file(results, (const uint8_t*)precious, strlen(precious));
     check(ok && vae_refuses({"-w", no_file, "--csv", results, "-o", new_out}, no_file, why, sizeof(why)) &&
-              file_is(results, precious) && stat(new_out, &st) != 0 && files_starting(scratch, "results.csv.") == 0,
+              file_is(results, precious) && stat(new_top, &st) != 0 && files_starting(scratch, "results.csv.") == 0,
           "a refused run leaves --csv's file untouched and makes no -o folder (%s)", why);
     v = run_vae({"-n", "64", "--csv", results, "-o", new_out});
     const bool no_gpu = v.status == 1 && one_error_line(v.err, v.err_size, "no CUDA device");
     if (no_gpu) {
-        check(v.out_size == 0 && file_is(results, precious) && stat(new_out, &st) != 0 &&
+        check(v.out_size == 0 && file_is(results, precious) && stat(new_top, &st) != 0 &&
                   files_starting(scratch, "results.csv.") == 0,
-              "./vae without a GPU: its only error is the GPU; --csv's file untouched, no -o folder (%.*s)",
+              "./vae without a GPU: its only error is the GPU; --csv's file untouched, no -o folder or parent (%.*s)",
               (int)strcspn(v.err, "\n"), v.err);
+        if (access("/proc/driver/nvidia/version", F_OK) != 0) // no driver loaded: say so, not CUDA's words
+            check(strstr(v.err, "no NVIDIA driver") && !strstr(v.err, "insufficient"),
+                  "./vae on a machine without an NVIDIA driver says so: %.*s", (int)strcspn(v.err, "\n"), v.err);
     } else {
-        char ppm[192];
+        char ppm[224];
         snprintf(ppm, sizeof(ppm), "%s/interp.ppm", new_out);
         uint8_t* text = NULL;
         size_t size = 0;
@@ -1339,8 +1476,8 @@ static void test_cli(int num_images, const Images* images) {
         check(v.status == 0 && read && !strncmp((const char*)text, "# vae.cu ", 9) &&
                   strstr((const char*)text, "\nindex,label,bce,kl\n0,7,") && rows == 2 + 64 && stat(ppm, &st) == 0 &&
                   files_starting(scratch, "results.csv.") == 0 && files_starting(new_out, ".*ppm.") == 0,
-              "./vae -n 64 --csv: replaced whole ('#' line, header, 64 rows), three images, no temporary files "
-              "(exit %d)", v.status);
+              "./vae -n 64 --csv -o DIR/a/b: replaced whole ('#' line, header, 64 rows), three images in the folder "
+              "made with its parents, no temporary files (exit %d)", v.status);
         free(text);
         test_shards();
         test_devices();
@@ -1408,6 +1545,7 @@ static void test_cli(int num_images, const Images* images) {
     check(v.status == 0 && strstr(v.out, "66 pairs x 11 steps = 726 decodes") && strstr(v.out, "bitwise identical") &&
               stat(interp_ppm, &st) == 0, "--interp 12: 66 pairs, batched and one pair per call agree bit for bit");
     vae_run_free(&v);
+    test_times();
 }
 
 // A user's -w file, missing or not a weights file, gets a hint that converts their checkpoint: prepare_weights.py
@@ -1612,7 +1750,7 @@ static void test_gpu_plain_shared_memory() {
         (const void*)decoder_output_kernel<float>,   (const void*)decoder_output_kernel<fp16>,
         (const void*)relu_backward_kernel<float, float>, (const void*)relu_backward_kernel<fp16, bf16>,
         (const void*)plain_weights_kernel<float>,    (const void*)plain_weights_kernel<bf16>,
-        (const void*)iwae_logsumexp_kernel,
+        (const void*)iwae_logsumexp_kernel, (const void*)iwae_merge_kernel,
         (const void*)ais_start_kernel<float, LATENT_DIM>, (const void*)ais_start_kernel<bf16, LATENT_DIM>,
         (const void*)ais_start_kernel<float, MAX_LATENT>, (const void*)ais_start_kernel<bf16, MAX_LATENT>,
         (const void*)ais_begin_kernel<float, LATENT_DIM>, (const void*)ais_begin_kernel<bf16, LATENT_DIM>,
@@ -2142,6 +2280,39 @@ static void test_gpu_iwae(VAE* m, const HostWeights* w, const uint8_t* d_pixels,
     check(!memcmp(together, alone, sizeof(together)), "K=%d: %d images in one pass give the same bits as one at a time",
           K, B);
     check(!memcmp(together, again, sizeof(together)), "K=%d: the same seed twice gives bitwise-identical log p(x)", K);
+
+    // K above LSE_CHUNK: an image's samples in chunks merged in order. K = 2500 is three chunks, the last partial;
+    // 2 x 1024 samples, the second half a copy of the first, must give the first half's log p(x) (a chunk lost or
+    // merged twice moves it by log 2)
+    if (m->decoder_rows >= 2 * 2500) {
+        const int big_k = 2500, Z = m->dims.z, half = LSE_CHUNK;
+        gpu_iwae(m, d_pixels, first, 2, big_k, seed, NULL, together);
+        for (int b = 0; b < 2; b++) gpu_iwae(m, d_pixels, first + b, 1, big_k, seed, NULL, &alone[b]);
+        check(!memcmp(together, alone, 2 * sizeof(float)), "K=%d (3 chunks): 2 images in one pass give the same bits "
+              "as one at a time", big_k);
+        float* eps = (float*)malloc((size_t)B * 2 * half * Z * sizeof(float)), *d_eps;
+        for (int b = 0; b < B; b++)
+            for (int k = 0; k < half; k++)
+                for (int j = 0; j < Z; j++)
+                    eps[((size_t)b * half + k) * Z + j] = gaussian(seed, STREAM_PRIOR, first + b, k, j);
+        cudaCheck(cudaMalloc(&d_eps, (size_t)B * 2 * half * Z * sizeof(float)));
+        cudaCheck(cudaMemcpy(d_eps, eps, (size_t)B * half * Z * sizeof(float), cudaMemcpyHostToDevice));
+        gpu_iwae(m, d_pixels, first, B, half, seed, d_eps, together);
+        for (int b = 0; b < B; b++) // image b's 2 x 1024 rows: its 1024 twice
+            for (int copy = 0; copy < 2; copy++)
+                cudaCheck(cudaMemcpy(d_eps + ((size_t)b * 2 + copy) * half * Z, eps + (size_t)b * half * Z,
+                                     (size_t)half * Z * sizeof(float), cudaMemcpyHostToDevice));
+        float doubled[B];
+        gpu_iwae(m, d_pixels, first, B, 2 * half, seed, d_eps, doubled);
+        double worst = 0.0;
+        for (int b = 0; b < B; b++) worst = fmax(worst, fabs((double)doubled[b] - together[b]) / fabs(together[b]));
+        check(worst < 1e-6, "K=2048 of 1024 samples twice = K=1024 of them: worst relative difference %.2e over %d "
+              "images (float32 rounding; a lost chunk would be log 2)", worst, B);
+        cudaCheck(cudaFree(d_eps));
+        free(eps);
+    } else {
+        skip("IWAE with K above a logsumexp chunk", "--quick: the model holds too few decoder rows");
+    }
     free(bce), free(mulv), free(z);
     cudaCheck(cudaFree(d_bce));
     cudaCheck(cudaFree(d_kl));
@@ -2407,7 +2578,24 @@ static void test_gpu_ais_toy(const HostWeights* w, const uint8_t* d_pixels, Kern
 // them comes 3.2e-3 nat from its threshold, ~300x float32's rounding of H ~ 100, so an exact match
 // is what fp32 owes. The plain path runs it again in bf16 with 256 chains, more than the fused kernel
 // holds (in fp32 its 8,192 decisions would likely put one within float32's rounding of its threshold).
-// make test names the Python with PyTorch (VAE_TEST_PYTHON).
+// make test names the Python with PyTorch (VAE_TEST_PYTHON). The Pythons run in the background while the GPU checks go
+// on (each imports torch and replays the chains on the CPU: 2-4 s, 13 of them), and wait_background checks them.
+typedef struct {
+    pid_t pid;
+    char out[128];  // its stdout and stderr
+    char what[192]; // the check's text, before the Python's last line
+} Background;
+
+static Background background[32];
+static int num_background = 0;
+
+// The check on one dev/ais_pytorch.py: it exited with status 0 and its last line starts with "ok". `last` is the
+// reason when it did not run.
+static void check_trajectory(const char* what, bool ran, int status, char* last) {
+    last[strcspn(last, "\n")] = '\0';
+    check(ran && WIFEXITED(status) && WEXITSTATUS(status) == 0 && !strncmp(last, "ok", 2), "%s: %s", what, last);
+}
+
 static void test_gpu_ais_pytorch(Precision p, Kernels kernels, int chains,
                                  const char* weights_path = "data/vae_weights.bin") {
     const char* python = getenv("VAE_TEST_PYTHON");
@@ -2415,22 +2603,64 @@ static void test_gpu_ais_pytorch(Precision p, Kernels kernels, int chains,
         skip("AIS against PyTorch float64 (dev/ais_pytorch.py)", "needs ./vae and VAE_TEST_PYTHON (make test)");
         return;
     }
-    char csv[128], cmd[640], line[256], last[256] = "(no output)", c[16];
-    snprintf(csv, sizeof(csv), "%s/ais.csv", scratch);
+    static int runs = 0; // each its own csv and output file: the Pythons read theirs after this returns
+    const int id = runs++;
+    char csv[128], out[128], cmd[640], line[256], last[256] = "(no output)", c[16], what[192];
+    snprintf(csv, sizeof(csv), "%s/ais%d.csv", scratch, id);
+    snprintf(out, sizeof(out), "%s/ais%d.out", scratch, id);
     snprintf(c, sizeof(c), "%d", chains);
+    snprintf(what, sizeof(what), "%s %s, %s: the trajectory of %d chains against PyTorch float64 with the same noise",
+             PRECISION_NAMES[p], KERNELS_NAMES[kernels], weights_path, chains);
     VaeRun r = run_vae({"-w", weights_path, "--ais", "5", "--chains", c, "--leapfrog", "3", "-n", "8", "--precision",
                         PRECISION_NAMES[p], "--kernels", KERNELS_NAMES[kernels], "--csv", csv, "-q"});
     const bool ran = r.status == 0;
     vae_run_free(&r);
-    snprintf(cmd, sizeof(cmd), "%s dev/ais_pytorch.py -w %s --check %s --precision %s --transitions 5 --chains %d "
-             "--leapfrog 3 2>&1", python, weights_path, csv, PRECISION_NAMES[p], chains);
-    FILE* f = ran ? popen(cmd, "r") : NULL;
+    if (!ran) {
+        snprintf(last, sizeof(last), "./vae --ais 5 failed");
+        check_trajectory(what, false, -1, last);
+        return;
+    }
+    // OMP_NUM_THREADS: 13 may run at once, and torch would start a thread per core in each
+    snprintf(cmd, sizeof(cmd), "OMP_NUM_THREADS=2 %s dev/ais_pytorch.py -w %s --check %s --precision %s "
+             "--transitions 5 --chains %d --leapfrog 3 2>&1", python, weights_path, csv, PRECISION_NAMES[p], chains);
+    const int max_background = (int)(sizeof(background) / sizeof(background[0]));
+    fflush(stdout); // the child's copy of the buffer must not be written twice
+    const pid_t pid = num_background < max_background ? fork() : -1;
+    if (pid == 0) {
+        const int fd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd < 0 || dup2(fd, 1) < 0 || dup2(fd, 2) < 0) _exit(126);
+        execl("/bin/sh", "sh", "-c", cmd, (char*)NULL);
+        _exit(127);
+    }
+    if (pid > 0) {
+        Background* b = &background[num_background++];
+        b->pid = pid;
+        snprintf(b->out, sizeof(b->out), "%s", out);
+        snprintf(b->what, sizeof(b->what), "%s", what);
+        return;
+    }
+    FILE* f = popen(cmd, "r"); // no fork (or too many at once): here and now
     while (f != NULL && fgets(line, sizeof(line), f) != NULL) snprintf(last, sizeof(last), "%s", line);
     const int status = f != NULL ? pclose(f) : -1;
-    last[strcspn(last, "\n")] = '\0';
-    check(ran && WIFEXITED(status) && WEXITSTATUS(status) == 0 && !strncmp(last, "ok", 2),
-          "the trajectory of %d chains against PyTorch float64 with the same noise: %s", chains,
-          ran ? last : "./vae --ais 5 failed");
+    check_trajectory(what, true, status, last);
+}
+
+// Waits for the Pythons that test_gpu_ais_pytorch started and checks each.
+static void wait_background() {
+    if (num_background == 0) return;
+    printf("AIS trajectories against PyTorch float64 (dev/ais_pytorch.py, run in the background)\n");
+    for (int i = 0; i < num_background; i++) {
+        const Background* b = &background[i];
+        int status = -1;
+        char line[256], last[256] = "(no output)";
+        const bool waited = waitpid(b->pid, &status, 0) == b->pid;
+        FILE* f = waited ? fopen(b->out, "r") : NULL;
+        if (!waited) snprintf(last, sizeof(last), "waitpid: %s", strerror(errno));
+        while (f != NULL && fgets(line, sizeof(line), f) != NULL) snprintf(last, sizeof(last), "%s", line);
+        if (f != NULL) fclose(f);
+        check_trajectory(b->what, waited, status, last);
+    }
+    num_background = 0;
 }
 
 // each engine's (fused, plain) whole-test-set mean at T = 100 by precision: bf16 is compared against fp32,
@@ -2544,9 +2774,11 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
         skip("AIS: NLL falling with T on 1024 images", "--quick");
     } else {
         const int count = 1024; // the T = 100 -> 1000 step is ~0.04 nats; 1024 images average the noise below that
-        double nll[4];
-        const int Ts[4] = {1, 10, 100, 1000};
-        for (int i = 0; i < 4; i++) {
+        // T = 1000 only with --exhaustive (1000 of the ladder's 1111 transitions): T = 100 already lies ~0.65 nats
+        // below IWAE-5000 (NLL 98.905, 96.855, 96.69-96.70 at T = 1, 10, 100; IWAE-5000 97.35)
+        double nll[4] = {NAN, NAN, NAN, NAN};
+        const int Ts[4] = {1, 10, 100, 1000}, steps = exhaustive ? 4 : 3;
+        for (int i = 0; i < steps; i++) {
             const AisSpec spec = {Ts[i], C, 10, false, true, AIS_STEP_START, 0, NULL, NULL, NULL};
             AisOut o = gpu_ais(m, d_pixels, 0, count, spec);
             nll[i] = -mean_log_px(o, count);
@@ -2559,16 +2791,25 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
         vae_free(&big);
         double iwae_nll = 0.0;
         for (int i = 0; i < count; i++) iwae_nll -= iwae[i] / count;
-        check(nll[0] > nll[1] && nll[1] > nll[2] && nll[2] > nll[3] && nll[3] < iwae_nll,
-              "%d images: NLL %.4f (T = 1) > %.4f (10) > %.4f (100) > %.4f (1000); below IWAE-5000's %.4f", count,
-              nll[0], nll[1], nll[2], nll[3], iwae_nll);
+        if (exhaustive)
+            check(nll[0] > nll[1] && nll[1] > nll[2] && nll[2] > nll[3] && nll[3] < iwae_nll,
+                  "%d images: NLL %.4f (T = 1) > %.4f (10) > %.4f (100) > %.4f (1000); below IWAE-5000's %.4f", count,
+                  nll[0], nll[1], nll[2], nll[3], iwae_nll);
+        else
+            check(nll[0] > nll[1] && nll[1] > nll[2] && nll[2] < iwae_nll,
+                  "%d images: NLL %.4f (T = 1) > %.4f (10) > %.4f (100); below IWAE-5000's %.4f (T = 1000: "
+                  "--exhaustive)", count, nll[0], nll[1], nll[2], iwae_nll);
     }
     // BDMC through ./vae: the bounds must close as T grows. 1024 images: at 64 the T = 100 gap's standard
-    // error is ~0.05 nats, as large as its step to T = 1000 (~0.08): seeds 1..6 gave -0.007 .. 0.17 at T = 100
-    double gaps[3];
+    // error is ~0.05 nats, as large as its step to T = 1000 (~0.08): seeds 1..6 gave -0.007 .. 0.17 at T = 100.
+    // T = 1000 only with --exhaustive: 1000 of the ladder's 1110 transitions. Over both engines and precisions the
+    // gap measured 0.91-0.93 at T = 10, 0.099-0.111 at T = 100 and 0.010-0.016 at T = 1000, so the bounds are 0.2 at
+    // T = 100 (~2x the measured gap, 4.5x below T = 10's) and 0.05 at T = 1000 (~3x)
+    double gaps[3] = {NAN, NAN, NAN};
     const char* Ts[3] = {"10", "100", "1000"};
+    const int runs = exhaustive ? 3 : 2;
     bool bdmc_ok = vae_bin != NULL;
-    for (int i = 0; i < 3 && bdmc_ok; i++) {
+    for (int i = 0; i < runs && bdmc_ok; i++) {
         VaeRun r = run_vae({"--bdmc", "1024", "--ais", Ts[i], "--precision", PRECISION_NAMES[p], "--kernels",
                             KERNELS_NAMES[kernels_of(m)], "-q"});
         double lower = NAN, upper = NAN;
@@ -2579,10 +2820,14 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
         if (!bdmc_ok) printf("  ./vae --bdmc 1024 --ais %s: exit %d, %s\n", Ts[i], r.status, r.err ? r.err : "");
         vae_run_free(&r);
     }
-    if (bdmc_ok)
+    if (bdmc_ok && exhaustive)
         check(gaps[0] > gaps[1] && gaps[1] > gaps[2] && gaps[2] >= 0.0 && gaps[2] < 0.05,
               "BDMC, 1024 simulated images: upper - lower %.4f (T = 10) > %.4f (100) > %.4f (1000) >= 0, below 0.05",
               gaps[0], gaps[1], gaps[2]);
+    else if (bdmc_ok)
+        check(gaps[0] > gaps[1] && gaps[1] >= 0.0 && gaps[1] < 0.2,
+              "BDMC, 1024 simulated images: upper - lower %.4f (T = 10) > %.4f (100) >= 0, below 0.2 (T = 1000: "
+              "--exhaustive)", gaps[0], gaps[1]);
     else
         check(false, "./vae --bdmc 1024 --ais T ran and printed both bounds");
     if (quick) {
@@ -2614,11 +2859,12 @@ static void test_gpu_ais(VAE* m, const HostWeights* w, const Images* images, con
 }
 
 static const char* TEST_USAGE =
-    "usage: test_vae [--quick] [--gpu-only] [--precision fp32|bf16] [--kernels plain|fused]\n"
+    "usage: test_vae [--quick | --exhaustive] [--gpu-only] [--precision fp32|bf16] [--kernels plain|fused]\n"
     "  --quick      a GPU subset sized for compute-sanitizer: batch invariance on %d images in\n"
     "               batches of %d, %d, 7, 37 and 1024 instead of 4097 images in batches of 4097, 1, 7, 37, 1024\n"
     "               (batch 1 still runs in the B = 1 reference case); the full-test-set means\n"
     "               and the out-of-memory check are skipped\n"
+    "  --exhaustive every case: ./vae on each corrupt input (not 1 in 16 per family), AIS and BDMC at T = 1000 too\n"
     "  --gpu-only   skip the host checks (the inputs are still loaded and checked)\n"
     "  --precision  run the GPU checks of one precision only; the other's are skipped\n"
     "  --kernels    run the GPU checks of one engine only (plain: as on a GPU without the fused kernels)\n";
@@ -2688,11 +2934,15 @@ static void test_family(const Images* images, const uint8_t* d_pixels, const cha
 
 #ifndef TEST_VAE_NO_MAIN // fuzz/ includes this file for parse_debug_state
 int main(int argc, char** argv) {
-    bool quick = false, gpu_only = false, run_precision[2] = {true, true};
+    setvbuf(stdout, NULL, _IOLBF, 0); // line by line into make test's pipe too: the progress shows as it comes
+    const double start = now_s();
+    bool quick = false, gpu_only = false, usage_ok = true, run_precision[2] = {true, true};
     Kernels kernels = KERNELS_AUTO; // both engines where both run
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc && usage_ok; i++) {
         if (!strcmp(argv[i], "--quick")) {
             quick = true;
+        } else if (!strcmp(argv[i], "--exhaustive")) {
+            exhaustive = true;
         } else if (!strcmp(argv[i], "--gpu-only")) {
             gpu_only = true;
         } else if (!strcmp(argv[i], "--kernels") && i + 1 < argc &&
@@ -2703,9 +2953,12 @@ int main(int argc, char** argv) {
             run_precision[PRECISION_FP32] = !strcmp(argv[++i], "fp32");
             run_precision[PRECISION_BF16] = !run_precision[PRECISION_FP32];
         } else {
-            fprintf(stderr, TEST_USAGE, QUICK_IMAGES, QUICK_IMAGES, QUICK_SMALL_BATCH);
-            return 2;
+            usage_ok = false;
         }
+    }
+    if (!usage_ok || (quick && exhaustive)) {
+        fprintf(stderr, TEST_USAGE, QUICK_IMAGES, QUICK_IMAGES, QUICK_SMALL_BATCH);
+        return 2;
     }
     const char* weights_path = "data/vae_weights.bin";
     const char* images_path = "data/t10k-images-idx3-ubyte";
@@ -2756,6 +3009,7 @@ int main(int argc, char** argv) {
         if (loaded) test_gzip(images_path, &images);
         test_ppm();
     }
+    double phase = phase_done("host checks", start);
 
     // before anything here touches CUDA: see test_gpu_out_of_memory
     if (quick) skip("GPU out-of-memory message", "--quick: compute-sanitizer reports the failed cudaMalloc");
@@ -2825,6 +3079,9 @@ int main(int argc, char** argv) {
             if (engine == 1 && engine_runs[0])
                 test_gpu_plain_vs_fused(&weights, precision, d_pixels, invariance_images);
             cudaCheck(cudaFree(d_pixels));
+            char block[32];
+            snprintf(block, sizeof(block), "GPU %s %s", engine_name, name);
+            phase = phase_done(block, phase);
         }
     }
     const char* family_gpu_skip = no_gpu ? no_gpu : kernels == KERNELS_FUSED ? "--kernels fused" : NULL;
@@ -2835,6 +3092,11 @@ int main(int argc, char** argv) {
     }
     if (loaded) test_family(&images, d_pixels, family_gpu_skip, run_precision);
     if (d_pixels != NULL) cudaCheck(cudaFree(d_pixels));
+    phase = phase_done("other model sizes", phase);
+    if (num_background > 0) {
+        wait_background();
+        phase_done("waiting for the PyTorch trajectory checks", phase);
+    }
     free(fp32_bce_zmu);
     scratch_close();
     free(weights.data);
@@ -2843,6 +3105,7 @@ int main(int argc, char** argv) {
     free(ds.storage64);
     free(debug_buf);
     free(iwae_buf);
+    printf("test_vae: %.1f s\n", now_s() - start);
     printf("%d passed, %d failed, %d skipped\n", n_passed, n_failed, n_skipped);
     return n_failed > 0 ? EXIT_FAILURE : EXIT_SUCCESS;
 }

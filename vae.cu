@@ -4007,7 +4007,7 @@ static void check_output_dir(const char* flag, const char* dir) {
     char existing[MAX_PATH]; // the folder itself, else its nearest ancestor that exists
     snprintf(existing, sizeof(existing), "%s", dir);
     while (stat(existing, &st) != 0) {
-        if (errno != ENOENT)
+        if (errno != ENOENT && errno != ENOTDIR) // ENOTDIR: a file on the way, which the loop comes to
             fail("%s %s: cannot create the folder (%s: %s). HINT: pass %s with a writable folder", flag, dir, existing,
                  strerror(errno), flag);
         char parent[MAX_PATH];
