@@ -333,7 +333,9 @@ def protocol_error(path, protocol):
     torch.save's default protocol, in the zip format, beside the file."""
     out = os.path.splitext(path)[0] + f"_protocol{PICKLE_PROTOCOL}.pth"
     # JSON's strings are Python's too, and their double quotes leave the single ones to the shell
-    code = f'import torch; torch.save(torch.load({json.dumps(path)}, map_location="cpu"), {json.dumps(out)})'
+    # weights_only=False: from PyTorch 2.6 torch.load defaults to weights_only=True, whose unpickler refuses protocol 4
+    code = (f'import torch; torch.save(torch.load({json.dumps(path)}, map_location="cpu", weights_only=False), '
+            f'{json.dumps(out)})')
     python = python_with_torch()
     command = shlex.join([python or "/usr/bin/python3", "-c", code])
     return CheckpointError(path, f"it was saved with pickle protocol {protocol}, and this converter reads only "
