@@ -4199,6 +4199,23 @@ struct Slices {
     }
     double ms() const { return end_ms - start_ms; }
 };
+// The one loop that spreads a mode's work over the run's GPUs: body(g, slices) runs on each GPU's thread, makes its
+// buffers, runs an untimed warm-up (module loading stays out of the time) and calls slices(size, run); that waits for
+// every GPU to be ready, then calls run(first, n) for each slice of `count` items this GPU takes from the shared
+// counter until none are left. Returns the wall time from the last GPU ready to the last one done.
+template <typename Body> static double over_slices(Gpus* gs, int count, Body body) {
+    Slices slices(count, gs);
+    on_each_gpu(gs, [&](Gpu* g) {
+        body(g, [&](int size, auto run) {
+            cudaCheck(cudaStreamSynchronize(g->m.stream));
+            slices.ready_to_start();
+            for (int first, n; slices.take(size, &first, &n);) run(first, n);
+            cudaCheck(cudaStreamSynchronize(g->m.stream));
+            slices.done();
+        });
+    });
+    return slices.ms();
+}
 // Progress of a long run on stderr, unless -q: a bar redrawn in place on a terminal, a line every 10% otherwise (logs
 // stay readable). Every GPU adds what it finished.
 struct Progress {
@@ -4321,14 +4338,11 @@ struct Timer {
 static double evaluate(Gpus* gs, int count, int image0, int batch, const Config* cfg, float* bce, float* kl) {
     const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, false, false};
     const int slice = batch * ceil_div(ceil_div(count, 8 * gs->count), batch);
-    Slices slices(count, gs);
-    on_each_gpu(gs, [&](Gpu* g) {
+    return over_slices(gs, count, [&](Gpu* g, auto slices) {
         VAE* m = &g->m;
         float* d_losses = (float*)device_alloc((size_t)2 * slice * sizeof(float), "the losses");
-        vae_forward(m, g->pixels, batch, 0, &opt, d_losses, d_losses + slice); // untimed: module loading stays out
-        cudaCheck(cudaStreamSynchronize(m->stream));
-        slices.ready_to_start();
-        for (int first, n; slices.take(slice, &first, &n);) {
+        vae_forward(m, g->pixels, batch, 0, &opt, d_losses, d_losses + slice); // the warm-up
+        slices(slice, [&](int first, int n) {
             for (int b = 0; b < n; b += batch)
                 vae_forward(m, g->pixels + (size_t)(first + b) * INPUT_DIM, std::min(batch, n - b), image0 + first + b,
                             &opt, d_losses + b, d_losses + slice + b);
@@ -4336,11 +4350,9 @@ static double evaluate(Gpus* gs, int count, int image0, int batch, const Config*
             cudaCheck(cudaMemcpyAsync(kl + first, d_losses + slice, n * sizeof(float), cudaMemcpyDeviceToHost,
                                       m->stream));
             cudaCheck(cudaStreamSynchronize(m->stream));
-        }
-        slices.done();
+        });
         cudaCheck(cudaFree(d_losses));
     });
-    return slices.ms();
 }
 static double mean_of(const float* v, int n) {
     double sum = 0.0;
@@ -4396,25 +4408,20 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
 // slices of whole decoder passes, ~2% of the images each, or a GPU's share where that is less (progress, unless NULL,
 // between them); returns the time in ms.
 static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg, Progress* progress, float* log_px) {
-    Slices slices(count, gs);
-    on_each_gpu(gs, [&](Gpu* g) {
+    return over_slices(gs, count, [&](Gpu* g, auto slices) {
         VAE* m = &g->m;
         const int per_pass = vae_iwae_images_per_pass(m, K);
         const int slice = std::min(per_pass * ceil_div(ceil_div(count, per_pass), 50), ceil_div(count, gs->count));
         float* d_log_px = (float*)device_alloc((size_t)slice * sizeof(float), "log p(x)");
-        vae_iwae(m, g->pixels, 1, 0, K, cfg->seed, NULL, d_log_px); // untimed: module loading stays out
-        cudaCheck(cudaStreamSynchronize(m->stream));
-        slices.ready_to_start();
-        for (int first, n; slices.take(slice, &first, &n);) {
+        vae_iwae(m, g->pixels, 1, 0, K, cfg->seed, NULL, d_log_px); // the warm-up
+        slices(slice, [&](int first, int n) {
             vae_iwae(m, g->pixels + (size_t)first * INPUT_DIM, n, image0 + first, K, cfg->seed, NULL, d_log_px);
             cudaCheck(cudaMemcpyAsync(log_px + first, d_log_px, n * sizeof(float), cudaMemcpyDeviceToHost, m->stream));
             cudaCheck(cudaStreamSynchronize(m->stream));
             if (progress != NULL) progress->add(n);
-        }
-        slices.done();
+        });
         cudaCheck(cudaFree(d_log_px));
     });
-    return slices.ms();
 }
 // --iwae K: log p(x) of every evaluated image, K importance samples each, beside its ELBO.
 static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
@@ -4475,8 +4482,7 @@ typedef struct { double* log_px; float *step, *ess, *acceptance; } AisResults; /
 static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const float* z_start, const char* what,
                       AisResults out) {
     Progress progress(what, n);
-    Slices slices(n, gs);
-    on_each_gpu(gs, [&](Gpu* g) {
+    return over_slices(gs, n, [&](Gpu* g, auto slices) {
         VAE* m = &g->m;
         const int C = cfg->chains, Z = m->dims.z, round = vae_ais_round(m, C), rounds = ceil_div(n, round);
         int slice = m->fused ? round * ceil_div(rounds, 50) : ceil_div(n, gs->count * ceil_div(rounds, gs->count));
@@ -4491,11 +4497,9 @@ static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const floa
         io.beta = b.beta, io.chains = C, io.T = std::min(2, cfg->ais_t), io.leapfrog = 1, io.seed = cfg->seed;
         io.adapt = true, io.step0 = AIS_STEP_START, io.n = 1, io.pixels = g->pixels;
         io.log_w = b.log_w, io.accepted = b.accepted, io.step_out = b.step;
-        vae_ais(m, io, cfg->ais_from_prior); // untimed: module loading stays out
-        cudaCheck(cudaStreamSynchronize(m->stream));
+        vae_ais(m, io, cfg->ais_from_prior); // the warm-up
         io.T = cfg->ais_t, io.leapfrog = cfg->leapfrog, io.reverse = z_start != NULL;
-        slices.ready_to_start();
-        for (int first, k; slices.take(slice, &first, &k);) {
+        slices(slice, [&](int first, int k) {
             io.n = k, io.first_image = (uint32_t)(image0 + first);
             io.pixels = g->pixels + (size_t)first * INPUT_DIM;
             io.z_start = d_z != NULL ? d_z + (size_t)first * Z : NULL;
@@ -4511,11 +4515,9 @@ static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const floa
                                       m->stream));
             cudaCheck(cudaStreamSynchronize(m->stream));
             progress.add(k);
-        }
-        slices.done();
+        });
         cudaCheck(cudaFree(d_z)), ais_buffers_free(&b);
     });
-    return slices.ms();
 }
 enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
 static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
@@ -4717,27 +4719,21 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
     for (int a = 0, p = 0; a < n; a++)
         for (int b = a + 1; b < n; b++) pairs[p++] = make_int2(a, b);
     std::vector<int2*> d_pairs(gs->count);
-    Slices slices(decodes, gs);
-    on_each_gpu(gs, [&](Gpu* g) {
+    const double batched_ms = over_slices(gs, decodes, [&](Gpu* g, auto slices) {
         VAE* m = &g->m;
         int2*& here = d_pairs[g - gs->gpu];
         vae_init(m, w, pass_rows, cfg->precision, cfg->kernels);
         here = (int2*)device_alloc((size_t)num_pairs * sizeof(int2), "the pairs");
         cudaCheck(cudaMemcpy(here, pairs, (size_t)num_pairs * sizeof(int2), cudaMemcpyHostToDevice));
         vae_encode(m, g->pixels, n); // m->mulv holds the N means from here on; decoding leaves it alone
-        vae_decode_interpolations(m, here, 0, INTERP_STEPS, INTERP_STEPS); // untimed: module loading stays out
-        cudaCheck(cudaStreamSynchronize(m->stream));
-        slices.ready_to_start();
-        for (int first, rows; slices.take(pass_rows, &first, &rows);) {
+        vae_decode_interpolations(m, here, 0, INTERP_STEPS, INTERP_STEPS); // the warm-up
+        slices(pass_rows, [&](int first, int rows) {
             vae_decode_interpolations(m, here, first, rows, INTERP_STEPS);
-            // done before this GPU takes more; one GPU queues its passes back to back (N = 1000, bf16: 14.5 ms with a
-            // wait after each of the 84 passes, 13.8 ms without in an earlier call)
+            // done before this GPU takes more; one GPU queues its passes back to back (a wait after each of N = 1000's
+            // 84 passes costs ~5%)
             if (gs->count > 1) cudaCheck(cudaStreamSynchronize(m->stream));
-        }
-        cudaCheck(cudaStreamSynchronize(m->stream));
-        slices.done();
+        });
     });
-    const double batched_ms = slices.ms();
 
     // the last pass again (untimed) on the first GPU, whose one-pair decodes below it is compared with: another GPU may
     // have taken it, and GPUs of other kinds may run another engine
