@@ -3708,7 +3708,7 @@ static const char* USAGE =
     "                       on GPUs of one model the results are one GPU's, byte for byte;\n"
     "                       --bench times the first GPU only\n"
     "outputs\n"
-    "  -o, --out DIR        folder for the images (default out; created if missing)\n"
+    "  -o, --out DIR        folder for the images (default out; made with its parents if missing)\n"
     "      --csv FILE       also write per-image results (index,label,bce,kl[,log_px]) after a '#' line\n"
     "                       naming the run; '-' writes them to stdout and the summary to stderr\n"
     "  -q, --quiet          results and errors only: no start-up table, progress or 'wrote' lines\n"
