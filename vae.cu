@@ -267,6 +267,24 @@ typedef struct {
     ModelDims dims;
 } HostWeights;
 
+// How one forward pass draws z and what it writes besides the losses.
+typedef struct {
+    uint64_t seed;
+    bool z_is_mu;    // z = mu (no noise): the deterministic reconstruction
+    bool want_recon; // also write recon = sigmoid(logits)
+} ForwardOptions;
+
+// The tests' hooks, in one place (VAE::probe, handed to either engine): noise given instead of drawn, and what a run
+// keeps besides its results. Zero in the program. Device arrays, a row per image or, in AIS, per chain.
+typedef struct {
+    const float* eps;            // [rows][Z]: the forward pass's or --iwae's noise, or NULL: the generator's
+    bool keep_activations;       // the forward pass also writes mulv, z and logits (fp32: h1 and h3)
+    bool fixed_step;             // AIS keeps its first step size
+    const float* p_start;        // AIS: [rows][Z] the first transition's momentum, or NULL: drawn
+    float *z_out, *grad0, *bce0; // AIS: [rows][Z] the final z; the first evaluation's grad BCE [rows][Z] and BCE [rows]
+    float *delta_h, *proposal;   // AIS: the last H0 - H1 [rows]; the last trajectory's end (z, p) before its test
+} Probe;
+
 // ---- random numbers -------------------------------------------------------------------------------------------------
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"), counter-based: the noise for (image,
 // latent) is a pure function of its coordinates: no state crosses batches, and no result depends on the batch size.
@@ -668,16 +686,82 @@ struct AisIO {
     uint32_t first_image;  // the generator's image index of image 0
     uint64_t seed;
     bool reverse;          // run the schedule from b_T to b_0: the weights of BDMC's upper bound
-    bool adapt;            // adapt the step size (tests fix it)
     float step0;
     double* log_w;         // [n * C]
     int* accepted;         // [n * C]: transitions accepted
     float* step_out;       // [n]: the step size at the end
-    float *z_out, *grad0, *bce0, *delta_h; // tests, or NULL: [n * C][Z] final z; the first evaluation's
-                                          // grad BCE [n * C][Z] and BCE [n * C]; the last H0 - H1 [n * C]
-    const float* p_start; // tests, or NULL: [n * C][Z] the first transition's momentum instead of a draw
-    float* proposal;      // tests, or NULL: [n * C][2 Z] the last leapfrog trajectory's end (z, p) before its test
+    Probe probe;           // the model's
 };
+
+// AIS's steps, written once: the plain path's kernels (a chain a thread) and the fused kernel (six latents of two
+// chains a thread) call these, so both engines run one algorithm on the same bits. A chain is chain `chain` of image
+// `image` of the run; s is the step of the schedule, 1..T.
+
+// The target of transition s: f_b with b = beta at s (the reverse run's from the other end).
+__host__ __device__ inline float ais_target(const AisIO& io, int s) {
+    return (float)io.beta[io.reverse ? io.T - s : s];
+}
+
+// The log weight's term at step s: (b_s - b_{s-1}) [log p(x, z) - log p0(z)], with -(b_s - b_{s-1}) in reverse.
+__host__ __device__ inline double ais_weight_term(const AisIO& io, int s, float lpxz, float lp0) {
+    const int at = io.reverse ? io.T + 1 - s : s;
+    const double d_beta = io.beta[at] - io.beta[at - 1];
+    return (io.reverse ? -d_beta : d_beta) * (double)(lpxz - lp0);
+}
+
+// Latent j of a chain's start: z_start's (BDMC's reverse run), or a draw from p0 keyed like the ELBO's eps, chain as
+// sample.
+__device__ inline float ais_start_z(const AisIO& io, int image, int chain, int j, int nz, float mu, float logvar) {
+    float kl_term;
+    return io.z_start ? io.z_start[(size_t)image * nz + j]
+                      : latent_z(mu, logvar, gaussian(io.seed, STREAM_POSTERIOR, io.first_image + image, chain, j),
+                                 &kl_term);
+}
+
+// Latents j, j + 1 of transition s's momentum p ~ N(0, I).
+__host__ __device__ inline float2 ais_momentum(const AisIO& io, int image, int chain, int s, int j, int nz) {
+    return gaussian_pair(io.seed, STREAM_MOMENTUM, io.first_image + image, chain, momentum_counter(s, j, nz));
+}
+
+// One latent's share of |z|^2 and of sum (z - mu)^2 / var, the sums log p(x, z) and log p0(z) need.
+__host__ __device__ inline void ais_density_terms(float z, float mu, float inv_var, float* sq, float* mahal) {
+    const float d = z - mu;
+    *sq = fmaf(z, z, *sq), *mahal = fmaf(d * d, inv_var, *mahal);
+}
+
+// log p(x, z) = -BCE - |z|^2 / 2 and log p0(z) = -(sum (z - mu)^2 / var + sum logvar) / 2 (the log 2 pi cancel).
+__host__ __device__ inline void ais_log_densities(float bce, float sq, float mahal, float logvar_sum, float* lpxz,
+                                                  float* lp0) {
+    *lpxz = -bce - 0.5f * sq, *lp0 = -0.5f * (mahal + logvar_sum);
+}
+
+// H = U_b(z) + |p|^2 / 2, U_b = -b log p(x, z) - (1 - b) log p0(z).
+__host__ __device__ inline float ais_energy(float beta, float lpxz, float lp0, float kinetic) {
+    return -beta * lpxz - (1.0f - beta) * lp0 + 0.5f * kinetic;
+}
+
+// A kick of one latent: p - scaled_step * dU_b/dz, at z with grad BCE (fc3's backward's).
+__host__ __device__ inline float ais_kick(float p, float z, float grad_bce, float mu, float inv_var, float beta,
+                                          float scaled_step) {
+    const float grad_u = beta * (grad_bce + z) + (1.0f - beta) * (z - mu) * inv_var;
+    return fmaf(-scaled_step, grad_u, p);
+}
+
+// A drift of one latent: z + step * p.
+__host__ __device__ inline float ais_drift(float z, float p, float step) { return fmaf(step, p, z); }
+
+// Transition s's Metropolis test: accept with probability min(1, e^(H0 - H1)); false for a non-finite proposal.
+__host__ __device__ inline bool ais_accept(const AisIO& io, int image, int chain, int s, float h0, float h1) {
+    return logf(uniform_open0(io.seed, STREAM_ACCEPT, io.first_image + image, chain, s)) < h0 - h1;
+}
+
+// An image's next step size from `taken` of its C chains accepted in a transition: 2% up above the target rate, 2%
+// down below it, within [AIS_STEP_MIN, AIS_STEP_MAX].
+__host__ __device__ inline float ais_adapted_step(const AisIO& io, float step, int taken, int C) {
+    const float rate = (float)taken / C;
+    if (io.probe.fixed_step) return step;
+    return fminf(fmaxf(step * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN), AIS_STEP_MAX);
+}
 // The plain path's chains, in memory between its kernels: per row z, p, the gradient of BCE (fc3's backward writes it,
 // row-major and z_pad(nz) wide), the BCE, and the transition's start (z, grad, BCE, H) that a rejected proposal returns
 // to. z, p and the start are stored latent by latent, [nz][rows], so that a warp's 32 rows of one latent are 128
@@ -720,32 +804,24 @@ template <int ZMAX> struct AisPrior {
             if (j < nz) logvar_sum += mulv_row[nz + j];
         }
     }
-    // log p(x, z) = -BCE - |z|^2 / 2 and log p0(z) = -(sum (z - mu)^2 / var + logvar) / 2 (the log 2 pi cancel)
     __device__ void log_densities(const float (&z)[ZMAX], float bce, float* lpxz, float* lp0) const {
         float sq = 0.0f, mahal = 0.0f;
         UNROLL_LATENTS(ZMAX)
-        for (int j = 0; j < ZMAX; j++) {
-            const float d = z[j] - mu[j];
-            sq = fmaf(z[j], z[j], sq), mahal = fmaf(d * d, inv_var[j], mahal);
-        }
-        *lpxz = -bce - 0.5f * sq, *lp0 = -0.5f * (mahal + logvar_sum);
+        for (int j = 0; j < ZMAX; j++) ais_density_terms(z[j], mu[j], inv_var[j], &sq, &mahal);
+        ais_log_densities(bce, sq, mahal, logvar_sum, lpxz, lp0);
     }
-    // p -= scale eps grad U_b(z): U_b = -b log p(x, z) - (1 - b) log p0(z)
     __device__ void kick(float (&p)[ZMAX], const float (&z)[ZMAX], const float (&grad_bce)[ZMAX], float beta,
                          float scaled_step) const {
         UNROLL_LATENTS(ZMAX)
-        for (int j = 0; j < ZMAX; j++) {
-            const float grad_u = beta * (grad_bce[j] + z[j]) + (1.0f - beta) * (z[j] - mu[j]) * inv_var[j];
-            p[j] = fmaf(-scaled_step, grad_u, p[j]);
-        }
+        for (int j = 0; j < ZMAX; j++) p[j] = ais_kick(p[j], z[j], grad_bce[j], mu[j], inv_var[j], beta, scaled_step);
     }
 };
 // z += eps p, stored, and as fc3's input for the next gradient evaluation.
 template <typename T, int ZMAX>
-__device__ inline void ais_drift(const AisChains& c, T* z_input, size_t r, float (&z)[ZMAX], const float (&p)[ZMAX],
-                                 float step) {
+__device__ inline void drift_chain(const AisChains& c, T* z_input, size_t r, float (&z)[ZMAX], const float (&p)[ZMAX],
+                                   float step) {
     UNROLL_LATENTS(ZMAX)
-    for (int j = 0; j < ZMAX; j++) z[j] = fmaf(step, p[j], z[j]);
+    for (int j = 0; j < ZMAX; j++) z[j] = ais_drift(z[j], p[j], step);
     c.store(c.z, r, z);
     store_z_input(z_input + r * z_pad(latents<ZMAX>(c.nz)) * z_parts<T>(), z, latents<ZMAX>(c.nz));
 }
@@ -758,13 +834,7 @@ template <typename T, int ZMAX> __global__ void ais_start_kernel(AisIO io, AisCh
     const float* mulv = io.mulv + (size_t)image * 2 * nz;
     float z[ZMAX];
     #pragma unroll
-    for (int j = 0; j < ZMAX; j++) {
-        float kl_term;
-        z[j] = j >= nz      ? 0.0f
-               : io.z_start ? io.z_start[(size_t)image * nz + j]
-                            : latent_z(mulv[j], mulv[nz + j],
-                                       gaussian(io.seed, STREAM_POSTERIOR, io.first_image + image, chain, j), &kl_term);
-    }
+    for (int j = 0; j < ZMAX; j++) z[j] = j < nz ? ais_start_z(io, image, chain, j, nz, mulv[j], mulv[nz + j]) : 0.0f;
     c.store(c.z, r, z);
     store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), z, nz);
     io.log_w[r] = 0.0, io.accepted[r] = 0;
@@ -782,40 +852,37 @@ template <typename T, int ZMAX> __global__ void ais_begin_kernel(AisIO io, AisCh
     const float bce = c.bce[r];
     #pragma unroll
     for (int j = 0; j < ZMAX; j++)
-        if (s == 1 && io.grad0 && j < nz) io.grad0[(size_t)r * nz + j] = grad[j];
-    if (s == 1 && io.grad0) io.bce0[r] = bce;
+        if (s == 1 && io.probe.grad0 && j < nz) io.probe.grad0[(size_t)r * nz + j] = grad[j];
+    if (s == 1 && io.probe.grad0) io.probe.bce0[r] = bce;
     float lpxz, lp0;
     prior.log_densities(z, bce, &lpxz, &lp0);
-    const int at = io.reverse ? io.T + 1 - s : s; // the weight's step of the schedule
-    const double d_beta = io.beta[at] - io.beta[at - 1];
-    io.log_w[r] += (io.reverse ? -d_beta : d_beta) * (double)(lpxz - lp0);
+    io.log_w[r] += ais_weight_term(io, s, lpxz, lp0);
     if (s == io.T) {
         #pragma unroll
         for (int j = 0; j < ZMAX; j++)
-            if (io.z_out && j < nz) io.z_out[(size_t)r * nz + j] = z[j];
+            if (io.probe.z_out && j < nz) io.probe.z_out[(size_t)r * nz + j] = z[j];
         return;
     }
-    const float beta = (float)io.beta[io.reverse ? io.T - s : s]; // the transition's target f_beta
+    const float beta = ais_target(io, s);
     float kinetic = 0.0f;
     #pragma unroll
     for (int j = 0; j < ZMAX; j += 2) { // an odd Z's last pair draws two and keeps one
-        const float* given = io.p_start && s == 1 ? io.p_start + (size_t)r * nz + j : NULL;
+        const float* given = io.probe.p_start && s == 1 ? io.probe.p_start + (size_t)r * nz + j : NULL;
         float2 e = j >= nz ? make_float2(0.0f, 0.0f)
                    : given ? make_float2(given[0], j + 1 < nz ? given[1] : 0.0f)
-                           : gaussian_pair(io.seed, STREAM_MOMENTUM, io.first_image + image, chain,
-                                           momentum_counter(s, j, nz));
+                           : ais_momentum(io, image, chain, s, j, nz);
         if (j + 1 >= nz) e.y = 0.0f;
         p[j] = e.x;
         if (j + 1 < ZMAX) p[j + 1] = e.y;
         kinetic = fmaf(e.x, e.x, fmaf(e.y, e.y, kinetic));
     }
-    c.h0[r] = -beta * lpxz - (1.0f - beta) * lp0 + 0.5f * kinetic;
+    c.h0[r] = ais_energy(beta, lpxz, lp0, kinetic);
     c.bce0[r] = bce;
     c.store(c.z0, r, z), c.store(c.grad0, r, grad);
     const float step = io.step_out[image];
     prior.kick(p, z, grad, beta, 0.5f * step);
     c.store(c.p, r, p);
-    ais_drift(c, z_input, r, z, p, step);
+    drift_chain(c, z_input, r, z, p, step);
 }
 // A leapfrog step between two gradient evaluations: a whole kick, then the next drift.
 template <typename T, int ZMAX> __global__ void ais_leapfrog_kernel(AisIO io, AisChains c, T* z_input, int s) {
@@ -823,12 +890,12 @@ template <typename T, int ZMAX> __global__ void ais_leapfrog_kernel(AisIO io, Ai
     if (r >= io.n * io.chains) return;
     const int image = r / io.chains;
     const AisPrior<ZMAX> prior(io.mulv + (size_t)image * 2 * latents<ZMAX>(c.nz), latents<ZMAX>(c.nz));
-    const float beta = (float)io.beta[io.reverse ? io.T - s : s], step = io.step_out[image];
+    const float beta = ais_target(io, s), step = io.step_out[image];
     float z[ZMAX], grad[ZMAX], p[ZMAX];
     c.load(c.z, r, z), c.load_grad(r, grad), c.load(c.p, r, p);
     prior.kick(p, z, grad, beta, step);
     c.store(c.p, r, p);
-    ais_drift(c, z_input, r, z, p, step);
+    drift_chain(c, z_input, r, z, p, step);
 }
 // A transition's end: the last half kick, H1, and the Metropolis test; a rejected proposal returns to the start.
 template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
@@ -836,22 +903,21 @@ template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s)
     if (r >= io.n * io.chains) return;
     const int image = r / io.chains, chain = r % io.chains, nz = latents<ZMAX>(c.nz);
     const AisPrior<ZMAX> prior(io.mulv + (size_t)image * 2 * nz, nz);
-    const float beta = (float)io.beta[io.reverse ? io.T - s : s], step = io.step_out[image];
+    const float beta = ais_target(io, s), step = io.step_out[image];
     float z[ZMAX], grad[ZMAX], p[ZMAX];
     c.load(c.z, r, z), c.load_grad(r, grad), c.load(c.p, r, p);
     prior.kick(p, z, grad, beta, 0.5f * step);
-    if (io.proposal && s == io.T - 1)
+    if (io.probe.proposal && s == io.T - 1)
         UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX && j < nz; j++)
-            io.proposal[(size_t)r * 2 * nz + j] = z[j], io.proposal[((size_t)r * 2 + 1) * nz + j] = p[j];
+            io.probe.proposal[(size_t)r * 2 * nz + j] = z[j], io.probe.proposal[((size_t)r * 2 + 1) * nz + j] = p[j];
     float lpxz, lp0, kinetic = 0.0f;
     prior.log_densities(z, c.bce[r], &lpxz, &lp0);
     UNROLL_LATENTS(ZMAX)
     for (int j = 0; j < ZMAX; j++) kinetic = fmaf(p[j], p[j], kinetic);
-    const float h1 = -beta * lpxz - (1.0f - beta) * lp0 + 0.5f * kinetic;
-    const float u = uniform_open0(io.seed, STREAM_ACCEPT, io.first_image + image, chain, s);
-    const bool accept = logf(u) < c.h0[r] - h1; // false for a non-finite proposal
-    if (io.delta_h) io.delta_h[r] = c.h0[r] - h1;
+    const float h1 = ais_energy(beta, lpxz, lp0, kinetic);
+    const bool accept = ais_accept(io, image, chain, s, c.h0[r], h1);
+    if (io.probe.delta_h) io.probe.delta_h[r] = c.h0[r] - h1;
     if (!accept) { // back to the start: z, grad (fc3's backward's row) and BCE
         c.bce[r] = c.bce0[r];
         c.load(c.z0, r, z), c.load(c.grad0, r, grad);
@@ -868,9 +934,7 @@ __global__ void ais_adapt_kernel(AisIO io, AisChains c) {
     if (image >= io.n) return;
     int taken = 0;
     for (int k = 0; k < io.chains; k++) taken += c.took[(size_t)image * io.chains + k];
-    const float rate = (float)taken / io.chains, old = io.step_out[image];
-    if (io.adapt)
-        io.step_out[image] = fminf(fmaxf(old * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN), AIS_STEP_MAX);
+    io.step_out[image] = ais_adapted_step(io, io.step_out[image], taken, io.chains);
 }
 // Per image, from its C chains in order, in float64: log p(x) ~ logsumexp log w - log C (for the reverse run, whose
 // weights ais_begin_kernel accumulates with -d_beta, the upper bound -(logsumexp log w - log C)), the effective sample
@@ -1092,9 +1156,10 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
                                  back, f32, 1.0f, backward_pick);
 }
 // The plain model for up to max_batch images a forward pass and `rows` decoder rows a pass.
-static void plain_init(Plain* pl, const float* const* tensors, ModelDims dims, Precision precision, int max_batch,
-                       int rows, cudaStream_t stream) {
-    memset(pl, 0, sizeof(*pl));
+static Plain* plain_init(const float* const* tensors, ModelDims dims, Precision precision, int max_batch, int rows,
+                         cudaStream_t stream) {
+    Plain* pl = (Plain*)calloc(1, sizeof(Plain));
+    if (pl == NULL) fail("out of host memory for the plain path's state");
     pl->dims = dims, pl->precision = precision, pl->max_batch = max_batch, pl->rows = rows;
     pl->type = precision == PRECISION_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     pl->type_size = precision == PRECISION_BF16 ? sizeof(bf16) : sizeof(float);
@@ -1113,6 +1178,7 @@ static void plain_init(Plain* pl, const float* const* tensors, ModelDims dims, P
     pl->bce = (float*)device_alloc(R * sizeof(float), "the rows' BCE");
     pl->log_ratio = (float*)device_alloc(R * sizeof(float), "the rows' log-density ratios");
     pl->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon");
+    return pl;
 }
 static void plain_free(Plain* pl) {
     void* buffers[] = {pl->weights, pl->x, pl->h1, pl->mulv, pl->z, pl->z_input, pl->h3, pl->logits, pl->bce,
@@ -1129,7 +1195,7 @@ static void plain_free(Plain* pl) {
     Gemm* gemms[] = {&pl->fc1, &pl->fc2, &pl->fc3, &pl->fc4, &pl->fc4_t, &pl->fc4_backward, &pl->fc3_backward};
     for (Gemm* g : gemms) gemm_free(g);
     if (pl->lt) cublasCheck(cublasLtDestroy(pl->lt));
-    memset(pl, 0, sizeof(*pl));
+    free(pl);
 }
 // The encoder: [mu | logvar] of B images (device uint8 pixels) into pl->mulv, and h1.
 static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t stream) {
@@ -1180,6 +1246,25 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
     launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
            pixels, rows, rows_per_image);
 }
+// The forward pass and loss of B images: per-image BCE and KL into bce[B] and kl[B].
+static void plain_forward(Plain* pl, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
+                          const Probe& probe, float* bce, float* kl, cudaStream_t stream) {
+    const bool keep = probe.keep_activations;
+    plain_encode(pl, pixels, B, stream);
+    plain_sample(pl, B, 1, pl->mulv, probe.eps, first_image, opt->seed, opt->z_is_mu, keep ? pl->z : NULL, kl, NULL,
+                 stream);
+    const bool t_logits = !keep && pl->precision == PRECISION_BF16; // the tests' activations keep fp32 logits
+    plain_decode(pl, pixels, B, 1, bce, opt->want_recon ? pl->recon : NULL, t_logits, stream);
+}
+
+// --iwae's pass over `rows` rows, sample r % K of image r / K (mulv: the images' [mu | logvar]): each row's log ratio
+// and BCE.
+static void plain_iwae_pass(Plain* pl, const uint8_t* pixels, const float* mulv, const float* eps, int rows, int K,
+                            uint32_t first_image, uint64_t seed, cudaStream_t stream) {
+    plain_sample(pl, rows, K, mulv, eps, first_image, seed, false, NULL, NULL, pl->log_ratio, stream);
+    plain_decode(pl, pixels, rows, K, pl->bce, NULL, true, stream);
+}
+
 // AIS: one gradient evaluation for `rows` chains at w.z_input, a row's pixels those of image r / C: the decoder
 // forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into chains.grad, and the BCE into
 // chains.bce when `energy` (a trajectory's start and end). The L - 1 evaluations between a trajectory's ends need only
@@ -1226,11 +1311,12 @@ static AisIO ais_slice(AisIO io, int first, int n, int nz) {
     io.pixels += (size_t)first * INPUT_DIM, io.mulv += (size_t)first * 2 * nz;
     if (io.z_start) io.z_start += (size_t)first * nz;
     io.log_w += rows, io.accepted += rows, io.step_out += first;
-    if (io.z_out) io.z_out += rows * nz;
-    if (io.grad0) io.grad0 += rows * nz, io.bce0 += rows;
-    if (io.delta_h) io.delta_h += rows;
-    if (io.p_start) io.p_start += rows * nz;
-    if (io.proposal) io.proposal += rows * 2 * nz;
+    Probe& p = io.probe;
+    if (p.z_out) p.z_out += rows * nz;
+    if (p.grad0) p.grad0 += rows * nz, p.bce0 += rows;
+    if (p.delta_h) p.delta_h += rows;
+    if (p.p_start) p.p_start += rows * nz;
+    if (p.proposal) p.proposal += rows * 2 * nz;
     return io;
 }
 // The first AIS run's: both sets of buffers, the second set's stream and the events that join it to the caller's.
@@ -1276,6 +1362,1772 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
     cudaCheck(cudaEventRecord(pl->join, pl->ais[1].stream));
     cudaCheck(cudaStreamWaitEvent(stream, pl->join, 0));
 }
+
+// ---- the model's interface: one model, either engine ----------------------------------------------------------------
+static const char* PRECISION_NAMES[] = {"fp32", "bf16"};
+
+// Which engine runs the model: the plain path (cuBLASLt, every GPU) or the fused kernels (Hopper's wgmma, TMA and
+// clusters, where this binary has sm_90a code for the GPU); auto picks the fused ones wherever they run.
+typedef enum { KERNELS_AUTO, KERNELS_PLAIN, KERNELS_FUSED } Kernels;
+static const char* KERNELS_NAMES[] = {"auto", "plain", "fused"};
+
+// The model on one GPU: its weights, the engine that runs it, and views of that engine's buffers.
+struct Fused; // the Hopper engine's state: the appendix after main
+typedef struct {
+    ModelDims dims;
+    int max_batch;
+    Precision precision;
+    cudaStream_t stream;
+    float* params;                    // one device allocation holding the fp32 tensors below
+    const float* tensor[NUM_TENSORS]; // file order; fc22's rows and bias follow fc21's: one layer yields [mu | logvar]
+    Plain* plain;                     // the engine: exactly one of the two
+    Fused* fused;
+    // fp32 activations for up to max_batch images, [image][feature] (h1, h3: fp32 runs only)
+    float *h1, *mulv, *z, *h3, *logits, *recon;
+    // per decoder row (decoder_rows; --iwae's K an image): log p(z) - log q(z|x), and its BCE in column blocks' parts
+    int decoder_rows, bce_parts_per_row;
+    float *row_log_ratio, *bce_parts;
+    float2* lse_partials; // the logsumexp's (max, sum) per chunk of LSE_CHUNK rows: 2 decoder_rows / LSE_CHUNK at most
+    Probe probe;          // the tests' hooks, zero in the program
+} VAE;
+
+// The Hopper engine's entry points (defined in the appendix). fused_init makes its state and points m's views at it.
+static size_t fused_smem_bytes();
+static bool gpu_has_wgmma();
+static Fused* fused_init(VAE* m);
+static void fused_free(Fused* f);
+static void fused_encode(Fused* f, const uint8_t* pixels, int B);
+static void fused_decode(Fused* f, const float* z, int B);
+static void fused_forward(Fused* f, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
+                          const Probe& probe, float* bce, float* kl);
+static void fused_iwae_pass(Fused* f, const uint8_t* pixels, const float* mulv, const float* eps, int rows, int K,
+                            uint32_t first_image, uint64_t seed);
+static int fused_ais_images(const Fused* f, int C);
+enum { FUSED_AIS_CHAINS = 128 }; // the most chains an image the fused AIS kernel holds (its AIS_ROWS)
+static void fused_ais(Fused* f, const AisIO& io);
+
+// Whether `kernels` can serve a model of size dims: the fused kernels are built for the published size only.
+static bool kernels_fit(Kernels kernels, ModelDims dims, Error* err) {
+    if (kernels != KERNELS_FUSED || is_published(dims)) return true;
+    return set_error(err, "--kernels fused: the fused kernels are built for the 784-400-20-400 model; this one is "
+                     "784-%d-%d-%d. HINT: --kernels plain (or auto) runs every size", dims.h1, dims.z, dims.h3);
+}
+
+// The engine for a model of size dims on a GPU of compute capability major.minor with smem_optin bytes of shared memory
+// a block, fused_code: whether this binary has the fused kernels' sm_90a code. `kernels` as asked, auto the fused
+// kernels where they can run, else the plain path; false, with the reason, where asked-for fused kernels cannot run.
+static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, size_t smem_optin, bool fused_code,
+                        bool* fused, Error* err) {
+    if (!kernels_fit(kernels, dims, err)) return false;
+    const bool can = fused_code && major == 9 && smem_optin >= fused_smem_bytes() && is_published(dims);
+    if (kernels == KERNELS_FUSED && !can)
+        return set_error(err, "--kernels fused: the fused kernels need an sm_90 GPU (H100, H200) and a binary with "
+                         "sm_90a code; this is sm_%d%d%s. HINT: --kernels plain (or auto) runs every mode on any GPU",
+                         major, minor, major == 9 ? " without that code (rebuild: make clean && make vae)" : "");
+    *fused = can && kernels != KERNELS_PLAIN;
+    return true;
+}
+
+static int gpu_attribute(cudaDeviceAttr attribute) {
+    int device, value;
+    cudaCheck(cudaGetDevice(&device));
+    cudaCheck(cudaDeviceGetAttribute(&value, attribute, device));
+    return value;
+}
+
+// Whether the fused kernels run for `kernels` on this GPU and a model of size dims (auto: whether they can).
+static bool use_fused(Kernels kernels, ModelDims dims) {
+    const int major = gpu_attribute(cudaDevAttrComputeCapabilityMajor);
+    const int minor = gpu_attribute(cudaDevAttrComputeCapabilityMinor);
+    const int smem = gpu_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+    const bool fused_code = kernels != KERNELS_PLAIN && is_published(dims) && gpu_has_wgmma();
+    bool fused = false;
+    Error err;
+    if (!pick_engine(kernels, dims, major, minor, (size_t)smem, fused_code, &fused, &err)) fail("%s", err.msg);
+    return fused;
+}
+
+// The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a row in fp32 for
+// H3 = 400 (fc3's input, h3, the logits), ~20 KB for 4,096.
+enum { PLAIN_DECODER_ROWS = 1 << 18 };
+
+// max_batch: images a forward pass, and --iwae's most samples per image. decoder_rows: rows a --iwae decoder pass (at
+// least max_batch). A fused row costs at most 172 bytes (fp32's z row, BCE parts, log ratio) and no activations, so its
+// passes run far longer; the plain path keeps a row's h3 and logits: at most PLAIN_DECODER_ROWS (or max_batch).
+static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
+                     int decoder_rows = 0) {
+    memset(m, 0, sizeof(*m));
+    m->dims = w->dims, m->max_batch = max_batch, m->precision = precision;
+    cudaCheck(cudaStreamCreate(&m->stream));
+    // device layout: fc1.w fc1.b | fc21.w fc22.w | fc21.b fc22.b | fc3.w fc3.b fc4.w fc4.b
+    const int order[NUM_TENSORS] = {FC1_W, FC1_B, FC21_W, FC22_W, FC21_B, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B};
+    float* at = m->params = (float*)device_alloc(w->count * sizeof(float), "the weights");
+    for (int t : order) {
+        cudaCheck(cudaMemcpy(at, w->tensor[t], w->size[t] * sizeof(float), cudaMemcpyHostToDevice));
+        m->tensor[t] = at, at += w->size[t];
+    }
+    if (use_fused(kernels, m->dims)) {
+        m->decoder_rows = std::max(decoder_rows, max_batch);
+        m->fused = fused_init(m);
+    } else {
+        const int rows = std::max(std::min(decoder_rows, (int)PLAIN_DECODER_ROWS), max_batch);
+        Plain* pl = m->plain = plain_init(m->tensor, m->dims, precision, max_batch, rows, m->stream);
+        m->mulv = pl->mulv, m->z = pl->z, m->logits = pl->logits, m->recon = pl->recon;
+        m->decoder_rows = rows, m->bce_parts = pl->bce, m->bce_parts_per_row = 1, m->row_log_ratio = pl->log_ratio;
+        if (precision == PRECISION_FP32) m->h1 = (float*)pl->h1, m->h3 = (float*)pl->h3;
+    }
+    // K > LSE_CHUNK samples an image: decoder_rows / K images of at most 2 K / LSE_CHUNK chunks
+    m->lse_partials = (float2*)device_alloc((2 * (size_t)m->decoder_rows / LSE_CHUNK + 1) * sizeof(float2),
+                                            "the logsumexp's partials");
+    cudaCheck(cudaStreamSynchronize(m->stream));
+}
+
+static void vae_free(VAE* m) {
+    if (m->fused) fused_free(m->fused);
+    if (m->plain) plain_free(m->plain);
+    cudaCheck(cudaFree(m->lse_partials)), cudaCheck(cudaFree(m->params));
+    cudaCheck(cudaStreamDestroy(m->stream));
+    memset(m, 0, sizeof(*m));
+}
+
+// mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
+static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
+    if (m->fused) return fused_encode(m->fused, pixels, B);
+    plain_encode(m->plain, pixels, B, m->stream);
+}
+
+// recon = the decoder's images of B latents given in fp32 (a device pointer), in the model's precision.
+static void vae_decode(VAE* m, const float* z, int B) {
+    if (m->fused) return fused_decode(m->fused, z, B);
+    plain_set_z(m->plain, z, B, m->stream);
+    plain_decode(m->plain, NULL, B, 1, NULL, m->recon, false, m->stream);
+}
+
+// Decodes rows first_row .. first_row + rows - 1 of the interpolations between pairs of images (row r: step r % steps
+// of pair r / steps; the pairs index the images' [mu | logvar] rows in m->mulv) into m->recon.
+static void vae_decode_interpolations(VAE* m, const int2* d_pairs, long long first_row, int rows, int steps) {
+    launch(interp_latents_kernel, (long long)rows * m->dims.z, 256, 256, m->stream, m->z, m->mulv, d_pairs, first_row,
+           rows, steps, m->dims.z);
+    vae_decode(m, m->z, rows);
+}
+
+// The whole forward pass and loss of images first_image .. first_image+B-1 (device uint8 pixels), in the model's
+// precision: per-image BCE and KL into device bce[B], kl[B]. Asynchronous on m->stream; nothing is allocated or copied.
+static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
+                        float* bce, float* kl) {
+    if (B < 1 || B > m->max_batch) fail("internal: batch %d outside 1..%d", B, m->max_batch);
+    if (m->fused) return fused_forward(m->fused, pixels, B, first_image, opt, m->probe, bce, kl);
+    plain_forward(m->plain, pixels, B, first_image, opt, m->probe, bce, kl, m->stream);
+}
+
+static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
+
+// Importance-weighted log p(x) of n images from first_image (device uint8 pixels), K samples each, into device
+// log_px[n], in the model's precision: the encoder once per image, the n x K decoder rows in passes of as many images
+// as m->decoder_rows hold, each pass's rows scored by the engine, then their logsumexp. Asynchronous.
+static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
+                     float* log_px) {
+    if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
+    const int images_per_pass = vae_iwae_images_per_pass(m, K);
+    // The encoder runs over as many images as m->mulv holds: a pass's few (13 at K = 5000) would not fill the GPU.
+    for (int group = 0; group < n; group += m->max_batch) {
+        const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
+        vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
+        for (int first = group; first < group + group_size; first += images_per_pass) {
+            const int images = std::min(group + group_size - first, images_per_pass), rows = images * K;
+            const uint32_t image = first_image + (uint32_t)first;
+            const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
+            const float* mulv = m->mulv + (size_t)(first - group) * 2 * m->dims.z;
+            const float* eps = m->probe.eps ? m->probe.eps + (size_t)first * K * m->dims.z : NULL;
+            if (m->fused) fused_iwae_pass(m->fused, x, mulv, eps, rows, K, image, seed);
+            else plain_iwae_pass(m->plain, x, mulv, eps, rows, K, image, seed, m->stream);
+            const int chunks = ceil_div(K, LSE_CHUNK);
+            launch(iwae_logsumexp_kernel, (long long)images * chunks, 1, LSE_THREADS, m->stream, log_px + first,
+                   m->lse_partials, m->bce_parts, m->bce_parts_per_row, m->row_log_ratio, K);
+            if (chunks > 1)
+                launch(iwae_merge_kernel, images, 128, 128, m->stream, log_px + first, m->lse_partials, images, K);
+        }
+    }
+}
+
+// The AIS schedule b_0 .. b_T: Wu et al.'s sigmoid schedule, s(t) = sigmoid(4 (2t / T - 1)) scaled
+// to b_0 = 0, b_T = 1 (dense at both ends, where f_b changes fastest per step).
+static void ais_schedule(double* beta, int T) {
+    const double s0 = 1.0 / (1.0 + exp(4.0)), s1 = 1.0 / (1.0 + exp(-4.0));
+    for (int t = 0; t <= T; t++) beta[t] = (1.0 / (1.0 + exp(-4.0 * (2.0 * t / T - 1.0))) - s0) / (s1 - s0);
+    beta[0] = 0.0, beta[T] = 1.0;
+}
+
+// Images one vae_ais call takes at a time (at most max_batch): a round of the fused kernel's clusters (none without
+// sm_90a code), or two sets of the plain path's PLAIN_AIS_ROWS chains.
+static int vae_ais_round(const VAE* m, int C) {
+    const int round = m->fused ? fused_ais_images(m->fused, C) : 2 * (PLAIN_AIS_ROWS / C);
+    return round < m->max_batch ? round : m->max_batch;
+}
+
+static void require_ais(const VAE* m) {
+    if (vae_ais_round(m, 1) == 0)
+        fail("AIS runs on Hopper GPUs (sm_90) only: its kernel uses thread block clusters. HINT: run --ais on an "
+             "H100 or H200 with a binary built for sm_90a (make vae does that there)");
+}
+
+// AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder, or N(0, I) when
+// from_prior; the caller fills in the rest of io (the schedule, the outputs, the reverse run's z_start). Asynchronous.
+static void vae_ais(VAE* m, AisIO io, bool from_prior) {
+    require_ais(m);
+    if (io.n < 1 || io.n > m->max_batch) fail("internal: %d AIS images outside 1..%d", io.n, m->max_batch);
+    if (from_prior) cudaCheck(cudaMemsetAsync(m->mulv, 0, (size_t)io.n * 2 * m->dims.z * sizeof(float), m->stream));
+    else vae_encode(m, io.pixels, io.n);
+    io.mulv = m->mulv, io.probe = m->probe;
+    if (m->fused) return fused_ais(m->fused, io);
+    plain_ais(m->plain, io, m->stream);
+}
+
+// ---- file formats: the weights file written by prepare_weights.py, MNIST idx files, PGM images ----------------------
+// A malloc'd copy of `count` values at src into *out, or the error (`name` names the file).
+template <typename T> static bool host_copy(T** out, const void* src, size_t count, const char* name, Error* err) {
+    *out = (T*)malloc(count * sizeof(T));
+    if (*out == NULL) return set_error(err, "%s: out of host memory", name);
+    memcpy(*out, src, count * sizeof(T));
+    return true;
+}
+// Validates a weights file held in memory and copies its tensors out. `name` is used in messages.
+static bool parse_weights(const uint8_t* buf, size_t size, const char* name, HostWeights* w, Error* err) {
+    const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
+    if (size < header_bytes)
+        return set_error(err, "%s: %zu bytes, shorter than the %zu-byte header. " WEIGHTS_HINT, name, size,
+                         header_bytes);
+    int32_t magic = read_le32(buf), version = read_le32(buf + 4);
+    if (magic != WEIGHTS_MAGIC)
+        return set_error(err, "%s: bad magic 0x%08x, not a vae.cu weights file. " CHECKPOINT_HINT, name,
+                         (unsigned)magic);
+    if (version != WEIGHTS_VERSION)
+        return set_error(err, "%s: version %d, this program reads version %d. " WEIGHTS_HINT, name, version,
+                         WEIGHTS_VERSION);
+    // the sizes: input, fc1's hidden units, the latents, fc3's hidden units (header[8])
+    const int32_t in = read_le32(buf + 8);
+    const ModelDims dims = {read_le32(buf + 12), read_le32(buf + 16), read_le32(buf + 32)};
+    if (in != INPUT_DIM || dims.h1 < 1 || dims.h1 > MAX_HIDDEN || dims.z < 1 || dims.z > MAX_LATENT || dims.h3 < 1 ||
+        dims.h3 > MAX_HIDDEN)
+        return set_error(err, "%s: a %d-%d-%d-%d VAE; vae.cu evaluates 784-H1-Z-H3 with H1 and H3 in 1..%d and Z in "
+                         "1..%d. " CHECKPOINT_HINT, name, in, dims.h1, dims.z, dims.h3, MAX_HIDDEN, MAX_LATENT);
+    int32_t dtype = read_le32(buf + 20), num_tensors = read_le32(buf + 24), total = read_le32(buf + 28);
+    size_t expected = 0;
+    for (int i = 0; i < NUM_TENSORS; i++) expected += tensor_size(dims, i);
+    if (dtype != DTYPE_FLOAT32 || num_tensors != NUM_TENSORS || total < 0 || (size_t)total != expected)
+        return set_error(err, "%s: header says dtype %d, %d tensors, %d floats; expected dtype %d, %d tensors, %zu "
+                         "floats. " WEIGHTS_HINT, name, dtype, num_tensors, total, DTYPE_FLOAT32, NUM_TENSORS,
+                         expected);
+    if (size != header_bytes + expected * sizeof(float))
+        return set_error(err, "%s: %zu bytes, the header promises %zu (truncated or padded). " WEIGHTS_HINT, name, size,
+                         header_bytes + expected * sizeof(float));
+    w->count = expected, w->dims = dims;
+    if (!host_copy(&w->data, buf + header_bytes, expected, name, err)) return false;
+    for (int t = 0; t < NUM_TENSORS; t++) {
+        w->size[t] = tensor_size(dims, t), w->tensor[t] = t == 0 ? w->data : w->tensor[t - 1] + w->size[t - 1];
+        for (size_t i = 0; i < w->size[t]; i++)
+            if (!isfinite(w->tensor[t][i])) {
+                set_error(err, "%s: %s[%zu] is %f; the weights must be finite. " WEIGHTS_HINT, name, TENSOR_NAMES[t], i,
+                          w->tensor[t][i]);
+                free(w->data), w->data = NULL;
+                return false;
+            }
+    }
+    return true;
+}
+typedef struct { int count; uint8_t* pixels; } Images; // pixels: [count][784], row-major 28x28 per image
+typedef struct { int count; uint8_t* labels; } Labels; // labels: [count], 0..9
+// idx format: big-endian magic 0x0000 08 NN (unsigned bytes, NN dims), NN big-endian sizes, data.
+static bool parse_idx_images(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
+    if (size < 16)
+        return set_error(err, "%s: %zu bytes, shorter than the 16-byte idx3 header. " PREPARE_HINT, name, size);
+    uint32_t magic = read_be32(buf), count = read_be32(buf + 4), rows = read_be32(buf + 8), cols = read_be32(buf + 12);
+    if (magic != 0x00000803)
+        return set_error(err, "%s: magic 0x%08x, expected 0x00000803 (idx3 unsigned bytes). " PREPARE_HINT, name,
+                         magic);
+    if (rows != IMAGE_SIDE || cols != IMAGE_SIDE)
+        return set_error(err, "%s: images are %ux%u, the model takes %dx%d. " PREPARE_HINT, name, rows, cols,
+                         IMAGE_SIDE, IMAGE_SIDE);
+    if (count == 0 || count > INT32_MAX)
+        return set_error(err, "%s: header claims %u images. " PREPARE_HINT, name, count);
+    size_t expected = 16 + (size_t)count * INPUT_DIM; // count < 2^31, so no overflow in 64 bits
+    if (size != expected)
+        return set_error(err, "%s: header claims %u images (%zu bytes) but the file holds %zu bytes. " PREPARE_HINT,
+                         name, count, expected, size);
+    out->count = (int)count;
+    return host_copy(&out->pixels, buf + 16, expected - 16, name, err);
+}
+static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, Labels* out, Error* err) {
+    if (size < 8)
+        return set_error(err, "%s: %zu bytes, shorter than the 8-byte idx1 header. " PREPARE_HINT, name, size);
+    uint32_t magic = read_be32(buf), count = read_be32(buf + 4);
+    if (magic != 0x00000801)
+        return set_error(err, "%s: magic 0x%08x, expected 0x00000801 (idx1 unsigned bytes). " PREPARE_HINT, name,
+                         magic);
+    if (count == 0 || count > INT32_MAX || size != 8 + (size_t)count)
+        return set_error(err, "%s: header claims %u labels but the file holds %zu. " PREPARE_HINT, name, count,
+                         size - 8);
+    for (uint32_t i = 0; i < count; i++)
+        if (buf[8 + i] > 9)
+            return set_error(err, "%s: label %u is %d, not a digit. " PREPARE_HINT, name, i, buf[8 + i]);
+    out->count = (int)count;
+    return host_copy(&out->labels, buf + 8, count, name, err);
+}
+// Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII), then width, height and
+// maxval (1..65535) as decimal numbers separated by whitespace, where '#' starts a comment to the end of its line; then
+// width x height samples, row by row: in P5 after exactly one whitespace byte, one byte each (two, big-endian, when
+// maxval > 255); in P2 as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
+#define PGM_HINT \
+    "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
+// The next header number at *pos, after whitespace and comments; at most `max`.
+static bool pgm_number(const uint8_t* buf, size_t size, size_t* pos, uint32_t max, uint32_t* out) {
+    size_t p = *pos;
+    while (p < size && (isspace(buf[p]) || buf[p] == '#'))
+        if (buf[p++] == '#')
+            while (p < size && buf[p] != '\n' && buf[p] != '\r') p++;
+    if (p == size || !isdigit(buf[p])) return false;
+    uint64_t v = 0;
+    while (p < size && isdigit(buf[p]) && v <= max) v = v * 10 + (buf[p++] - '0');
+    if (v > max || (p < size && !isspace(buf[p]) && buf[p] != '#')) return false;
+    *pos = p, *out = (uint32_t)v;
+    return true;
+}
+static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
+    if (size < 2 || buf[0] != 'P' || (buf[1] != '5' && buf[1] != '2'))
+        return set_error(err, "%s: not a PGM greymap (P5 or P2). " PGM_HINT, name);
+    const bool ascii = buf[1] == '2';
+    size_t pos = 2;
+    uint32_t width, height, maxval;
+    if (!pgm_number(buf, size, &pos, 1u << 20, &width) || !pgm_number(buf, size, &pos, 1u << 20, &height) ||
+        !pgm_number(buf, size, &pos, 65535, &maxval) || maxval == 0)
+        return set_error(err, "%s: the PGM header (width, height, maxval 1..65535) is malformed. " PGM_HINT, name);
+    if (width != IMAGE_SIDE || height != IMAGE_SIDE)
+        return set_error(err, "%s: a %ux%u image; the model takes %dx%d. " PGM_HINT, name, width, height, IMAGE_SIDE,
+                         IMAGE_SIDE);
+    uint8_t pixels[INPUT_DIM];
+    const size_t bytes_per_sample = maxval > 255 ? 2 : 1;
+    if (!ascii) {
+        if (pos == size || !isspace(buf[pos]) || size - pos - 1 < INPUT_DIM * bytes_per_sample)
+            return set_error(err, "%s: truncated: %zu bytes of samples, a 28x28 image needs %zu. " PGM_HINT, name,
+                             pos == size ? 0 : size - pos - 1, INPUT_DIM * bytes_per_sample);
+        pos++; // the single whitespace byte that ends the header
+    }
+    for (int i = 0; i < INPUT_DIM; i++) {
+        uint32_t v;
+        if (ascii) {
+            if (!pgm_number(buf, size, &pos, maxval, &v))
+                return set_error(err, "%s: sample %d is missing or above maxval %u. " PGM_HINT, name, i, maxval);
+        } else {
+            v = bytes_per_sample == 2 ? (uint32_t)buf[pos] << 8 | buf[pos + 1] : buf[pos];
+            pos += bytes_per_sample;
+            if (v > maxval)
+                return set_error(err, "%s: sample %d is %u, above maxval %u. " PGM_HINT, name, i, v, maxval);
+        }
+        pixels[i] = (uint8_t)((v * 255 + maxval / 2) / maxval);
+    }
+    for (; pos < size; pos++) // a trailing newline is common; anything else is not one 28x28 image
+        if (!isspace(buf[pos]))
+            return set_error(err, "%s: %zu bytes after the 28x28 image. HINT: pass one image per file", name,
+                             size - pos);
+    out->count = 1;
+    return host_copy(&out->pixels, pixels, INPUT_DIM, name, err);
+}
+// Reads a whole file and hands it to one of the parsers above, which never touch the disk.
+template <typename T>
+static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, const char*, T*, Error*), T* out,
+                      Error* err, const char* missing_hint = PREPARE_HINT) {
+    uint8_t* buf = NULL;
+    size_t size = 0;
+    if (!read_file(path, &buf, &size, err, missing_hint)) return false;
+    bool ok = parse(buf, size, path, out, err);
+    free(buf);
+    return ok;
+}
+
+// ---- image output ---------------------------------------------------------------------------------------------------
+// Writes tiles (each 28x28 floats in [0,1]) as a rows x cols grid into a binary PPM (P6), white digits on black, tiles
+// separated by a 1-pixel grey border. The file reaches `path` at outputs_commit(); `what` describes it there.
+static bool write_ppm_grid(const char* path, const char* what, const float* tiles, int rows, int cols, Error* err) {
+    const int cell = IMAGE_SIDE + 1, width = cols * cell + 1, height = rows * cell + 1;
+    uint8_t* rgb = (uint8_t*)malloc((size_t)width * height * 3);
+    if (rgb == NULL) return set_error(err, "%s: out of host memory", path);
+    memset(rgb, 96, (size_t)width * height * 3);
+    for (int t = 0; t < rows * cols; t++) {
+        const int x0 = (t % cols) * cell + 1, y0 = (t / cols) * cell + 1;
+        for (int y = 0; y < IMAGE_SIDE; y++)
+            for (int x = 0; x < IMAGE_SIDE; x++) {
+                const float v = fminf(fmaxf(tiles[(size_t)t * INPUT_DIM + y * IMAGE_SIDE + x], 0.0f), 1.0f);
+                uint8_t* px = rgb + ((size_t)(y0 + y) * width + x0 + x) * 3;
+                px[0] = px[1] = px[2] = (uint8_t)lrintf(v * 255.0f);
+            }
+    }
+    FILE* f = output_open(path, what);
+    bool ok = f != NULL && fprintf(f, "P6\n%d %d\n255\n", width, height) > 0 &&
+              fwrite(rgb, 3, (size_t)width * height, f) == (size_t)width * height;
+    if (f != NULL && fclose(f) != 0) ok = false;
+    const int saved_errno = errno;
+    free(rgb);
+    return ok || set_error(err, "%s: cannot write (%s). HINT: pass -o with a writable folder", path,
+                           strerror(saved_errno));
+}
+
+// ---- command line ---------------------------------------------------------------------------------------------------
+#define VAE_VERSION "1.0"
+#ifndef VAE_GIT_COMMIT // the Makefile passes the checkout's commit
+#define VAE_GIT_COMMIT "unknown"
+#endif
+// The GPUs vae.cu runs on: the plain path (cuBLASLt and kernels that need no more than 48 KB of shared
+// memory) from sm_75 on (T4, RTX 20xx and later); bf16 needs sm_80's bf16 tensor cores.
+static bool gpu_supported(const char* name, int major, int minor, Precision precision, Error* err) {
+    if (major * 10 + minor < 75)
+        return set_error(err, "%s has compute capability %d.%d; vae.cu needs 7.5 or newer (T4, RTX 20xx and later). "
+                         "HINT: run on a newer NVIDIA GPU", name, major, minor);
+    if (precision == PRECISION_BF16 && major < 8)
+        return set_error(err, "%s (sm_%d%d) has no bf16 tensor cores; --precision bf16 needs sm_80 or newer. HINT: "
+                         "--precision fp32", name, major, minor);
+    return true;
+}
+// The refusal where CUDA finds no GPU (`status` from cudaGetDeviceCount, the driver's and this build's runtime's CUDA
+// versions as 1000 major + 10 minor; driver 0: no driver installed), in words a user can act on.
+static bool no_gpu_error(cudaError_t status, int driver, int runtime, Error* err) {
+    const char* lead = "no CUDA device available";
+    if (driver == 0)
+        return set_error(err, "%s: this machine has no NVIDIA driver (libcuda.so.1 was not found). HINT: run on a "
+                         "machine with an NVIDIA GPU and its driver installed (nvidia-smi then lists the GPU)", lead);
+    if (status == cudaErrorInsufficientDriver || driver < runtime)
+        return set_error(err, "%s: the NVIDIA driver supports CUDA up to %d.%d; this vae was built with CUDA %d.%d. "
+                         "HINT: update the NVIDIA driver, or rebuild with a CUDA toolkit of %d.%d or older", lead,
+                         driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10, driver / 1000,
+                         driver % 1000 / 10);
+    return set_error(err, "%s (%s). HINT: run on a machine with an NVIDIA GPU (nvidia-smi lists the GPUs its driver "
+                     "sees)", lead, status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
+}
+
+typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP, MODE_AIS, MODE_BDMC } Mode;
+static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bdmc"};
+// device_alloc's hint for the run's mode: the ELBO's batch is -b; the other modes' buffers have a fixed size.
+static void set_out_of_memory_hint(Mode mode, int batch) {
+    const char* fixed_size = "this mode's buffers have a fixed size: free the GPU's memory (nvidia-smi lists the "
+                             "processes that hold it) or choose another GPU with --devices";
+    if (mode == MODE_ELBO) snprintf(out_of_memory_hint, sizeof(out_of_memory_hint), "use a -b below %d", batch);
+    else snprintf(out_of_memory_hint, sizeof(out_of_memory_hint), "%s",
+                  mode == MODE_BENCH ? "pass smaller --bench-batches" : fixed_size);
+}
+// Every option: long name, short letter (0: none), whether it takes a value.
+enum Option {
+    OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
+    OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_AIS, OPT_CHAINS, OPT_LEAPFROG,
+    OPT_AIS_INIT, OPT_AIS_IWAE, OPT_BDMC, OPT_KERNELS, OPT_SHARD, OPT_DEVICES, OPT_VERSION, OPT_HELP, NUM_OPTIONS
+};
+static const struct {
+    const char* name;
+    char letter;
+    bool takes_value;
+} OPTIONS[NUM_OPTIONS] = {
+    {"weights", 'w', true}, {"data", 'd', true},         {"image", 0, true},          {"invert", 0, false},
+    {"count", 'n', true},   {"batch-size", 'b', true},   {"seed", 's', true},         {"zmu", 0, false},
+    {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
+    {"iwae", 0, true},      {"bench", 0, false},         {"bench-batches", 0, true},  {"interp", 0, true},
+    {"ais", 0, true},       {"chains", 0, true},         {"leapfrog", 0, true},       {"ais-init", 0, true},
+    {"ais-iwae", 0, false}, {"bdmc", 0, true},           {"kernels", 0, true},        {"shard", 0, true},
+    {"devices", 0, true},   {"version", 0, false},       {"help", 'h', false},
+};
+#define OPT_BIT(o) (1u << (o))
+// The options each mode reads; any other one given with it is refused rather than ignored. O(X) is OPT_X's bit; every
+// mode reads the weights, --precision, --devices and -q (and --kernels: parse_args).
+#define O(name) OPT_BIT(OPT_##name)
+constexpr unsigned COMMON = O(WEIGHTS) | O(PRECISION) | O(DEVICES) | O(QUIET);
+constexpr unsigned IMAGES = O(DATA) | O(IMAGE) | O(INVERT) | O(COUNT);
+constexpr unsigned AIS_RUN = O(AIS) | O(CHAINS) | O(LEAPFROG) | O(AIS_INIT) | O(SEED);
+static const unsigned MODE_OPTIONS[] = {
+    COMMON | IMAGES | O(BATCH) | O(SEED) | O(ZMU) | O(OUT) | O(CSV) | O(SHARD), // elbo: the evaluation, images, CSV
+    // iwae: sizes its own passes (no -b), writes no images (no -o), samples z (no --zmu)
+    COMMON | IMAGES | O(SEED) | O(CSV) | O(IWAE) | O(SHARD),
+    // bench: times the test set's first images; prints its table, writes nothing
+    COMMON | O(DATA) | O(COUNT) | O(SEED) | O(ZMU) | O(BENCH) | O(BENCH_BATCHES),
+    COMMON | O(DATA) | O(OUT) | O(INTERP), // interp: decodes latent means (no noise), writes interp.ppm
+    // ais: the chains sample their own z (no --zmu) in launches it sizes (no -b), writes no images
+    COMMON | IMAGES | O(CSV) | AIS_RUN | O(AIS_IWAE) | O(SHARD),
+    COMMON | AIS_RUN | O(BDMC), // bdmc: simulates its own images (no inputs but the weights)
+};
+#undef O
+enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16, MAX_DEVICES = 64 };
+typedef struct {
+    Mode mode;
+    const char *weights_path, *data_dir;
+    const char* image_paths[MAX_IMAGE_FILES]; // --image: evaluated instead of the test set
+    int num_image_files;
+    bool invert;
+    const char *out_dir, *csv_path; // csv_path NULL: no per-image CSV; "-": standard output
+    int batch, count;               // count: images to evaluate; 0 = all
+    uint64_t seed;
+    bool z_is_mu;
+    Precision precision;
+    Kernels kernels;
+    bool quiet;
+    int iwae_k, interp_n; // --iwae: samples per image; --interp: images whose every pair is interpolated
+    int ais_t, chains, leapfrog; // --ais: intermediate distributions, chains per image, leapfrog steps
+    bool ais_from_prior;         // --ais-init prior: p0 = N(0, I) instead of q(z|x)
+    bool ais_iwae;               // --ais-iwae: also IWAE with as many decoder evaluations as AIS made
+    int bdmc_n;                  // --bdmc: simulated images
+    int shard, num_shards;       // --shard K/N: block K of N of the images (N = 0: all of them)
+    int devices[MAX_DEVICES], num_devices; // --devices: the GPUs the run spreads over (0: GPU 0 alone)
+    bool all_devices;                      // --devices all: every GPU of the machine (main lists them)
+    int bench_batches[MAX_BENCH_BATCHES], num_bench_batches;
+    bool help, version;
+    unsigned given;                 // OPT_BIT of every option on the command line
+    char flag[NUM_OPTIONS][24];     // each as it was spelled there ("-b" or "--batch-size"), for messages
+} Config;
+static const char* USAGE =
+    "usage: vae [options]\n"
+    "Evaluates the pretrained MNIST VAE on the test set (mean BCE, KL, loss = BCE + KL) and writes\n"
+    "recon.ppm, samples.ppm and interp.ppm. Values go as '-b 64', '--batch-size 64' or '--batch-size=64';\n"
+    "'--' ends the options.\n"
+    "inputs\n"
+    "  -w, --weights FILE   weights file (default data/vae_weights.bin)\n"
+    "  -d, --data DIR       folder with t10k-images-idx3-ubyte, or .gz as MNIST ships it (default data);\n"
+    "                       t10k-labels-idx1-ubyte[.gz] beside it is optional (label -1 without it)\n"
+    "      --image FILE     instead of the test set: a 28x28 PGM (P5 or P2), a white digit on black as\n"
+    "                       in MNIST; repeat for more; each is printed with its losses\n"
+    "      --invert         the --image files are black on white\n"
+    "  -n, --count N        evaluate the first N images, 1 or more (default all)\n"
+    "      --shard K/N      of those, the K-th of N contiguous blocks (K = 0..N-1), for a cluster's array\n"
+    "                       jobs: --csv rows keep their index among all; no pictures\n"
+    "evaluation\n"
+    "  -b, --batch-size N   images per forward pass, 1..1048576 (default 4096)\n"
+    "  -s, --seed N         seed of the noise eps, 0..2^64-1 (default 0)\n"
+    "      --zmu            use z = mu instead of sampling z\n"
+    "      --precision P    fp32: exact, within 1e-5 of float64 (default); bf16: 2-3x faster, within ~1e-2\n"
+    "                       (bf16 needs sm_80 or newer)\n"
+    "      --kernels K      auto (default): the fused kernels where they run (H100, H200), else plain;\n"
+    "                       plain: cuBLASLt and short kernels, any GPU from sm_75; fused: Hopper's\n"
+    "                       wgmma, TMA and cluster kernels (sm_90 with a binary built for sm_90a)\n"
+    "      --devices L      the GPUs to spread the images over: all, or a list like 0,1 (default 0);\n"
+    "                       on GPUs of one model the results are one GPU's, byte for byte;\n"
+    "                       --bench times the first GPU only\n"
+    "outputs\n"
+    "  -o, --out DIR        folder for the images (default out; made with its parents if missing)\n"
+    "      --csv FILE       also write per-image results (index,label,bce,kl[,log_px]) after a '#' line\n"
+    "                       naming the run; '-' writes them to stdout and the summary to stderr\n"
+    "  -q, --quiet          results and errors only: no start-up table, progress or 'wrote' lines\n"
+    "other runs, instead of the evaluation\n"
+    "      --iwae K         importance-weighted log p(x), K samples per image (1..65536): mean NLL, its\n"
+    "                       standard error, time, beside the ELBO; --csv adds per-image log p(x)\n"
+    "      --bench          time forward+loss per batch size (latency and throughput), in both\n"
+    "                       precisions or the one --precision names, on both engines where both run\n"
+    "                       (or the one --kernels names)\n"
+    "      --bench-batches L  --bench's batch sizes, comma-separated (default 1024,2048,4096,10000)\n"
+    "      --interp N       every pair of the first N test images (2..1000), 11 steps each, decoded\n"
+    "                       batched and one pair per call: both times; the first pairs in interp.ppm\n"
+    "      --ais T          log p(x) by annealed importance sampling over T distributions (1..100000), HMC\n"
+    "                       in the latent space: mean NLL, acceptance, time, beside the ELBO;\n"
+    "                       --csv writes index,label,log_px,ess,acceptance\n"
+    "      --chains C       --ais: chains per image (1..256, default 16; above 128 on the plain path)\n"
+    "      --leapfrog L     --ais: leapfrog steps per HMC transition (1..1000, default 10; 1 is MALA)\n"
+    "      --ais-init P     --ais: start from q (the encoder's q(z|x), default) or prior (N(0, I))\n"
+    "      --ais-iwae       --ais: also IWAE with as many decoder evaluations, between the ELBO and AIS\n"
+    "                       (at the defaults K = 159,856 samples an image: about as long as AIS)\n"
+    "      --bdmc N         with --ais T: N simulated images (z ~ p(z), x ~ p(x|z), binary), forward AIS\n"
+    "                       (a lower bound of log p(x)) and reverse AIS from the true z (an upper bound)\n"
+    "      --version        version, commit, CUDA runtime and driver\n"
+    "  -h, --help           this help\n";
+// A whole number in min..max. Digits only: "0x10", "1e3", " 5" and "+5" are refused.
+static bool parse_number(const char* flag, const char* text, unsigned long long min, unsigned long long max,
+                         unsigned long long* out, Error* err) {
+    if (text == NULL || text[0] == '\0')
+        return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
+    const char* digits = text[0] == '-' ? text + 1 : text;
+    bool whole = digits[0] != '\0';
+    for (const char* p = digits; *p != '\0'; p++) whole = whole && isdigit((unsigned char)*p);
+    if (!whole) return set_error(err, "%s '%s' is not a whole number. HINT: vae -h lists the options", flag, text);
+    errno = 0;
+    const unsigned long long v = strtoull(digits, NULL, 10);
+    if (text[0] == '-' || errno == ERANGE || v < min || v > max)
+        return set_error(err, "%s %s is outside %llu..%llu. HINT: vae -h lists the options", flag, text, min, max);
+    *out = v;
+    return true;
+}
+enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper bound
+enum { MAX_SHARDS = 100000 };  // --shard's N as parsed; main refuses an N above the number of images
+// The program joins paths into 4096-byte buffers (-d + "/t10k-images-idx3-ubyte", -o +
+// "/samples.ppm"); a longer argument would be cut silently and name another file.
+enum { MAX_PATH_ARG = 4000 };
+enum { IWAE_ROWS = 1 << 16 };  // --iwae's largest K, and the images its encoder takes at once
+enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per decoder pass (at most 172 bytes each: z row, BCE parts, log ratio)
+enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
+enum { AIS_MAX_T = 100000, AIS_MAX_CHAINS = 256, AIS_MAX_LEAPFROG = 1000, BDMC_MAX_IMAGES = 100000 };
+static bool parse_path(const char* flag, const char* value, const char** out, Error* err) {
+    if (value[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
+    if (strlen(value) > MAX_PATH_ARG)
+        return set_error(err, "%s: a path of %zu characters, longer than %d. HINT: use a shorter path", flag,
+                         strlen(value), (int)MAX_PATH_ARG);
+    return *out = value, true;
+}
+static bool parse_int(const char* flag, const char* text, int min, int max, int* out, Error* err) {
+    unsigned long long v = 0;
+    return parse_number(flag, text, min, max, &v, err) ? (*out = (int)v, true) : false;
+}
+// value as one of `names`: its index into *out, or the error that lists them.
+template <typename E, int N>
+static bool parse_choice(const char* flag, const char* value, const char* const (&names)[N], E* out, Error* err) {
+    char list[64] = "";
+    for (int i = 0; i < N; i++) {
+        if (!strcmp(value, names[i])) return *out = (E)i, true;
+        strcat(strcat(list, i == 0 ? "" : i + 1 < N ? ", " : " or "), names[i]);
+    }
+    return set_error(err, "%s needs %s, got '%s'. HINT: vae -h lists the options", flag, list, value);
+}
+// A list of at most max_count whole numbers in min..max, `separator` between them, into out[] and *count; `what` names
+// them in the message for a malformed list (an item empty, over 23 characters or not digits, or too many).
+static bool parse_int_list(const char* flag, const char* value, char separator, int min, int max, int* out,
+                           int max_count, int* count, const char* what, Error* err) {
+    const char separators[2] = {separator, '\0'};
+    *count = 0;
+    for (const char* item = value;; item++) {
+        char text[24];
+        const size_t len = strcspn(item, separators);
+        snprintf(text, sizeof(text), "%.*s", (int)(len < sizeof(text) - 1 ? len : sizeof(text) - 1), item);
+        const size_t sign = text[0] == '-'; // "-1" is a number out of range, as parse_int says
+        if (*count == max_count || len >= sizeof(text) || len == sign ||
+            strspn(text + sign, "0123456789") != len - sign)
+            return set_error(err, "%s '%s' is not a list of up to %d %s. HINT: vae -h lists the options", flag, value,
+                             max_count, what);
+        if (!parse_int(flag, text, min, max, &out[(*count)++], err)) return false;
+        item += len;
+        if (*item == '\0') return true;
+    }
+}
+// One option and its value (NULL for flags) into cfg.
+static bool apply_option(Config* cfg, int o, const char* flag, const char* value, Error* err) {
+    switch (o) {
+    case OPT_WEIGHTS: return parse_path(flag, value, &cfg->weights_path, err);
+    case OPT_DATA: return parse_path(flag, value, &cfg->data_dir, err);
+    case OPT_OUT: return parse_path(flag, value, &cfg->out_dir, err);
+    case OPT_CSV: return parse_path(flag, value, &cfg->csv_path, err);
+    case OPT_IMAGE:
+        if (cfg->num_image_files == MAX_IMAGE_FILES)
+            return set_error(err, "%s: more than %d images. HINT: evaluate them in several runs", flag,
+                             MAX_IMAGE_FILES);
+        return parse_path(flag, value, &cfg->image_paths[cfg->num_image_files++], err);
+    case OPT_INVERT: cfg->invert = true; return true;
+    case OPT_ZMU: cfg->z_is_mu = true; return true;
+    case OPT_AIS_IWAE: cfg->ais_iwae = true; return true;
+    case OPT_QUIET: cfg->quiet = true; return true;
+    case OPT_BENCH: cfg->mode = MODE_BENCH; return true;
+    case OPT_VERSION: cfg->version = true; return true;
+    case OPT_HELP: cfg->help = true; return true;
+    case OPT_PRECISION: return parse_choice(flag, value, PRECISION_NAMES, &cfg->precision, err);
+    case OPT_BATCH: return parse_int(flag, value, 1, MAX_BATCH, &cfg->batch, err);
+    case OPT_COUNT: return parse_int(flag, value, 1, INT32_MAX, &cfg->count, err);
+    case OPT_SEED: return parse_number(flag, value, 0, UINT64_MAX, (unsigned long long*)&cfg->seed, err);
+    case OPT_IWAE: cfg->mode = MODE_IWAE; return parse_int(flag, value, 1, IWAE_ROWS, &cfg->iwae_k, err);
+    case OPT_INTERP: cfg->mode = MODE_INTERP; return parse_int(flag, value, 2, INTERP_MAX_IMAGES, &cfg->interp_n, err);
+    case OPT_AIS:
+        if (cfg->mode != MODE_BDMC) cfg->mode = MODE_AIS;
+        return parse_int(flag, value, 1, AIS_MAX_T, &cfg->ais_t, err);
+    case OPT_BDMC: cfg->mode = MODE_BDMC; return parse_int(flag, value, 1, BDMC_MAX_IMAGES, &cfg->bdmc_n, err);
+    case OPT_CHAINS: return parse_int(flag, value, 1, AIS_MAX_CHAINS, &cfg->chains, err);
+    case OPT_LEAPFROG: return parse_int(flag, value, 1, AIS_MAX_LEAPFROG, &cfg->leapfrog, err);
+    case OPT_KERNELS: return parse_choice(flag, value, KERNELS_NAMES, &cfg->kernels, err);
+    case OPT_SHARD: { // K/N: both whole numbers, N in 1..MAX_SHARDS, K in 0..N-1
+        int kn[2], count = 0;
+        if (!parse_int_list(flag, value, '/', 0, MAX_SHARDS, kn, 2, &count, "K/N", err) || count != 2 || kn[1] == 0 ||
+            kn[0] >= kn[1])
+            return set_error(err, "%s '%s' is not K/N, the K-th (0..N-1) of N blocks with N up to %d (e.g. 0/8). HINT: "
+                             "vae -h lists the options", flag, value, (int)MAX_SHARDS);
+        return cfg->shard = kn[0], cfg->num_shards = kn[1], true;
+    }
+    case OPT_DEVICES: // "all", or GPU numbers, each once
+        cfg->num_devices = 0, cfg->all_devices = !strcmp(value, "all");
+        if (cfg->all_devices) return true;
+        if (!parse_int_list(flag, value, ',', 0, MAX_DEVICES - 1, cfg->devices, MAX_DEVICES, &cfg->num_devices,
+                            "GPU numbers like 0,1 (or all)", err))
+            return false;
+        // The tests run the several-GPU path on one GPU by listing it again (a thread each) under this variable.
+        for (int i = 0; i < cfg->num_devices && getenv("VAE_TEST_REPEAT_GPUS") == NULL; i++)
+            for (int j = 0; j < i; j++)
+                if (cfg->devices[i] == cfg->devices[j])
+                    return set_error(err, "%s %s lists GPU %d twice. HINT: name each GPU once, e.g. --devices 0,1, or "
+                                     "pass --devices all", flag, value, cfg->devices[i]);
+        return true;
+    case OPT_AIS_INIT: return parse_choice(flag, value, {"q", "prior"}, &cfg->ais_from_prior, err);
+    case OPT_BENCH_BATCHES:
+        return parse_int_list(flag, value, ',', 1, MAX_BATCH, cfg->bench_batches, MAX_BENCH_BATCHES,
+                              &cfg->num_bench_batches, "batch sizes like 1024,4096", err);
+    }
+    return set_error(err, "internal: option %d has no handler", o);
+}
+static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->weights_path = "data/vae_weights.bin", cfg->data_dir = "data", cfg->out_dir = "out", cfg->batch = 4096;
+    cfg->chains = 16, cfg->leapfrog = 10;
+    // An option as a flag: "--name", or "-l" where it has a letter and is not asked for in long form.
+    auto spell = [](int o, bool long_form, char (&flag)[24]) {
+        if (long_form || OPTIONS[o].letter == 0) snprintf(flag, sizeof(flag), "--%s", OPTIONS[o].name);
+        else snprintf(flag, sizeof(flag), "-%c", OPTIONS[o].letter);
+    };
+    for (int o = 0; o < NUM_OPTIONS; o++) spell(o, false, cfg->flag[o]); // for options the command line did not spell
+    for (int b : {1024, 2048, 4096, 10000}) cfg->bench_batches[cfg->num_bench_batches++] = b;
+
+    // getopt_long's tables from OPTIONS: long options answer LONG_CODE + their index, short ones their letter. '+'
+    // stops at the first word that is not an option (refused below); ':' reports a missing value as ':', not '?'.
+    enum { LONG_CODE = 1000 };
+    struct option long_options[NUM_OPTIONS + 1] = {};
+    char short_options[3 * NUM_OPTIONS + 3] = "+:", *end = short_options + 2;
+    for (int o = 0; o < NUM_OPTIONS; o++) {
+        long_options[o] = {OPTIONS[o].name, OPTIONS[o].takes_value ? required_argument : no_argument, NULL,
+                           LONG_CODE + o};
+        if (OPTIONS[o].letter != 0) *end++ = OPTIONS[o].letter;
+        if (OPTIONS[o].letter != 0 && OPTIONS[o].takes_value) *end++ = ':';
+    }
+    // The option a getopt code stands for (-1: none), spelled into flag as the user did (argv[optind - 1] holds
+    // the word that named it, unless a short option was one of several in one word).
+    auto option_of = [&](int code, char (&flag)[24]) {
+        for (int o = 0; o < NUM_OPTIONS; o++)
+            if (code == LONG_CODE + o || (OPTIONS[o].letter != 0 && code == OPTIONS[o].letter))
+                return spell(o, !strncmp(argv[optind - 1], "--", 2), flag), o;
+        return -1;
+    };
+    optind = 0; // 0: restart GNU getopt's scan from scratch (the tests parse many command lines)
+    opterr = 0;
+    for (int code; (code = getopt_long(argc, argv, short_options, long_options, NULL)) != -1;) {
+        if (code == '?' && optopt != 0 && optopt < LONG_CODE)
+            return set_error(err, "unknown option '-%c'. HINT: vae -h lists the options", optopt);
+        if (code == '?' && optopt == 0)
+            return set_error(err, "unknown option '%s'. HINT: vae -h lists the options", argv[optind - 1]);
+        // a known option; with ':' (its value missing) or '?' (given a value it takes none of) it is in optopt
+        char flag[24];
+        const int known = code == ':' || code == '?' ? optopt : code, o = option_of(known, flag);
+        if (o < 0) return set_error(err, "internal: getopt code %d", known);
+        if (code == ':') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
+        if (code == '?')
+            return set_error(err, "%s takes no value, got '%s'. HINT: vae -h lists the options", flag,
+                             argv[optind - 1]);
+        if (!apply_option(cfg, o, flag, optarg, err)) return false;
+        cfg->given |= OPT_BIT(o);
+        snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "%s", flag);
+    }
+    if (optind < argc)
+        return set_error(err, "unexpected argument '%s'. HINT: vae -h lists the options; files go after a flag "
+                         "(-w, -d, --image ...)", argv[optind]);
+    if (cfg->help || cfg->version) return true;
+
+    // one mode, and only the options it reads
+    const int modes[] = {OPT_IWAE, OPT_BENCH, OPT_INTERP, OPT_AIS};
+    for (int a : modes)
+        for (int b : modes)
+            if (a < b && (cfg->given & OPT_BIT(a)) && (cfg->given & OPT_BIT(b)))
+                return set_error(err, "%s and %s are separate runs. HINT: pass one of them", cfg->flag[a],
+                                 cfg->flag[b]);
+    const int mode_option[] = {-1, OPT_IWAE, OPT_BENCH, OPT_INTERP, OPT_AIS, OPT_BDMC}; // by Mode
+    const char* mode_flag = cfg->mode == MODE_ELBO ? "the evaluation" : cfg->flag[mode_option[cfg->mode]];
+    if (cfg->mode == MODE_BDMC && !(cfg->given & OPT_BIT(OPT_AIS)))
+        return set_error(err, "%s runs AIS both ways and needs its T. HINT: add --ais T (e.g. --ais 1000)",
+                         cfg->flag[OPT_BDMC]);
+    if (cfg->chains > FUSED_AIS_CHAINS && cfg->kernels == KERNELS_FUSED)
+        return set_error(err, "%s %d: the fused AIS kernel holds at most %d chains an image. HINT: --kernels plain "
+                         "(or auto) runs more, or --chains %d", cfg->flag[OPT_CHAINS], cfg->chains, FUSED_AIS_CHAINS,
+                         FUSED_AIS_CHAINS);
+    if (cfg->z_is_mu && cfg->mode == MODE_IWAE)
+        return set_error(err, "--iwae samples z by definition; --zmu does not apply. HINT: drop --zmu");
+    for (int o : {OPT_CHAINS, OPT_LEAPFROG, OPT_AIS_INIT, OPT_AIS_IWAE})
+        if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(o)))
+            return set_error(err, "%s applies to --ais only. HINT: add --ais T or drop %s", cfg->flag[o], cfg->flag[o]);
+    if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(OPT_BENCH_BATCHES)))
+        return set_error(err, "%s applies to --bench only. HINT: add --bench or drop %s", cfg->flag[OPT_BENCH_BATCHES],
+                         cfg->flag[OPT_BENCH_BATCHES]);
+    for (int o = 0; o < NUM_OPTIONS; o++)
+        if ((cfg->given & OPT_BIT(o)) && !((MODE_OPTIONS[cfg->mode] | OPT_BIT(OPT_KERNELS)) & OPT_BIT(o)))
+            return set_error(err, "%s does not apply to %s. HINT: drop %s", cfg->flag[o], mode_flag, cfg->flag[o]);
+    // --image replaces the test set, which -d and -n choose from
+    if (cfg->invert && cfg->num_image_files == 0)
+        return set_error(err, "%s applies to --image files. HINT: add --image FILE or drop %s", cfg->flag[OPT_INVERT],
+                         cfg->flag[OPT_INVERT]);
+    for (int o : {OPT_DATA, OPT_COUNT, OPT_SHARD})
+        if (cfg->num_image_files > 0 && (cfg->given & OPT_BIT(o)))
+            return set_error(err, "%s does not apply to --image, which replaces the test set. HINT: drop %s",
+                             cfg->flag[o], cfg->flag[o]);
+    if (cfg->num_shards > 0 && (cfg->given & OPT_BIT(OPT_OUT)))
+        return set_error(err, "%s writes no pictures (a shard's would be of its block only). HINT: drop %s",
+                         cfg->flag[OPT_SHARD], cfg->flag[OPT_OUT]);
+    return true;
+}
+
+#ifndef TESTING
+// Informational lines (the start-up table, progress, 'wrote ...') go to the console unless -q;
+// results always do. The console is stdout, or stderr when the CSV takes stdout (--csv -).
+static FILE* console = stdout;
+static bool quiet = false;
+static void say(const char* fmt, ...) {
+    if (quiet) return;
+    va_list args;
+    va_start(args, fmt);
+    vfprintf(console, fmt, args);
+    va_end(args);
+}
+static void print_version() {
+    int runtime = 0, driver = 0;
+    cudaCheck(cudaRuntimeGetVersion(&runtime));
+    const bool has_driver = cudaDriverGetVersion(&driver) == cudaSuccess && driver > 0; // 0: no driver installed
+    printf("vae.cu %s (commit %s)\n", VAE_VERSION, VAE_GIT_COMMIT);
+    printf("CUDA runtime %d.%d, driver ", runtime / 1000, runtime % 1000 / 10);
+    if (has_driver) printf("%d.%d\n", driver / 1000, driver % 1000 / 10);
+    else printf("none found\n");
+#ifdef VAE_BUILT_FOR // the Makefile's targets, sm_90a included (nvcc's list below says 900 for sm_90 and sm_90a)
+    printf("built for %s\n", VAE_BUILT_FOR);
+#elif defined(__CUDA_ARCH_LIST__) // nvcc's list of the architectures this binary has code for, e.g. 800,900
+#define VAE_STRING(...) #__VA_ARGS__
+#define VAE_EXPAND(...) VAE_STRING(__VA_ARGS__)
+    printf("built for");
+    for (const char* arch = VAE_EXPAND(__CUDA_ARCH_LIST__); *arch != '\0'; arch += *arch == ',') {
+        printf(" sm_%d", atoi(arch) / 10);
+        arch += strcspn(arch, ",");
+    }
+    printf("\n");
+#endif
+}
+// The folder a new file at `path` would go into, for the checks below.
+static void parent_folder(const char* path, char folder[MAX_PATH]) {
+    snprintf(folder, MAX_PATH, "%s", path);
+    char* slash = strrchr(folder, '/');
+    while (slash != NULL && slash != folder && slash[1] == '\0') *slash = '\0', slash = strrchr(folder, '/'); // "a/b/"
+    if (slash == NULL) snprintf(folder, MAX_PATH, ".");
+    else slash[slash == folder ? 1 : 0] = '\0';
+}
+static bool writable_folder(const char* folder) {
+    struct stat st;
+    return stat(folder, &st) == 0 && S_ISDIR(st.st_mode) && access(folder, W_OK) == 0;
+}
+// Outputs are checked before any work and written only at its end: the folder -o names must be a writable folder or
+// one that can be made with its missing parents, as mkdir -p does (they are made only when the outputs are written); a
+// --csv file must not be a folder, and its folder must be writable.
+static void check_output_dir(const char* flag, const char* dir) {
+    struct stat st;
+    char existing[MAX_PATH]; // the folder itself, else its nearest ancestor that exists
+    snprintf(existing, sizeof(existing), "%s", dir);
+    while (stat(existing, &st) != 0) {
+        if (errno != ENOENT && errno != ENOTDIR) // ENOTDIR: a file on the way, which the loop comes to
+            fail("%s %s: cannot create the folder (%s: %s). HINT: pass %s with a writable folder", flag, dir, existing,
+                 strerror(errno), flag);
+        char parent[MAX_PATH];
+        parent_folder(existing, parent);
+        if (!strcmp(parent, existing))
+            fail("%s %s: no folder above it exists. HINT: pass %s with a writable folder", flag, dir, flag);
+        memcpy(existing, parent, sizeof(existing));
+    }
+    const bool is_dir = !strcmp(existing, dir);
+    if (!S_ISDIR(st.st_mode))
+        fail("%s %s: %s is not a folder. HINT: pass %s with a writable folder", flag, dir, is_dir ? "it" : existing,
+             flag);
+    if (access(existing, W_OK) != 0)
+        fail("%s %s: cannot %s (%s%s%s). HINT: pass %s with a writable folder", flag, dir,
+             is_dir ? "write there" : "create the folder", is_dir ? "" : existing, is_dir ? "" : ": ", strerror(errno),
+             flag);
+}
+static void check_output_file(const char* flag, const char* path) {
+    struct stat st;
+    char folder[MAX_PATH];
+    parent_folder(path, folder);
+    const bool is_folder = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+    if (is_folder || !writable_folder(folder))
+        fail("%s %s: cannot write (%s). HINT: pass a writable path", flag, path,
+             is_folder ? "a folder" : "its folder is missing or not writable");
+}
+// The start-up table: one "| key | value |" row each.
+static void print_separator() { say("+-----------+------------------------------------------------+\n"); }
+static void print_row(const char* key, const char* fmt, ...) {
+    char value[256];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(value, sizeof(value), fmt, args);
+    va_end(args);
+    say("| %-9s | %-46s |\n", key, value);
+}
+// The engine the run asks for: --kernels, but AIS's --chains above FUSED_AIS_CHAINS run on the plain path.
+static Kernels run_kernels(const Config* cfg) {
+    const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
+    return ais && cfg->chains > FUSED_AIS_CHAINS ? KERNELS_PLAIN : cfg->kernels;
+}
+// Which engine runs a model of size dims (fused: use_fused's answer), and why, for the start-up table.
+static void print_kernels_row(const Config* cfg, ModelDims dims, bool fused) {
+    if (fused)
+        print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
+    else if (cfg->kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
+    else if (!is_published(dims)) print_row("kernels", "plain: cuBLASLt (fused: 784-400-20-400 only)");
+    else if (run_kernels(cfg) == KERNELS_PLAIN)
+        print_row("kernels", "plain: cuBLASLt (--chains above %d)", FUSED_AIS_CHAINS);
+    else print_row("kernels", "plain: cuBLASLt (no sm_90a code for this GPU)");
+}
+static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
+// The first image of each digit 0..9 among the first count (or -1), for the interpolation rows.
+static void first_of_each_digit(const Labels* labels, int count, int first[10]) {
+    for (int d = 0; d < 10; d++) first[d] = -1;
+    for (int i = count - 1; i >= 0 && labels->labels != NULL; i--) first[labels->labels[i]] = i;
+}
+// tiles as the picture `name` in the -o folder (write_ppm_grid), the folder made first if it is missing.
+static void write_grid(const Config* cfg, const char* name, const char* what, const float* tiles, int rows, int cols) {
+    char path[MAX_PATH];
+    Error err;
+    snprintf(path, sizeof(path), "%s/%s", cfg->out_dir, name);
+    if (!output_dir_make(cfg->out_dir, &err) || !write_ppm_grid(path, what, tiles, rows, cols, &err))
+        fail("%s", err.msg);
+}
+// The three picture files: reconstructions, prior samples, latent interpolations.
+enum { RECON_COLS = 16, SAMPLE_SIDE = 8, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
+static_assert(SAMPLE_SIDE * SAMPLE_SIDE <= IMAGE_TILES_MAX && 2 * RECON_COLS <= IMAGE_TILES_MAX, "image batches fit");
+static void write_images(VAE* m, const Images* images, const Labels* labels, int count, const uint8_t* d_pixels,
+                         const Config* cfg) {
+    const int Z = m->dims.z;
+    float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * (INPUT_DIM + Z) * sizeof(float));
+    if (tiles == NULL) fail("out of host memory for the images");
+    float *z = tiles + (size_t)IMAGE_TILES_MAX * INPUT_DIM, *d_z, *d_loss;
+    cudaCheck(cudaMalloc(&d_z, (IMAGE_TILES_MAX * Z + 2 * RECON_COLS) * sizeof(float)));
+    d_loss = d_z + IMAGE_TILES_MAX * Z;
+
+    // recon.ppm: the first images over their reconstructions
+    const int n_recon = count < RECON_COLS ? count : RECON_COLS;
+    const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, true};
+    vae_forward(m, d_pixels, n_recon, 0, &opt, d_loss, d_loss + RECON_COLS);
+    for (int i = 0; i < RECON_COLS * INPUT_DIM; i++)
+        tiles[i] = i < n_recon * INPUT_DIM ? images->pixels[i] / 255.0f : 0.0f;
+    memset(tiles + RECON_COLS * INPUT_DIM, 0, RECON_COLS * INPUT_DIM * sizeof(float));
+    cudaCheck(cudaMemcpy(tiles + RECON_COLS * INPUT_DIM, m->recon, (size_t)n_recon * INPUT_DIM * sizeof(float),
+                         cudaMemcpyDeviceToHost));
+    const char* what = cfg->num_image_files > 0 ? "top: the --image files, bottom: reconstructions"
+                                                : "top: test images, bottom: reconstructions";
+    write_grid(cfg, "recon.ppm", what, tiles, 2, RECON_COLS);
+
+    // samples.ppm: decodes of z ~ N(0, I)
+    const int n_samples = SAMPLE_SIDE * SAMPLE_SIDE;
+    for (int s = 0; s < n_samples; s++)
+        for (int j = 0; j < Z; j++) z[s * Z + j] = gaussian(cfg->seed, STREAM_PRIOR, s, 0, j);
+    cudaCheck(cudaMemcpy(d_z, z, (size_t)n_samples * Z * sizeof(float), cudaMemcpyHostToDevice));
+    vae_decode(m, d_z, n_samples);
+    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)n_samples * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
+    write_grid(cfg, "samples.ppm", "decodes of z ~ N(0, I)", tiles, SAMPLE_SIDE, SAMPLE_SIDE);
+
+    // interp.ppm: row d walks the latent mean of a test 'd' to that of a 'd+1'
+    int first[10], rows = 0;
+    int2 pairs[10];
+    first_of_each_digit(labels, count, first);
+    uint8_t* d_pair_pixels; // the images of the pairs, gathered into one batch
+    cudaCheck(cudaMalloc(&d_pair_pixels, (size_t)20 * INPUT_DIM));
+    for (int d = 0; d < 10; d++) {
+        if (first[d] < 0 || first[(d + 1) % 10] < 0) continue;
+        for (int k = 0; k < 2; k++)
+            cudaCheck(cudaMemcpy(d_pair_pixels + (size_t)(2 * rows + k) * INPUT_DIM,
+                                 d_pixels + (size_t)first[(d + k) % 10] * INPUT_DIM, INPUT_DIM,
+                                 cudaMemcpyDeviceToDevice));
+        pairs[rows] = make_int2(2 * rows, 2 * rows + 1);
+        rows++;
+    }
+    if (rows == 0) {
+        say("skipped interp.ppm: %s\n", labels->labels == NULL ? "the images have no labels"
+                                        : "the evaluated images hold no two consecutive digits (raise -n)");
+    } else {
+        int2* d_pairs;
+        cudaCheck(cudaMalloc(&d_pairs, sizeof(pairs)));
+        cudaCheck(cudaMemcpy(d_pairs, pairs, sizeof(pairs), cudaMemcpyHostToDevice));
+        vae_encode(m, d_pair_pixels, 2 * rows);
+        vae_decode_interpolations(m, d_pairs, 0, rows * INTERP_STEPS, INTERP_STEPS);
+        cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)rows * INTERP_STEPS * INPUT_DIM * sizeof(float),
+                             cudaMemcpyDeviceToHost));
+        write_grid(cfg, "interp.ppm", "row d: latent mean of a test 'd' to one of a 'd+1'", tiles, rows, INTERP_STEPS);
+        cudaCheck(cudaFree(d_pairs));
+    }
+    free(tiles), cudaCheck(cudaFree(d_pair_pixels)), cudaCheck(cudaFree(d_z));
+}
+// ---- many GPUs (--devices) ------------------------------------------------------------------------------------------
+// A run on several GPUs gives each a host thread, its own model and stream, and a copy of the images. The GPUs take
+// slices of the images from one shared counter, each as many as it asks for (whole passes of its own engine), so a
+// faster GPU takes more slices and all of them finish within about a slice of each other, whatever their speeds, with
+// no model of them. No image's results depend on the slice it ran in: the generator is keyed by the image's global
+// index, and every reduction is in a fixed order within the image. Each slice's results go to their place in the
+// host's arrays, so the CSV, the means and the pictures are a one-GPU run's, byte for byte.
+typedef struct {
+    int device, sm, sms; // the CUDA device number, its compute capability (90: 9.0) and SMs
+    bool fused;          // the engine this run takes on it: fused or plain (use_fused)
+    char name[256];
+    char label[300]; // "GPU 1 (NVIDIA H100 80GB HBM3): ", for failing_gpu
+    VAE m;
+    uint8_t* pixels; // the run's images, [count][784]
+} Gpu;
+typedef struct { int count; Gpu* gpu; } Gpus;
+// work(g) for every GPU g of the run, each on a thread of its own with its GPU current (the first on this thread).
+template <typename Work> static void on_each_gpu(Gpus* gs, Work work) {
+    auto drive = [&](Gpu* g) {
+        if (gs->count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
+        cudaCheck(cudaSetDevice(g->device));
+        work(g);
+    };
+    std::vector<std::thread> threads;
+    for (int i = 1; i < gs->count; i++) threads.emplace_back(drive, &gs->gpu[i]);
+    drive(&gs->gpu[0]);
+    for (std::thread& t : threads) t.join();
+    failing_gpu[0] = '\0'; // what fails from here on is the run's, not one GPU's
+}
+static void vae_free_all(Gpus* gs) {
+    on_each_gpu(gs, [](Gpu* g) { vae_free(&g->m); });
+}
+// What the GPUs of a run share: the images (or decodes) that none has taken yet, and the wall time of the timed part,
+// from when the last GPU is ready (its modules loaded and its buffers made) to when the last one is done.
+struct Slices {
+    std::atomic<int> next{0};
+    const int count, gpus;
+    std::mutex lock;
+    std::condition_variable all_ready;
+    int ready = 0;
+    double start_ms = 0.0, end_ms = 0.0;
+    Slices(int n, const Gpus* gs) : count(n), gpus(gs->count) {}
+    // The next `want` of them (or the rest) as first .. first + *n - 1; false once none are left.
+    bool take(int want, int* first, int* n) {
+        *first = next.fetch_add(want);
+        *n = std::min(want, count - *first);
+        return *first < count;
+    }
+    static double now_ms() {
+        return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
+    void ready_to_start() {
+        std::unique_lock<std::mutex> hold(lock);
+        if (++ready == gpus) start_ms = now_ms(), all_ready.notify_all();
+        else all_ready.wait(hold, [&] { return ready == gpus; });
+    }
+    void done() {
+        std::lock_guard<std::mutex> hold(lock);
+        end_ms = std::max(end_ms, now_ms());
+    }
+    double ms() const { return end_ms - start_ms; }
+};
+// The one loop that spreads a mode's work over the run's GPUs: body(g, slices) runs on each GPU's thread, makes its
+// buffers, runs an untimed warm-up (module loading stays out of the time) and calls slices(size, run); that waits for
+// every GPU to be ready, then calls run(first, n) for each slice of `count` items this GPU takes from the shared
+// counter until none are left. Returns the wall time from the last GPU ready to the last one done.
+template <typename Body> static double over_slices(Gpus* gs, int count, Body body) {
+    Slices slices(count, gs);
+    on_each_gpu(gs, [&](Gpu* g) {
+        body(g, [&](int size, auto run) {
+            cudaCheck(cudaStreamSynchronize(g->m.stream));
+            slices.ready_to_start();
+            for (int first, n; slices.take(size, &first, &n);) run(first, n);
+            cudaCheck(cudaStreamSynchronize(g->m.stream));
+            slices.done();
+        });
+    });
+    return slices.ms();
+}
+// Progress of a long run on stderr, unless -q: a bar redrawn in place on a terminal, a line every 10% otherwise (logs
+// stay readable). Every GPU adds what it finished.
+struct Progress {
+    std::mutex lock;
+    const char* what;
+    const long long total;
+    long long done = 0;
+    int decile = -1;
+    Progress(const char* what_, long long total_) : what(what_), total(total_) {}
+    void add(long long n) {
+        std::lock_guard<std::mutex> hold(lock);
+        done += n;
+        if (quiet) return;
+        if (isatty(STDERR_FILENO)) {
+            const int width = 40, filled = (int)(width * done / total);
+            fprintf(stderr, "\r%s [%.*s%*s] %3d%% (%lld/%lld)", what, filled,
+                    "########################################", width - filled, "", (int)(100 * done / total), done,
+                    total);
+            if (done == total) fputc('\n', stderr);
+        } else if ((int)(10 * done / total) != decile) {
+            decile = (int)(10 * done / total);
+            fprintf(stderr, "%s: %lld/%lld\n", what, done, total);
+        }
+    }
+};
+// The run's GPUs: --devices' (every GPU, or the list; GPU 0 by default), the first alone for --bench, each checked:
+// this binary has code for it, and it has what --precision needs.
+static Gpus open_gpus(const Config* cfg, ModelDims dims) {
+    int available = 0, devices[MAX_DEVICES], count = 0;
+    const cudaError_t status = cudaGetDeviceCount(&available);
+    if (status != cudaSuccess || available == 0) {
+        int driver = 0, runtime = 0;
+        Error err;
+        if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+        cudaCheck(cudaRuntimeGetVersion(&runtime));
+        no_gpu_error(status, driver, runtime, &err);
+        fail("%s", err.msg);
+    }
+    if (cfg->all_devices) for (; count < available && count < MAX_DEVICES; count++) devices[count] = count;
+    for (; count < cfg->num_devices; count++) {
+        devices[count] = cfg->devices[count];
+        if (devices[count] >= available)
+            fail("%s: there is no GPU %d; this machine's %d GPU%s 0..%d. HINT: pass --devices all, or GPU numbers of "
+                 "0..%d (nvidia-smi -L lists them)", cfg->flag[OPT_DEVICES], devices[count], available,
+                 available > 1 ? "s are" : " is", available - 1, available - 1);
+    }
+    if (count == 0) devices[count++] = 0;
+    if (cfg->mode == MODE_BENCH) count = 1;
+    Gpus gs = {count, (Gpu*)calloc(count, sizeof(Gpu))};
+    if (gs.gpu == NULL) fail("out of host memory for %d GPUs", count);
+    for (int i = 0; i < count; i++) {
+        Gpu* g = &gs.gpu[i];
+        cudaDeviceProp prop;
+        if (count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "GPU %d: ", devices[i]); // until its name is known
+        cudaCheck(cudaGetDeviceProperties(&prop, devices[i]));
+        g->device = devices[i], g->sm = 10 * prop.major + prop.minor, g->sms = prop.multiProcessorCount;
+        snprintf(g->name, sizeof(g->name), "%s", prop.name);
+        snprintf(g->label, sizeof(g->label), "GPU %d (%s): ", g->device, g->name);
+        if (count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
+        cudaCheck(cudaSetDevice(devices[i]));
+        Error err;
+        if (!gpu_supported(prop.name, prop.major, prop.minor, cfg->precision, &err)) fail("%s", err.msg);
+        cudaFuncAttributes attr; // a binary built for other GPUs has no kernel this one can load
+        const cudaError_t loaded = cudaFuncGetAttributes(&attr, iwae_logsumexp_kernel);
+        if (loaded != cudaSuccess)
+            fail("this vae has no code for the %s (sm_%d): %s. HINT: rebuild it here: make clean && make vae", g->name,
+                 g->sm, cudaGetErrorString(loaded));
+        g->fused = use_fused(run_kernels(cfg), dims);
+    }
+    failing_gpu[0] = '\0';
+    cudaCheck(cudaSetDevice(gs.gpu[0].device));
+    return gs;
+}
+// What produced a run's results, for the CSV's first line; `images` says where the images came from. A --shard run
+// evaluates images first .. first + count - 1 of them: the generator's keys, the CSV's indices and the labels use
+// those global indices, so the shards' rows are those of one run over all of them.
+typedef struct { const char* images; int count; const Labels* labels; int first; } Inputs;
+// Per-image results as CSV after one '#' line naming what produced them; "-" is stdout. `columns`
+// names the float columns after index and label, `values` holds them.
+static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
+                      std::initializer_list<const float*> values) {
+    const bool to_stdout = !strcmp(cfg->csv_path, "-");
+    FILE* f = to_stdout ? stdout : output_open(cfg->csv_path, "per-image results");
+    if (f == NULL) fail("--csv %s: cannot write (%s). HINT: pass a writable path", cfg->csv_path, strerror(errno));
+    char run[160] = "";
+    if (cfg->mode == MODE_AIS)
+        snprintf(run, sizeof(run), ", T %d, chains %d, leapfrog %d, from %s", cfg->ais_t, cfg->chains, cfg->leapfrog,
+                 cfg->ais_from_prior ? "the prior" : "q(z|x)");
+    bool ok = fprintf(f, "# vae.cu %s (commit %s): mode %s, precision %s, seed %llu, z %s%s, weights %s, images %s\n",
+                      VAE_VERSION, VAE_GIT_COMMIT, MODE_NAMES[cfg->mode], PRECISION_NAMES[cfg->precision],
+                      (unsigned long long)cfg->seed, cfg->z_is_mu ? "mu" : "sampled", run, cfg->weights_path,
+                      in->images) > 0;
+    ok = ok && fprintf(f, "index,label,%s\n", columns) > 0;
+    for (int i = 0; i < in->count && ok; i++) {
+        ok = fprintf(f, "%d,%d", in->first + i, label_of(in->labels, in->first + i)) > 0;
+        for (const float* v : values) ok = ok && fprintf(f, ",%.6f", v[i]) > 0;
+        ok = ok && fputc('\n', f) != EOF;
+    }
+    if (to_stdout ? fflush(f) != 0 : fclose(f) != 0) ok = false;
+    if (!ok) fail("--csv %s: write failed (%s). HINT: check the disk", cfg->csv_path, strerror(errno));
+}
+// The time on `stream` from construction (or restart()) to elapsed_ms(), which waits for it.
+struct Timer {
+    cudaStream_t stream;
+    cudaEvent_t start, stop;
+    Timer(cudaStream_t s) : stream(s) {
+        cudaCheck(cudaEventCreate(&start)), cudaCheck(cudaEventCreate(&stop)), restart();
+    }
+    ~Timer() { cudaCheck(cudaEventDestroy(start)), cudaCheck(cudaEventDestroy(stop)); }
+    void restart() { cudaCheck(cudaEventRecord(start, stream)); }
+    float elapsed_ms() {
+        float ms;
+        cudaCheck(cudaEventRecord(stop, stream)), cudaCheck(cudaEventSynchronize(stop));
+        cudaCheck(cudaEventElapsedTime(&ms, start, stop));
+        return ms;
+    }
+};
+// Per-image BCE and KL of `count` images (image0 the first one's global index) to the host, on every GPU, in slices of
+// whole batches of `batch` (about 8 slices a GPU); returns the time in ms.
+static double evaluate(Gpus* gs, int count, int image0, int batch, const Config* cfg, float* bce, float* kl) {
+    const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, false};
+    const int slice = batch * ceil_div(ceil_div(count, 8 * gs->count), batch);
+    return over_slices(gs, count, [&](Gpu* g, auto slices) {
+        VAE* m = &g->m;
+        float* d_losses = (float*)device_alloc((size_t)2 * slice * sizeof(float), "the losses");
+        vae_forward(m, g->pixels, batch, 0, &opt, d_losses, d_losses + slice); // the warm-up
+        slices(slice, [&](int first, int n) {
+            for (int b = 0; b < n; b += batch)
+                vae_forward(m, g->pixels + (size_t)(first + b) * INPUT_DIM, std::min(batch, n - b), image0 + first + b,
+                            &opt, d_losses + b, d_losses + slice + b);
+            cudaCheck(cudaMemcpyAsync(bce + first, d_losses, n * sizeof(float), cudaMemcpyDeviceToHost, m->stream));
+            cudaCheck(cudaMemcpyAsync(kl + first, d_losses + slice, n * sizeof(float), cudaMemcpyDeviceToHost,
+                                      m->stream));
+            cudaCheck(cudaStreamSynchronize(m->stream));
+        });
+        cudaCheck(cudaFree(d_losses));
+    });
+}
+static double mean_of(const float* v, int n) {
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += v[i];
+    return sum / n;
+}
+// Prints `label`, the mean NLL of `count` images' log p(x) and its standard error; returns the mean log p(x).
+template <typename V> static double print_mean_nll(const char* label, const V* log_px, int count) {
+    double sum = 0.0, sum_sq = 0.0;
+    for (int i = 0; i < count; i++) sum += log_px[i], sum_sq += (double)log_px[i] * log_px[i];
+    const double mean = sum / count, var = count > 1 ? (sum_sq - count * mean * mean) / (count - 1) : 0.0;
+    fprintf(console, "%s%10.4f   (-log p(x), nats; ", label, -mean);
+    if (count > 1) fprintf(console, "standard error %.4f)\n", sqrt(fmax(var, 0.0) / count));
+    else fprintf(console, "one image: no standard error)\n");
+    return mean;
+}
+// " on 2 GPUs" after a time where the run used several.
+static const char* on_gpus(const Gpus* gs) {
+    static char text[32];
+    snprintf(text, sizeof(text), gs->count > 1 ? " on %d GPUs" : "", gs->count);
+    return text;
+}
+// The default run: mean BCE, KL and loss; per image for --image files; CSV; the three pictures (the first GPU's).
+static void run_elbo(const HostWeights* w, const Images* images, const Inputs* in, Gpus* gs, const Config* cfg) {
+    const int count = in->count, batch = cfg->batch < count ? cfg->batch : count;
+    on_each_gpu(gs, [&](Gpu* g) { // the pictures take batches of up to 110
+        vae_init(&g->m, w, batch > IMAGE_TILES_MAX ? batch : IMAGE_TILES_MAX, cfg->precision, cfg->kernels);
+    });
+    float* bce = (float*)malloc((size_t)2 * count * sizeof(float));
+    if (bce == NULL) fail("out of host memory for %d losses", count);
+    float* kl = bce + count;
+    const double ms = evaluate(gs, count, in->first, batch, cfg, bce, kl);
+    if (cfg->num_image_files > 0)
+        for (int i = 0; i < count; i++)
+            fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f\n", cfg->image_paths[i], bce[i], kl[i], bce[i] + kl[i]);
+    const double mean_bce = mean_of(bce, count), mean_kl = mean_of(kl, count);
+    fprintf(console, "evaluated %d images in %.3f ms%s (%.0f images/s)\n", count, ms, on_gpus(gs),
+            count / (ms * 1e-3));
+    fprintf(console, "mean BCE   %10.4f\n", mean_bce);
+    fprintf(console, "mean KL    %10.4f\n", mean_kl);
+    fprintf(console, "mean loss  %10.4f   (BCE + KL = -ELBO)\n", mean_bce + mean_kl);
+    if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl", {bce, kl});
+    if (cfg->num_shards == 0) { // the pictures: a few decodes, and the files written
+        const double start = Slices::now_ms();
+        write_images(&gs->gpu[0].m, images, in->labels, count, gs->gpu[0].pixels, cfg);
+        const double pictures_ms = Slices::now_ms() - start;
+        fprintf(console, "time       %10.3f ms (evaluation %.3f ms, pictures %.3f ms)\n", ms + pictures_ms, ms,
+                pictures_ms);
+    }
+    free(bce), vae_free_all(gs);
+}
+// log p(x) of `count` images (image0 the first one's global index) by IWAE with K samples, to the host, on every GPU in
+// slices of whole decoder passes, ~2% of the images each, or a GPU's share where that is less (progress, unless NULL,
+// between them); returns the time in ms.
+static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg, Progress* progress, float* log_px) {
+    return over_slices(gs, count, [&](Gpu* g, auto slices) {
+        VAE* m = &g->m;
+        const int per_pass = vae_iwae_images_per_pass(m, K);
+        const int slice = std::min(per_pass * ceil_div(ceil_div(count, per_pass), 50), ceil_div(count, gs->count));
+        float* d_log_px = (float*)device_alloc((size_t)slice * sizeof(float), "log p(x)");
+        vae_iwae(m, g->pixels, 1, 0, K, cfg->seed, d_log_px); // the warm-up
+        slices(slice, [&](int first, int n) {
+            vae_iwae(m, g->pixels + (size_t)first * INPUT_DIM, n, image0 + first, K, cfg->seed, d_log_px);
+            cudaCheck(cudaMemcpyAsync(log_px + first, d_log_px, n * sizeof(float), cudaMemcpyDeviceToHost, m->stream));
+            cudaCheck(cudaStreamSynchronize(m->stream));
+            if (progress != NULL) progress->add(n);
+        });
+        cudaCheck(cudaFree(d_log_px));
+    });
+}
+// --iwae K: log p(x) of every evaluated image, K importance samples each, beside its ELBO.
+static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
+    const int K = cfg->iwae_k, count = in->count;
+    on_each_gpu(gs, [&](Gpu* g) { vae_init(&g->m, w, IWAE_ROWS, cfg->precision, cfg->kernels, IWAE_PASS_ROWS); });
+    float* results = (float*)malloc((size_t)3 * count * sizeof(float)); // log p(x), BCE, KL
+    if (results == NULL) fail("out of host memory for %d results", count);
+    float *log_px = results, *bce = results + count, *kl = results + 2 * count;
+    Progress progress("iwae", count);
+    const double iwae_ms = iwae_all(gs, count, in->first, K, cfg, &progress, log_px);
+    const double elbo_ms = evaluate(gs, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl);
+    if (cfg->num_image_files > 0)
+        for (int i = 0; i < count; i++)
+            fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f  log p(x) %.4f\n", cfg->image_paths[i], bce[i], kl[i],
+                    bce[i] + kl[i], log_px[i]);
+    fprintf(console, "IWAE, K = %d samples per image, %d images (%s)\n", K, count, PRECISION_NAMES[cfg->precision]);
+    fprintf(console, "mean -ELBO %10.4f   (BCE + KL, one sample; the bound IWAE tightens)\n",
+            mean_of(bce, count) + mean_of(kl, count));
+    print_mean_nll("mean NLL   ", log_px, count);
+    fprintf(console, "time       %10.2f ms%s (IWAE %.2f ms: %.3g decoder passes/s, progress reports included; ELBO "
+            "%.2f ms)\n", iwae_ms + elbo_ms, on_gpus(gs), iwae_ms, (double)count * K / (iwae_ms * 1e-3), elbo_ms);
+    if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl,log_px", {bce, kl, log_px});
+    free(results), vae_free_all(gs);
+}
+// The device buffers of AIS over n images of C chains: the schedule, per chain its log weight and acceptances, per
+// image the step size and the estimates.
+typedef struct { double *beta, *log_w, *log_px; int* accepted; float *step, *ess, *acceptance; } AisBuffers;
+static AisBuffers ais_buffers(int n, const Config* cfg) {
+    const size_t rows = (size_t)n * cfg->chains;
+    AisBuffers b;
+    b.beta = (double*)device_alloc((cfg->ais_t + 1) * sizeof(double), "the AIS schedule");
+    b.log_w = (double*)device_alloc(rows * sizeof(double), "the AIS log weights");
+    b.accepted = (int*)device_alloc(rows * sizeof(int), "the AIS acceptances");
+    b.log_px = (double*)device_alloc(n * sizeof(double), "log p(x)");
+    b.step = (float*)device_alloc((size_t)3 * n * sizeof(float), "the AIS step sizes");
+    b.ess = b.step + n, b.acceptance = b.step + 2 * n;
+    double* beta = (double*)malloc((cfg->ais_t + 1) * sizeof(double));
+    if (beta == NULL) fail("out of host memory for the AIS schedule");
+    ais_schedule(beta, cfg->ais_t);
+    cudaCheck(cudaMemcpy(b.beta, beta, (cfg->ais_t + 1) * sizeof(double), cudaMemcpyHostToDevice));
+    free(beta);
+    return b;
+}
+static void ais_buffers_free(AisBuffers* b) {
+    void* buffers[] = {b->beta, b->log_w, b->accepted, b->log_px, b->step};
+    for (void* p : buffers) cudaCheck(cudaFree(p));
+}
+typedef struct { double* log_px; float *step, *ess, *acceptance; } AisResults; // host arrays of n each
+// AIS over n images (image0 the first one's global index), forward, or reverse from the host's z_start [n][Z], on every
+// GPU in slices of whole rounds (fused: ~2% of the images each; plain: launches of even size, as many a GPU), progress
+// between them; each image's estimates to `out`. Returns the time in ms.
+static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const float* z_start, const char* what,
+                      AisResults out) {
+    Progress progress(what, n);
+    return over_slices(gs, n, [&](Gpu* g, auto slices) {
+        VAE* m = &g->m;
+        const int C = cfg->chains, Z = m->dims.z, round = vae_ais_round(m, C), rounds = ceil_div(n, round);
+        int slice = m->fused ? round * ceil_div(rounds, 50) : ceil_div(n, gs->count * ceil_div(rounds, gs->count));
+        if (slice > m->max_batch) slice = m->max_batch / round * round;
+        AisBuffers b = ais_buffers(slice, cfg);
+        float* d_z = NULL;
+        if (z_start != NULL) {
+            d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the AIS start z");
+            cudaCheck(cudaMemcpy(d_z, z_start, (size_t)n * Z * sizeof(float), cudaMemcpyHostToDevice));
+        }
+        AisIO io = {};
+        io.beta = b.beta, io.chains = C, io.T = std::min(2, cfg->ais_t), io.leapfrog = 1, io.seed = cfg->seed;
+        io.step0 = AIS_STEP_START, io.n = 1, io.pixels = g->pixels;
+        io.log_w = b.log_w, io.accepted = b.accepted, io.step_out = b.step;
+        vae_ais(m, io, cfg->ais_from_prior); // the warm-up
+        io.T = cfg->ais_t, io.leapfrog = cfg->leapfrog, io.reverse = z_start != NULL;
+        slices(slice, [&](int first, int k) {
+            io.n = k, io.first_image = (uint32_t)(image0 + first);
+            io.pixels = g->pixels + (size_t)first * INPUT_DIM;
+            io.z_start = d_z != NULL ? d_z + (size_t)first * Z : NULL;
+            vae_ais(m, io, cfg->ais_from_prior);
+            launch(ais_estimate_kernel, k, 128, 128, m->stream, b.log_px, b.ess, b.acceptance, b.log_w, b.accepted, k,
+                   C, cfg->ais_t - 1, io.reverse);
+            const std::pair<float*, float*> floats[] = {{out.step, b.step}, {out.ess, b.ess},
+                                                        {out.acceptance, b.acceptance}};
+            for (auto f : floats)
+                cudaCheck(cudaMemcpyAsync(f.first + first, f.second, k * sizeof(float), cudaMemcpyDeviceToHost,
+                                          m->stream));
+            cudaCheck(cudaMemcpyAsync(out.log_px + first, b.log_px, k * sizeof(double), cudaMemcpyDeviceToHost,
+                                      m->stream));
+            cudaCheck(cudaStreamSynchronize(m->stream));
+            progress.add(k);
+        });
+        cudaCheck(cudaFree(d_z)), ais_buffers_free(&b);
+    });
+}
+enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
+static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
+    vae_init(m, w, AIS_BATCH, cfg->precision, run_kernels(cfg), decoder_rows);
+    require_ais(m);
+}
+// --ais T: each image's log p(x) by AIS, beside the ELBO, and with --ais-iwae IWAE with as many decoder evaluations.
+static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
+    const int count = in->count, C = cfg->chains, T = cfg->ais_t, L = cfg->leapfrog;
+    const long long evals_per_image = (long long)C * (1 + (long long)(T - 1) * L); // gradient evaluations
+    const bool iwae = cfg->ais_iwae; // IWAE's K = evals_per_image: one image's rows must fit a decoder pass
+    on_each_gpu(gs, [&](Gpu* g) { ais_init(&g->m, w, cfg, iwae ? IWAE_PASS_ROWS : 0); });
+    for (int i = 0; i < gs->count && iwae; i++)
+        if (evals_per_image > gs->gpu[i].m.decoder_rows)
+            fail("%s: IWAE with K = C (1 + (T - 1) L) = %lld samples an image needs that many decoder rows a pass; "
+                 "the %s engine takes %d. HINT: a smaller --ais T, --chains or --leapfrog, or drop %s",
+                 cfg->flag[OPT_AIS_IWAE], evals_per_image, gs->gpu[i].m.fused ? "fused" : "plain",
+                 gs->gpu[i].m.decoder_rows, cfg->flag[OPT_AIS_IWAE]);
+
+    double* log_px = (double*)malloc((size_t)count * sizeof(double));
+    float* results = (float*)malloc((size_t)7 * count * sizeof(float));
+    if (log_px == NULL || results == NULL) fail("out of host memory for %d results", count);
+    float *step = results, *ess = results + count, *acceptance = results + 2 * count, *bce = results + 3 * count;
+    float *kl = results + 4 * count, *iwae_px = results + 5 * count, *ais_px = results + 6 * count;
+    const double ais_ms = ais_all(gs, count, in->first, cfg, NULL, "ais", {log_px, step, ess, acceptance});
+    const double elbo_ms = evaluate(gs, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl);
+    Progress progress("iwae", count);
+    const double iwae_ms = iwae ? iwae_all(gs, count, in->first, (int)evals_per_image, cfg, &progress, iwae_px) : 0.0;
+    double accept = 0.0, ess_sum = 0.0, iwae_sum = 0.0;
+    float step_min = step[0], step_max = step[0];
+    for (int i = 0; i < count; i++) {
+        accept += acceptance[i], ess_sum += ess[i], iwae_sum += iwae ? iwae_px[i] : 0.0, ais_px[i] = (float)log_px[i];
+        step_min = fminf(step_min, step[i]), step_max = fmaxf(step_max, step[i]);
+        if (cfg->num_image_files > 0)
+            fprintf(console, "%s: -ELBO %.4f  log p(x) %.4f (AIS), %.4f (IWAE)\n", cfg->image_paths[i], bce[i] + kl[i],
+                    log_px[i], iwae ? iwae_px[i] : NAN);
+    }
+    const double elbo = -(mean_of(bce, count) + mean_of(kl, count)), evals = (double)count * evals_per_image;
+    fprintf(console, "AIS, T = %d distributions, C = %d chains, L = %d leapfrog steps, from %s; %d images (%s)\n", T,
+            C, L, cfg->ais_from_prior ? "the prior" : "q(z|x)", count, PRECISION_NAMES[cfg->precision]);
+    const double mean = print_mean_nll("mean NLL    ", log_px, count);
+    if (T > 1)
+        fprintf(console, "acceptance  %10.4f   (mean; step sizes %.4g .. %.4g; effective sample size %.2f of %d)\n",
+                accept / count, step_min, step_max, ess_sum / count, C);
+    fprintf(console, "time        %10.3f s%s  (AIS %.3f s: %.3g gradient evaluations/s, %.1f TFLOP/s of decoder "
+            "work; ELBO %.3f s", (ais_ms + elbo_ms + iwae_ms) * 1e-3, on_gpus(gs), ais_ms * 1e-3,
+            evals / (ais_ms * 1e-3), evals * ais_flops_per_eval(w->dims) / (ais_ms * 1e9), elbo_ms * 1e-3);
+    if (iwae) fprintf(console, "; IWAE %.3f s)\n", iwae_ms * 1e-3);
+    else fprintf(console, ")\n");
+    if (iwae)
+        fprintf(console, "inference gap: -ELBO %.4f > IWAE (K = %lld, as many decoder evaluations) %.4f > AIS %.4f "
+                "nats\n", -elbo, evals_per_image, -iwae_sum / count, -mean);
+    else
+        fprintf(console, "inference gap: -ELBO %.4f > AIS %.4f nats (IWAE with as many decoder evaluations, K = %lld, "
+                "between them: add %s)\n", -elbo, -mean, evals_per_image, "--ais-iwae");
+    if (cfg->csv_path != NULL) write_csv(cfg, in, "log_px,ess,acceptance", {ais_px, ess, acceptance});
+    free(log_px), free(results), vae_free_all(gs);
+}
+// --bdmc N --ais T: N images simulated from the model (z ~ N(0, I) keyed by the image, x ~
+// Bernoulli(sigmoid(logits)), binary), AIS forward from p0 (a stochastic lower bound of log p(x))
+// and reverse from the true z (an upper bound); their gap is how far AIS at this T is from exact.
+static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
+    const int n = cfg->bdmc_n, Z = w->dims.z;
+    on_each_gpu(gs, [&](Gpu* g) { ais_init(&g->m, w, cfg, 0); });
+    VAE* m = &gs->gpu[0].m; // simulates the images
+    float* z = (float*)malloc((size_t)n * Z * sizeof(float) + (size_t)AIS_BATCH * INPUT_DIM * sizeof(float));
+    uint8_t* pixels = (uint8_t*)malloc((size_t)n * INPUT_DIM);
+    double* bounds = (double*)malloc((size_t)2 * n * sizeof(double));
+    float* estimates = (float*)malloc((size_t)3 * n * sizeof(float)); // step sizes, ESS, acceptance: not reported
+    if (z == NULL || pixels == NULL || bounds == NULL || estimates == NULL)
+        fail("out of host memory for %d simulated images", n);
+    float* recon = z + (size_t)n * Z;
+    const double simulation_start = Slices::now_ms();
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < Z; j++) z[(size_t)i * Z + j] = gaussian(cfg->seed, STREAM_SIMULATE, i, 0, j);
+    float* d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the simulated z");
+    cudaCheck(cudaMemcpy(d_z, z, (size_t)n * Z * sizeof(float), cudaMemcpyHostToDevice));
+    for (int first = 0; first < n; first += AIS_BATCH) {
+        const int B = n - first < AIS_BATCH ? n - first : AIS_BATCH;
+        vae_decode(m, d_z + (size_t)first * Z, B);
+        cudaCheck(cudaMemcpy(recon, m->recon, (size_t)B * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
+        for (int k = 0; k < B * INPUT_DIM; k++) { // pixel k % 784 of image first + k / 784
+            const float u = uniform_open0(cfg->seed, STREAM_SIMULATE, first + k / INPUT_DIM, 1, k % INPUT_DIM);
+            pixels[(size_t)first * INPUT_DIM + k] = u <= recon[k] ? 255 : 0;
+        }
+    }
+    cudaCheck(cudaFree(d_z));
+    on_each_gpu(gs, [&](Gpu* g) {
+        g->pixels = (uint8_t*)device_alloc((size_t)n * INPUT_DIM, "the simulated images");
+        cudaCheck(cudaMemcpy(g->pixels, pixels, (size_t)n * INPUT_DIM, cudaMemcpyHostToDevice));
+    });
+    const double simulation_ms = Slices::now_ms() - simulation_start;
+    double ms[2];
+    for (int reverse = 0; reverse < 2; reverse++) {
+        const AisResults out = {bounds + (size_t)reverse * n, estimates, estimates + n, estimates + 2 * n};
+        ms[reverse] = ais_all(gs, n, 0, cfg, reverse ? z : NULL, reverse ? "bdmc reverse" : "bdmc forward", out);
+    }
+    double lower = 0.0, upper = 0.0, gap_min = INFINITY, gap_max = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        const double gap = bounds[n + i] - bounds[i];
+        lower += bounds[i], upper += bounds[n + i], gap_min = fmin(gap_min, gap), gap_max = fmax(gap_max, gap);
+    }
+    fprintf(console, "BDMC, %d simulated images; AIS with T = %d, C = %d chains, L = %d leapfrog steps, from %s (%s)\n",
+            n, cfg->ais_t, cfg->chains, cfg->leapfrog, cfg->ais_from_prior ? "the prior" : "q(z|x)",
+            PRECISION_NAMES[cfg->precision]);
+    fprintf(console, "lower bound %10.4f   (mean log p(x), forward AIS; %.3f s%s)\n", lower / n, ms[0] * 1e-3,
+            on_gpus(gs));
+    fprintf(console, "upper bound %10.4f   (mean log p(x), reverse AIS from the true z; %.3f s%s)\n", upper / n,
+            ms[1] * 1e-3, on_gpus(gs));
+    fprintf(console, "gap         %10.4f   (nats, upper - lower; per image %.4f .. %.4f)\n", (upper - lower) / n,
+            gap_min, gap_max);
+    fprintf(console, "time        %10.3f s%s  (simulating the images %.3f s, forward %.3f s, reverse %.3f s)\n",
+            (simulation_ms + ms[0] + ms[1]) * 1e-3, on_gpus(gs), simulation_ms * 1e-3, ms[0] * 1e-3, ms[1] * 1e-3);
+    free(z), free(pixels), free(bounds), free(estimates), vae_free_all(gs);
+}
+// --bench: one whole forward+loss (sampled z) per batch size and precision, captured once as a CUDA graph and replayed:
+// 20 replays warm up; latency is the median of 200 replays, each from an idle GPU between two events (what one request
+// waits for), throughput the time of 200 back-to-back replays between two events over 200 (what a full queue sustains).
+// dev/bench_pytorch.py times PyTorch's modes by the same two definitions.
+static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Config* cfg) {
+    enum { WARMUP = 20, REPS = 200 };
+    const ModelDims d = w->dims;
+    const double flops_per_image = 2.0 * ((double)INPUT_DIM * d.h1 + 2.0 * d.h1 * d.z + (double)d.z * d.h3 +
+                                          (double)d.h3 * INPUT_DIM);
+    // the floor: the matrix work at the dense bf16 rate an H200 sustains, or the bytes that must move
+    // (pixels in, two losses out, the weights once) at its memory bandwidth, whichever is longer
+    const double floor_flops = 770e12, floor_bytes_per_s = 4.2e12;
+    const int max_batch = *std::max_element(cfg->bench_batches, cfg->bench_batches + cfg->num_bench_batches);
+    float* d_losses = (float*)device_alloc((size_t)2 * max_batch * sizeof(float), "the losses");
+    printf("forward + loss per batch, z %s: CUDA graph replays after %d warm-up; latency = median of %d single\n"
+           "replays from an idle GPU, throughput = %d back-to-back replays / %d (images/s and TFLOP/s from it);\n"
+           "floor = the FLOPs at 770 TFLOP/s or the bytes at 4.2 TB/s\n", cfg->z_is_mu ? "= mu" : "sampled", WARMUP,
+           REPS, REPS, REPS);
+    printf("| kernels | precision | batch | latency us | throughput us | images/s | TFLOP/s | floor us | "
+           "%% of floor |\n");
+    printf("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    // both engines wherever both run, unless --kernels names one
+    Kernels engines[2] = {cfg->kernels, KERNELS_FUSED};
+    int num_engines = 1;
+    if (cfg->kernels == KERNELS_AUTO) engines[0] = KERNELS_PLAIN, num_engines = use_fused(KERNELS_AUTO, d) ? 2 : 1;
+    const bool has_bf16 = gpu_attribute(cudaDevAttrComputeCapabilityMajor) >= 8; // bf16 tensor cores: sm_80 on
+    for (int run = 0; run < 2 * num_engines; run++) { // each engine in both precisions
+        const int p = run % 2;
+        if ((cfg->given & OPT_BIT(OPT_PRECISION)) && p != (int)cfg->precision) continue;
+        if (p == PRECISION_BF16 && !(cfg->given & OPT_BIT(OPT_PRECISION)) && !has_bf16) continue;
+        VAE m;
+        vae_init(&m, w, max_batch, (Precision)p, engines[run / 2]);
+        const char* engine = m.fused ? "fused" : "plain";
+        for (int b = 0; b < cfg->num_bench_batches; b++) {
+            const int B = cfg->bench_batches[b];
+            const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, false};
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            cudaCheck(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeGlobal));
+            vae_forward(&m, d_pixels, B, 0, &opt, d_losses, d_losses + max_batch);
+            cudaCheck(cudaStreamEndCapture(m.stream, &graph));
+            cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+            for (int i = 0; i < WARMUP; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
+            cudaCheck(cudaStreamSynchronize(m.stream));
+            Timer timer(m.stream);
+            float us[REPS];
+            for (int i = 0; i < REPS; i++) { // each from an idle GPU (elapsed_ms waits): the launch is in the latency
+                timer.restart();
+                cudaCheck(cudaGraphLaunch(exec, m.stream));
+                us[i] = 1000.0f * timer.elapsed_ms();
+            }
+            timer.restart();
+            for (int i = 0; i < REPS; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
+            const float burst_ms = timer.elapsed_ms();
+            std::sort(us, us + REPS);
+            const double latency_us = us[REPS / 2], throughput_us = 1000.0 * burst_ms / REPS;
+            const double weight_bytes = (double)w->count * (p == PRECISION_FP32 ? 4 : 2);
+            const double floor_us = 1e6 * fmax(flops_per_image * B / floor_flops,
+                                               ((double)B * (INPUT_DIM + 2 * sizeof(float)) + weight_bytes) /
+                                                   floor_bytes_per_s);
+            const double tflops = flops_per_image * B / (throughput_us * 1e6);
+            printf("| %s | %s | %d | %.1f | %.1f | %.3g | %.1f | %.1f | %.1f%% |\n", engine, PRECISION_NAMES[p], B,
+                   latency_us, throughput_us, B / (throughput_us * 1e-6), tflops, floor_us,
+                   100.0 * floor_us / throughput_us);
+            cudaCheck(cudaGraphExecDestroy(exec));
+            cudaCheck(cudaGraphDestroy(graph));
+        }
+        vae_free(&m);
+    }
+    cudaCheck(cudaFree(d_losses));
+}
+// --interp N: every pair of the first N images, INTERP_STEPS decodes each on the line between their latent means, first
+// in passes of as many decodes as the model holds (on every GPU), then one pair per call on the first GPU (a launch and
+// a wait for 11 decodes, the way an interactive loop would ask). Both decode on the device and leave the images there;
+// neither copies them back inside the timing.
+static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
+    const int n = cfg->interp_n, num_pairs = n * (n - 1) / 2, decodes = num_pairs * INTERP_STEPS;
+    const int pass_rows = IWAE_ROWS - IWAE_ROWS % INTERP_STEPS; // whole pairs per pass
+    const size_t pair_floats = (size_t)INTERP_STEPS * INPUT_DIM;
+    int2* pairs = (int2*)malloc((size_t)num_pairs * sizeof(int2));
+    float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * INPUT_DIM * sizeof(float));
+    float* last = (float*)malloc((size_t)2 * pair_floats * sizeof(float)); // the last pair, both ways
+    if (pairs == NULL || tiles == NULL || last == NULL) fail("out of host memory for %d pairs", num_pairs);
+    for (int a = 0, p = 0; a < n; a++)
+        for (int b = a + 1; b < n; b++) pairs[p++] = make_int2(a, b);
+    std::vector<int2*> d_pairs(gs->count);
+    const double batched_ms = over_slices(gs, decodes, [&](Gpu* g, auto slices) {
+        VAE* m = &g->m;
+        int2*& here = d_pairs[g - gs->gpu];
+        vae_init(m, w, pass_rows, cfg->precision, cfg->kernels);
+        here = (int2*)device_alloc((size_t)num_pairs * sizeof(int2), "the pairs");
+        cudaCheck(cudaMemcpy(here, pairs, (size_t)num_pairs * sizeof(int2), cudaMemcpyHostToDevice));
+        vae_encode(m, g->pixels, n); // m->mulv holds the N means from here on; decoding leaves it alone
+        vae_decode_interpolations(m, here, 0, INTERP_STEPS, INTERP_STEPS); // the warm-up
+        slices(pass_rows, [&](int first, int rows) {
+            vae_decode_interpolations(m, here, first, rows, INTERP_STEPS);
+            // done before this GPU takes more; one GPU queues its passes back to back (a wait after each of N = 1000's
+            // 84 passes costs ~5%)
+            if (gs->count > 1) cudaCheck(cudaStreamSynchronize(m->stream));
+        });
+    });
+
+    // the last pass again (untimed) on the first GPU, whose one-pair decodes below it is compared with: another GPU may
+    // have taken it, and GPUs of other kinds may run another engine
+    VAE* m = &gs->gpu[0].m;
+    const double rest_start = Slices::now_ms(); // the check and the picture, beside the two timed ways
+    const int last_pass = (decodes - 1) / pass_rows * pass_rows, last_rows = decodes - last_pass;
+    vae_decode_interpolations(m, d_pairs[0], last_pass, last_rows, INTERP_STEPS);
+    cudaCheck(cudaMemcpy(last, m->recon + (size_t)(last_rows - INTERP_STEPS) * INPUT_DIM, pair_floats * sizeof(float),
+                         cudaMemcpyDeviceToHost));
+    const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
+    Progress progress("one pair per call", num_pairs);
+    const double single_start = Slices::now_ms();
+    Timer timer(m->stream);
+    for (int p = 0, reported = 0; p < num_pairs; p++) {
+        vae_decode_interpolations(m, d_pairs[0], (long long)p * INTERP_STEPS, INTERP_STEPS, INTERP_STEPS);
+        cudaCheck(cudaStreamSynchronize(m->stream));
+        if ((p + 1) % report_every == 0 || p + 1 == num_pairs) progress.add(p + 1 - reported), reported = p + 1;
+    }
+    const float single_ms = timer.elapsed_ms();
+    const double single_end = Slices::now_ms();
+    cudaCheck(cudaMemcpy(last + pair_floats, m->recon, pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
+    const bool same = !memcmp(last, last + pair_floats, pair_floats * sizeof(float));
+
+    fprintf(console, "interpolation: %d images, %d pairs x %d steps = %d decodes (%s)\n", n, num_pairs, INTERP_STEPS,
+            decodes, PRECISION_NAMES[cfg->precision]);
+    fprintf(console, "batched          %10.2f ms%s (%.3g decodes/s, passes of %d)\n", batched_ms, on_gpus(gs),
+            decodes / (batched_ms * 1e-3), pass_rows);
+    fprintf(console, "one pair a call  %10.2f ms (%.3g decodes/s, %d calls)\n", single_ms, decodes / (single_ms * 1e-3),
+            num_pairs);
+    fprintf(console, "batched is %.1fx faster; the last pair's images are %s both ways\n", single_ms / batched_ms,
+            same ? "bitwise identical" : "DIFFERENT");
+    if (!same) fail("--interp: the batched and the one-pair decodes differ. HINT: this is a bug; please report it");
+
+    const int rows = num_pairs < 10 ? num_pairs : 10;
+    vae_decode_interpolations(m, d_pairs[0], 0, rows * INTERP_STEPS, INTERP_STEPS);
+    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)rows * pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
+    char what[96];
+    snprintf(what, sizeof(what), "the first %d pairs, t = 0, 0.1, ..., 1", rows);
+    write_grid(cfg, "interp.ppm", what, tiles, rows, INTERP_STEPS);
+    const double rest_ms = single_start - rest_start + Slices::now_ms() - single_end;
+    fprintf(console, "time             %10.2f ms (batched %.2f ms, one pair a call %.2f ms, the check and interp.ppm "
+            "%.2f ms)\n", batched_ms + single_ms + rest_ms, batched_ms, single_ms, rest_ms);
+    free(pairs), free(tiles), free(last);
+    on_each_gpu(gs, [&](Gpu* g) { cudaCheck(cudaFree(d_pairs[g - gs->gpu])), vae_free(&g->m); });
+}
+// The idx file `name` in `dir`, or its gzipped copy (MNIST as shipped) where only that is there.
+static void idx_path(char path[MAX_PATH], const char* dir, const char* name) {
+    struct stat st;
+    snprintf(path, MAX_PATH, "%s/%s", dir, name);
+    if (stat(path, &st) != 0 && errno == ENOENT) snprintf(path, MAX_PATH, "%s/%s.gz", dir, name);
+    if (stat(path, &st) != 0 && errno == ENOENT) snprintf(path, MAX_PATH, "%s/%s", dir, name); // neither: name it
+}
+// --image files: 28x28 greymaps, read in full and validated like every other input.
+static void load_image_files(const Config* cfg, Images* images) {
+    images->count = cfg->num_image_files;
+    images->pixels = (uint8_t*)malloc((size_t)images->count * INPUT_DIM);
+    if (images->pixels == NULL) fail("out of host memory for %d images", images->count);
+    for (int i = 0; i < images->count; i++) {
+        Images one = {};
+        Error err;
+        if (!load_file(cfg->image_paths[i], parse_pgm, &one, &err, "HINT: check the --image path")) fail("%s", err.msg);
+        for (int p = 0; p < INPUT_DIM; p++)
+            images->pixels[(size_t)i * INPUT_DIM + p] = cfg->invert ? 255 - one.pixels[p] : one.pixels[p];
+        free(one.pixels);
+    }
+}
+int main(int argc, char** argv) {
+    Config cfg;
+    Error err;
+    if (!parse_args(argc, argv, &cfg, &err)) fail("%s", err.msg);
+    if (cfg.help || cfg.version) {
+        if (cfg.help) printf("%s", USAGE);
+        else print_version();
+        return 0;
+    }
+    quiet = cfg.quiet;
+    if (cfg.csv_path != NULL && !strcmp(cfg.csv_path, "-")) console = stderr;
+
+    // read and validate every input before touching the GPU
+    HostWeights weights = {};
+    Images images = {};
+    Labels labels = {}; // none: every label is -1
+    char images_path[MAX_PATH], labels_path[MAX_PATH];
+    const bool own_weights = cfg.given & OPT_BIT(OPT_WEIGHTS); // -w: a missing file is the user's, not make data's
+    if (!load_file(cfg.weights_path, parse_weights, &weights, &err, own_weights ? WEIGHTS_HINT : PREPARE_HINT) ||
+        !kernels_fit(cfg.kernels, weights.dims, &err))
+        fail("%s", err.msg);
+    if (cfg.num_image_files > 0) {
+        load_image_files(&cfg, &images);
+        snprintf(images_path, sizeof(images_path), "%d --image file%s", images.count, images.count > 1 ? "s" : "");
+    } else if (cfg.mode != MODE_BDMC) { // --bdmc simulates its images: no test set
+        // -d names the user's folder: 'make data' makes data/ only
+        const bool own_data = cfg.given & OPT_BIT(OPT_DATA);
+        const char* data_hint = own_data ? "HINT: pass -d with the folder that holds t10k-images-idx3-ubyte or its .gz"
+                                         : PREPARE_HINT;
+        struct stat st;
+        const int missing = stat(cfg.data_dir, &st) == 0 ? 0 : errno;
+        if (missing != 0 || !S_ISDIR(st.st_mode))
+            fail("%s %s: %s. %s", cfg.flag[OPT_DATA], cfg.data_dir,
+                 missing == ENOENT ? "no such folder" : missing != 0 ? strerror(missing) : "not a folder", data_hint);
+        idx_path(images_path, cfg.data_dir, "t10k-images-idx3-ubyte");
+        idx_path(labels_path, cfg.data_dir, "t10k-labels-idx1-ubyte");
+        if (!load_file(images_path, parse_idx_images, &images, &err, data_hint)) fail("%s", err.msg);
+        const bool have_labels = stat(labels_path, &st) == 0 || errno != ENOENT; // optional, but never half-read
+        if (have_labels && !load_file(labels_path, parse_idx_labels, &labels, &err)) fail("%s", err.msg);
+        if (have_labels && labels.count != images.count)
+            fail("%s holds %d labels for %d images in %s. " PREPARE_HINT, labels_path, labels.count, images.count,
+                 images_path);
+    }
+    if (cfg.count > images.count)
+        fail("%s %d: %s holds only %d images. HINT: pass %s %d or less", cfg.flag[OPT_COUNT], cfg.count, images_path,
+             images.count, cfg.flag[OPT_COUNT], images.count);
+    const int total = cfg.count > 0 ? cfg.count : images.count;
+    // --shard K/N: block K of N of the evaluated images, first .. first + count - 1
+    const int first = cfg.num_shards > 0 ? (int)((long long)total * cfg.shard / cfg.num_shards) : 0;
+    const int count = cfg.num_shards > 0 ? (int)((long long)total * (cfg.shard + 1) / cfg.num_shards) - first : total;
+    if (cfg.num_shards > total)
+        fail("%s %d/%d: the %d images make fewer than %d blocks. HINT: pass --shard K/N with N of at most %d",
+             cfg.flag[OPT_SHARD], cfg.shard, cfg.num_shards, total, cfg.num_shards, total);
+    if (cfg.mode == MODE_BENCH)
+        for (int b = 0; b < cfg.num_bench_batches; b++)
+            if (cfg.bench_batches[b] > count)
+                fail("--bench times batches of up to %d images, but only %d are evaluated (%s). HINT: pass "
+                     "--bench-batches with sizes of at most %d, or a larger -n", cfg.bench_batches[b], count,
+                     cfg.count > 0 ? cfg.flag[OPT_COUNT] : images_path, count);
+    if (cfg.mode == MODE_INTERP && cfg.interp_n > count)
+        fail("%s %d: %s holds only %d images. HINT: pass %s %d or less", cfg.flag[OPT_INTERP], cfg.interp_n,
+             images_path, count, cfg.flag[OPT_INTERP], count);
+    if ((cfg.mode == MODE_ELBO && cfg.num_shards == 0) || cfg.mode == MODE_INTERP)
+        check_output_dir(cfg.flag[OPT_OUT], cfg.out_dir);
+    if (cfg.csv_path != NULL && strcmp(cfg.csv_path, "-") != 0) check_output_file(cfg.flag[OPT_CSV], cfg.csv_path);
+
+    const int batch = cfg.batch < count ? cfg.batch : count;
+    set_out_of_memory_hint(cfg.mode, batch);
+    Gpus gpus = open_gpus(&cfg, weights.dims);
+    const ModelDims dims = weights.dims;
+    print_separator();
+    if (gpus.count == 1) {
+        print_row("device", "%s", gpus.gpu[0].name);
+        print_row("arch", "sm_%d, %d SMs", gpus.gpu[0].sm, gpus.gpu[0].sms);
+        if (cfg.mode == MODE_BENCH && (cfg.all_devices || cfg.num_devices > 1))
+            print_row("devices", "--bench times one GPU: %d", gpus.gpu[0].device);
+    } else {
+        print_row("devices", "%d GPUs, each taking slices as it frees up", gpus.count);
+        for (int i = 0; i < gpus.count; i++) {
+            const Gpu* g = &gpus.gpu[i];
+            char key[16];
+            snprintf(key, sizeof(key), "gpu %d", g->device);
+            print_row(key, "%s, sm_%d: %s", g->name, g->sm, g->fused ? "fused" : "plain");
+        }
+    }
+    print_row("weights", "%s", cfg.weights_path);
+    print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, dims.h1, dims.z, dims.h3, INPUT_DIM);
+    if (cfg.num_shards > 0)
+        print_row("images", "%d-%d of %d from %s (--shard %d/%d)", first, first + count - 1, total, images_path,
+                  cfg.shard, cfg.num_shards);
+    else if (cfg.mode != MODE_BDMC) print_row("images", "%d from %s", count, images_path);
+    if (labels.labels == NULL && cfg.mode != MODE_BDMC) print_row("labels", "none (each image's label is -1)");
+    if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
+    print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
+    if (cfg.mode != MODE_BENCH && gpus.count == 1) print_kernels_row(&cfg, dims, gpus.gpu[0].fused);
+    if (cfg.mode == MODE_ELBO || cfg.mode == MODE_BENCH)
+        print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
+    if (cfg.mode != MODE_INTERP) print_row("seed", "%llu", (unsigned long long)cfg.seed);
+    if (cfg.mode == MODE_IWAE) print_row("iwae", "K = %d importance samples per image", cfg.iwae_k);
+    if (cfg.mode == MODE_INTERP)
+        print_row("interp", "all pairs of %d images, %d steps each", cfg.interp_n, INTERP_STEPS);
+    if (cfg.mode == MODE_AIS)
+        print_row("ais", "T = %d, C = %d chains, L = %d leapfrog steps, from %s", cfg.ais_t, cfg.chains, cfg.leapfrog,
+                  cfg.ais_from_prior ? "the prior" : "q(z|x)");
+    if (cfg.mode == MODE_BDMC)
+        print_row("bdmc", "%d simulated images, T = %d, C = %d, L = %d, from %s", cfg.bdmc_n, cfg.ais_t, cfg.chains,
+                  cfg.leapfrog, cfg.ais_from_prior ? "the prior" : "q(z|x)");
+    print_separator();
+
+    // the images stay on each GPU as uint8 for the whole run: no copies in the batch loop (--bdmc makes its own)
+    if (cfg.mode != MODE_BDMC)
+        on_each_gpu(&gpus, [&](Gpu* g) {
+            g->pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the images");
+            cudaCheck(cudaMemcpy(g->pixels, images.pixels + (size_t)first * INPUT_DIM, (size_t)count * INPUT_DIM,
+                                 cudaMemcpyHostToDevice));
+        });
+    const Inputs inputs = {images_path, count, &labels, first};
+    if (cfg.mode == MODE_ELBO) run_elbo(&weights, &images, &inputs, &gpus, &cfg);
+    else if (cfg.mode == MODE_IWAE) run_iwae(&weights, &inputs, &gpus, &cfg);
+    else if (cfg.mode == MODE_BENCH) run_bench(&weights, gpus.gpu[0].pixels, &cfg);
+    else if (cfg.mode == MODE_AIS) run_ais(&weights, &inputs, &gpus, &cfg);
+    else if (cfg.mode == MODE_BDMC) run_bdmc(&weights, &gpus, &cfg);
+    else run_interp(&weights, &gpus, &cfg);
+    if (!outputs_commit(&err, quiet ? NULL : console)) fail("%s", err.msg);
+
+    on_each_gpu(&gpus, [](Gpu* g) { cudaCheck(cudaFree(g->pixels)); });
+    free(gpus.gpu), free(weights.data), free(images.pixels), free(labels.labels);
+    return 0;
+}
+#endif // TESTING
+
+// ==== appendix: the Hopper engine ====================================================================================
+// f<P>, the instance of template f for the precision named at run time.
+#define BY_PRECISION(precision, f) ((precision) == PRECISION_FP32 ? f<PRECISION_FP32> : f<PRECISION_BF16>)
 
 // ---- kernels: the tensor cores, one encoder kernel and one decoder kernel, in either precision ----------------------
 //
@@ -2456,11 +4308,8 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
                 if (j >= LATENT_DIM) continue;
                 const float* mulv = io.mulv + (size_t)im * MULV_DIM;
                 const float m = mulv[j], logvar = mulv[LATENT_DIM + j];
-                float kl_term;
                 mu(half, i) = m, inv_var(half, i) = expf(-logvar), logvar_sum[half] += logvar;
-                z[half][i] = io.z_start ? io.z_start[(size_t)im * LATENT_DIM + j]
-                                        : latent_z(m, logvar, gaussian(io.seed, STREAM_POSTERIOR, io.first_image + im,
-                                                                       chain[half], j), &kl_term);
+                z[half][i] = ais_start_z(io, im, chain[half], j, LATENT_DIM, m, logvar);
             }
             logvar_sum[half] = quad_sum(logvar_sum[half]);
         }
@@ -2470,37 +4319,33 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
         float grad[2][AIS_LATENTS], bce[2];
         gradient(z, x_row, grad, bce, true);
         const size_t row0 = (size_t)tile * per_tile * C + (warp - first_warp) * TASK_ROWS + g; // launch's rows
-        if (io.grad0 && rank == 0)
+        if (io.probe.grad0 && rank == 0)
             for (int half = 0; half < 2; half++)
                 for (int i = 0; i < AIS_LATENTS; i++) {
                     const int j = 8 * (i / 2) + 2 * t + i % 2;
-                    if (live[half] && j < LATENT_DIM) io.grad0[(row0 + 8 * half) * LATENT_DIM + j] = grad[half][i];
-                    if (live[half] && j == 0) io.bce0[row0 + 8 * half] = bce[half];
+                    if (live[half] && j < LATENT_DIM)
+                        io.probe.grad0[(row0 + 8 * half) * LATENT_DIM + j] = grad[half][i];
+                    if (live[half] && j == 0) io.probe.bce0[row0 + 8 * half] = bce[half];
                 }
-        // log p(x, z) and log p0(z) per row, as AisPrior::log_densities (a row's four lanes added by shuffles)
+        // log p(x, z) and log p0(z) per row (a row's four lanes added by shuffles)
         auto log_densities = [&](const float (&zz)[2][AIS_LATENTS], const float (&b)[2], float (&lpxz)[2],
                                  float (&lp0)[2]) {
             for (int half = 0; half < 2; half++) {
                 float sq = 0.0f, mahal = 0.0f;
-                for (int i = 0; i < AIS_LATENTS; i++) {
-                    const float d = zz[half][i] - mu(half, i);
-                    sq = fmaf(zz[half][i], zz[half][i], sq), mahal = fmaf(d * d, inv_var(half, i), mahal);
-                }
-                lpxz[half] = -b[half] - 0.5f * quad_sum(sq), lp0[half] = -0.5f * (quad_sum(mahal) + logvar_sum[half]);
+                for (int i = 0; i < AIS_LATENTS; i++)
+                    ais_density_terms(zz[half][i], mu(half, i), inv_var(half, i), &sq, &mahal);
+                ais_log_densities(b[half], quad_sum(sq), quad_sum(mahal), logvar_sum[half], &lpxz[half], &lp0[half]);
             }
         };
         double log_w[2] = {0.0, 0.0};
         int accepted[2] = {0, 0};
         float delta_h[2] = {0.0f, 0.0f};
         for (int s = 1; s <= io.T; s++) {
-            const int at = io.reverse ? io.T + 1 - s : s; // the weight's step of the schedule
-            const double d_beta = io.beta[at] - io.beta[at - 1];
             float lpxz[2], lp0[2];
             log_densities(z, bce, lpxz, lp0);
-            for (int half = 0; half < 2; half++)
-                log_w[half] += (io.reverse ? -d_beta : d_beta) * (double)(lpxz[half] - lp0[half]);
+            for (int half = 0; half < 2; half++) log_w[half] += ais_weight_term(io, s, lpxz[half], lp0[half]);
             if (s == io.T) break;
-            const float beta = (float)io.beta[io.reverse ? io.T - s : s]; // the transition's target f_beta
+            const float beta = ais_target(io, s);
             // HMC: momentum, the start's H, L leapfrog steps, the Metropolis test
             float p[2][AIS_LATENTS], step[2], h0[2];
             #pragma unroll
@@ -2509,17 +4354,15 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
                 #pragma unroll
                 for (int i = 0; i < AIS_LATENTS; i += 2) {
                     const int j = 8 * (i / 2) + 2 * t;
-                    const uint32_t im = io.first_image + image[half];
-                    const bool injected = io.p_start && s == 1 && live[half] && j < LATENT_DIM;
-                    const float* given = injected ? io.p_start + (row0 + 8 * half) * LATENT_DIM + j : NULL;
+                    const bool injected = io.probe.p_start && s == 1 && live[half] && j < LATENT_DIM;
+                    const float* given = injected ? io.probe.p_start + (row0 + 8 * half) * LATENT_DIM + j : NULL;
                     const float2 e = j >= LATENT_DIM ? make_float2(0.0f, 0.0f)
                                      : injected      ? make_float2(given[0], given[1])
-                                          : gaussian_pair(io.seed, STREAM_MOMENTUM, im, chain[half],
-                                                          momentum_counter(s, j, LATENT_DIM));
+                                                     : ais_momentum(io, image[half], chain[half], s, j, LATENT_DIM);
                     p[half][i] = e.x, p[half][i + 1] = e.y;
                     kinetic = fmaf(e.x, e.x, fmaf(e.y, e.y, kinetic));
                 }
-                h0[half] = -beta * lpxz[half] - (1.0f - beta) * lp0[half] + 0.5f * quad_sum(kinetic);
+                h0[half] = ais_energy(beta, lpxz[half], lp0[half], quad_sum(kinetic));
                 step[half] = step_of[local[half] < per_tile ? local[half] : 0];
                 slot(AIS_SLOT_BCE0 + half) = bce[half];
                 for (int i = 0; i < AIS_LATENTS; i++)
@@ -2529,33 +4372,30 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
             // p -= eps/2 grad U first, then L times: z += eps p, the gradient, p -= eps grad U (eps/2 at the end)
             auto kick = [&](float scale) {
                 for (int half = 0; half < 2; half++)
-                    for (int i = 0; i < AIS_LATENTS; i++) {
-                        const float grad_u = beta * (grad[half][i] + z[half][i]) +
-                                             (1.0f - beta) * (z[half][i] - mu(half, i)) * inv_var(half, i);
-                        p[half][i] = fmaf(-scale * step[half], grad_u, p[half][i]);
-                    }
+                    for (int i = 0; i < AIS_LATENTS; i++)
+                        p[half][i] = ais_kick(p[half][i], z[half][i], grad[half][i], mu(half, i), inv_var(half, i),
+                                              beta, scale * step[half]);
             };
             kick(0.5f);
             for (int l = 1; l <= io.leapfrog; l++) {
                 for (int half = 0; half < 2; half++)
-                    for (int i = 0; i < AIS_LATENTS; i++) z[half][i] = fmaf(step[half], p[half][i], z[half][i]);
+                    for (int i = 0; i < AIS_LATENTS; i++) z[half][i] = ais_drift(z[half][i], p[half][i], step[half]);
                 gradient(z, x_row, grad, bce, l == io.leapfrog);
                 kick(l < io.leapfrog ? 1.0f : 0.5f);
             }
             log_densities(z, bce, lpxz, lp0);
-            if (io.proposal && s == io.T - 1 && rank == 0)
+            if (io.probe.proposal && s == io.T - 1 && rank == 0)
                 for (int half = 0; half < 2; half++)
                     for (int i = 0; i < AIS_LATENTS; i++) {
                         const int j = 8 * (i / 2) + 2 * t + i % 2;
-                        float* out = io.proposal + (row0 + 8 * half) * 2 * LATENT_DIM + j;
+                        float* out = io.probe.proposal + (row0 + 8 * half) * 2 * LATENT_DIM + j;
                         if (live[half] && j < LATENT_DIM) out[0] = z[half][i], out[LATENT_DIM] = p[half][i];
                     }
             for (int half = 0; half < 2; half++) {
                 float kinetic = 0.0f;
                 for (int i = 0; i < AIS_LATENTS; i++) kinetic = fmaf(p[half][i], p[half][i], kinetic);
-                const float h1 = -beta * lpxz[half] - (1.0f - beta) * lp0[half] + 0.5f * quad_sum(kinetic);
-                const float u = uniform_open0(io.seed, STREAM_ACCEPT, io.first_image + image[half], chain[half], s);
-                const bool accept = logf(u) < h0[half] - h1; // false for a non-finite proposal
+                const float h1 = ais_energy(beta, lpxz[half], lp0[half], quad_sum(kinetic));
+                const bool accept = ais_accept(io, image[half], chain[half], s, h0[half], h1);
                 delta_h[half] = h0[half] - h1;
                 if (!accept) {
                     bce[half] = slot(AIS_SLOT_BCE0 + half);
@@ -2568,10 +4408,7 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
             }
             group_sync();
             if (tid < per_tile) { // each image's step size, from the acceptance of its C chains
-                const float rate = (float)accepted_of[tid] / C, old = step_of[tid];
-                if (io.adapt)
-                    step_of[tid] =
-                        fminf(fmaxf(old * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN), AIS_STEP_MAX);
+                step_of[tid] = ais_adapted_step(io, step_of[tid], accepted_of[tid], C);
                 accepted_of[tid] = 0;
             }
             group_sync();
@@ -2581,11 +4418,11 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
                 if (!live[half]) continue;
                 const size_t row = row0 + 8 * half;
                 if (t == 0) io.log_w[row] = log_w[half], io.accepted[row] = accepted[half];
-                if (t == 0 && io.delta_h) io.delta_h[row] = delta_h[half];
-                if (io.z_out)
+                if (t == 0 && io.probe.delta_h) io.probe.delta_h[row] = delta_h[half];
+                if (io.probe.z_out)
                     for (int i = 0; i < AIS_LATENTS; i++) {
                         const int j = 8 * (i / 2) + 2 * t + i % 2;
-                        if (j < LATENT_DIM) io.z_out[row * LATENT_DIM + j] = z[half][i];
+                        if (j < LATENT_DIM) io.probe.z_out[row * LATENT_DIM + j] = z[half][i];
                     }
             }
             if (tid < per_tile && tile * per_tile + tid < io.n) io.step_out[tile * per_tile + tid] = step_of[tid];
@@ -2616,6 +4453,7 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
 // fp16 parts: a cluster of 8 blocks of 104 logits (AisFc4Cores; 221,480 bytes a block), m64n104k16 forward and
 // m64n64k16 backward (on mma.sync they are bound by their issue).
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
+static_assert((int)AIS_ROWS == (int)FUSED_AIS_CHAINS, "the interface's count of the chains a cluster holds");
 static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
 // fc4's column block as each path's wgmmas read it. bf16: K in 64-wide slices of 200 rows, the 128-byte swizzle TMA
 // writes (the decoder's tensor map). fp32: the hi and lo copies of 104 rows as 8 x 8 core matrices without swizzle,
@@ -3085,1848 +4923,156 @@ static bool gpu_has_wgmma() {
     return flag == 1;
 }
 
-// ---- the model ------------------------------------------------------------------------------------------------------
-static const char* PRECISION_NAMES[] = {"fp32", "bf16"};
-// f<P>, the instance of template f for the precision named at run time.
-#define BY_PRECISION(precision, f) ((precision) == PRECISION_FP32 ? f<PRECISION_FP32> : f<PRECISION_BF16>)
-// Which engine runs the model: the plain path (cuBLASLt, every GPU) or the fused kernels (Hopper's wgmma, TMA and
-// clusters, where this binary has sm_90a code for the GPU); auto picks the fused ones wherever they run.
-typedef enum { KERNELS_AUTO, KERNELS_PLAIN, KERNELS_FUSED } Kernels;
-static const char* KERNELS_NAMES[] = {"auto", "plain", "fused"};
-typedef struct {
-    ModelDims dims;
-    int max_batch;
+// ---- the Hopper engine's state, and the interface's entry points ----------------------------------------------------
+// The fused kernels' model, the published size only: the weights in the kernels' layouts (weights_kernel) in the path's
+// 16-bit type, the tensor maps TMA reads them through, the z rows between encoder and decoder, the merges' partials and
+// tickets, AIS's chain state, and fp32 activations (the VAE's views).
+struct Fused {
     Precision precision;
-    bool fused; // the fused kernels (the published size only), else the plain path (m->plain), none of the state below
-    Plain plain;
-    cudaStream_t stream;
-    float* params;                   // one device allocation holding the fp32 tensors below
-    const float* tensor[NUM_TENSORS]; // file order; fc22's rows and bias follow fc21's: one layer yields [mu | logvar]
-    // fp32 activations for up to max_batch images, row-major [image][feature], written only when
-    // asked for (h1 and h3 stay on chip; the fp32 path has them for the tests)
-    float *h1, *mulv, *z, *h3, *logits, *recon;
-    // per decoder row (decoder_rows; --iwae's K an image): log p(z) - log q(z|x), and its BCE in column blocks' parts
-    int decoder_rows, bce_parts_per_row;
-    float *row_log_ratio, *bce_parts;
-    float2* lse_partials; // the logsumexp's (max, sum) per chunk of LSE_CHUNK rows: 2 decoder_rows / LSE_CHUNK at most
-    // the weights in the kernels' layouts (weights_kernel), once at load, in the path's 16-bit type
+    cudaStream_t stream; // the model's
+    int sms, max_batch, decoder_rows;
+    const float *fc1_b, *enc_b; // fp32 biases, the model's
     void* params16;
     const void *fc1_wp, *enc_w16, *fc3_wb, *fc4_wb, *ais_w3; // ais_w3: fc3 for ais_kernel, [parts][400][24]
+    CUtensorMap w1_map, w4_map, w3_map;
     uint4* z_rows;                       // [decoder_rows][Z_K / 8]
     float* enc_partials;                 // [max_batch][slices][40]
     unsigned *enc_tickets, *dec_tickets; // per 16 images, per 16 decoder rows; zero between launches
     int ais_clusters;                    // ais_kernel's clusters at once; 0 without sm_90a code (--ais needs it)
     float* ais_state;                    // ais_kernel's chain state for ais_clusters (ais_state_bytes)
-    int sms; // persistent blocks: at most one per SM
-    CUtensorMap w1_map, w4_map, w3_map;
-} VAE;
-// How one forward pass draws z and what it keeps.
-typedef struct {
-    uint64_t seed;
-    bool z_is_mu;          // z = mu (no noise): the deterministic reconstruction
-    const float* eps;      // device [B][Z] noise to use instead of the generator (tests), or NULL
-    bool want_recon;       // also write recon = sigmoid(logits)
-    bool keep_activations; // also write mulv, z and logits (and fp32's h1 and h3)
-} ForwardOptions;
-// The fused kernels' state in precision P (vae_init's second half): weights, z rows, GPU-specific state, activations.
-template <Precision P> static void vae_init_path(VAE* m) {
+    float *h1, *h3, *mulv, *z, *logits, *recon; // [max_batch][...] (h1, h3: fp32 only, for the tests)
+    float *bce_parts, *row_log_ratio;           // [decoder_rows][DEC_COL_BLOCKS], [decoder_rows]
+};
+
+// The state in precision P for m's model (fused_init's work).
+template <Precision P> static void fused_init_path(Fused* f, const float* const* tensor) {
     typedef typename Path<P>::T T;
     constexpr int COPIES = Path<P>::SPLIT ? 2 : 1;
-    const int batch = m->max_batch;
-    const size_t B = (size_t)batch, R = (size_t)m->decoder_rows;
+    const size_t B = (size_t)f->max_batch, R = (size_t)f->decoder_rows;
     const size_t fc1 = (size_t)Path<P>::ENC_SLICES * ENC_BN * FC1_K,
                  enc = (size_t)MULV_DIM * Path<P>::ENC_SLICES * Path<P>::ENC_W_COLS,
                  fc3 = (size_t)HIDDEN_DIM * Path<P>::Z_K, fc4 = (size_t)COPIES * INPUT_DIM * FC4_K,
                  ais_fc3 = (size_t)2 * HIDDEN_DIM * AIS_W3_K; // fp16 hi and lo in both paths (AisW3Cores)
     T* p = (T*)device_alloc((fc1 + enc + fc3 + fc4 + ais_fc3) * sizeof(T), "the 16-bit weights");
-    m->params16 = p;
+    f->params16 = p;
     auto convert = [&](Layer layer, const float* w, const float* b, size_t count) {
         T* dst = p;
         p += count;
-        launch(weights_kernel<P>, count, 256, 256, m->stream, dst, layer, w, b, (long long)count);
+        launch(weights_kernel<P>, count, 256, 256, f->stream, dst, layer, w, b, (long long)count);
         return dst;
     };
-    m->fc1_wp = convert(LAYER_FC1, m->tensor[FC1_W], NULL, fc1);
-    m->enc_w16 = convert(LAYER_ENC, m->tensor[FC21_W], NULL, enc);
-    m->fc3_wb = convert(LAYER_FC3, m->tensor[FC3_W], m->tensor[FC3_B], fc3);
-    m->fc4_wb = convert(LAYER_FC4, m->tensor[FC4_W], m->tensor[FC4_B], fc4);
-    m->ais_w3 = p;
-    launch(weights_kernel<PRECISION_FP32>, ais_fc3, 256, 256, m->stream, (fp16*)p, LAYER_AIS_FC3, m->tensor[FC3_W],
-           m->tensor[FC3_B], (long long)ais_fc3);
-    m->bce_parts_per_row = Path<P>::DEC_COL_BLOCKS;
-    m->z_rows = (uint4*)device_alloc(R * Path<P>::Z_K * 2, "z rows");
+    f->fc1_wp = convert(LAYER_FC1, tensor[FC1_W], NULL, fc1);
+    f->enc_w16 = convert(LAYER_ENC, tensor[FC21_W], NULL, enc);
+    f->fc3_wb = convert(LAYER_FC3, tensor[FC3_W], tensor[FC3_B], fc3);
+    f->fc4_wb = convert(LAYER_FC4, tensor[FC4_W], tensor[FC4_B], fc4);
+    f->ais_w3 = p;
+    launch(weights_kernel<PRECISION_FP32>, ais_fc3, 256, 256, f->stream, (fp16*)p, LAYER_AIS_FC3, tensor[FC3_W],
+           tensor[FC3_B], (long long)ais_fc3);
+    f->z_rows = (uint4*)device_alloc(R * Path<P>::Z_K * 2, "z rows");
     allow_shared_memory<P>();
-    m->ais_clusters = ais_max_clusters<P>();
-    if (m->ais_clusters > 0) // not without sm_90a code, where --ais stops at require_ais
-        m->ais_state = (float*)device_alloc(ais_state_bytes<P>(m->ais_clusters), "the AIS chains' state");
-    m->w1_map = tensor_map_16bit(m->fc1_wp, Path<P>::ENC_SLICES * ENC_BN, FC1_K, ENC_BN);
-    m->w4_map = tensor_map_16bit(m->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
-    m->w3_map = tensor_map_16bit(m->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
+    f->ais_clusters = ais_max_clusters<P>();
+    if (f->ais_clusters > 0) // not without sm_90a code, where --ais stops at require_ais
+        f->ais_state = (float*)device_alloc(ais_state_bytes<P>(f->ais_clusters), "the AIS chains' state");
+    f->w1_map = tensor_map_16bit(f->fc1_wp, Path<P>::ENC_SLICES * ENC_BN, FC1_K, ENC_BN);
+    f->w4_map = tensor_map_16bit(f->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
+    f->w3_map = tensor_map_16bit(f->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
     if (P == PRECISION_FP32) { // the tests' view of the hidden layers
-        m->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1");
-        m->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3");
+        f->h1 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h1");
+        f->h3 = (float*)device_alloc(B * HIDDEN_DIM * sizeof(float), "h3");
     }
-    m->bce_parts = (float*)device_alloc(R * m->bce_parts_per_row * sizeof(float), "BCE parts");
-    m->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar");
-    m->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z");
-    m->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits");
-    m->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon");
-    m->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios");
-    m->enc_partials = (float*)device_alloc(B * MAX_ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials");
-    const size_t enc_tickets = ceil_div(batch, TASK_ROWS), dec_tickets = ceil_div(m->decoder_rows, TASK_ROWS);
-    m->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets");
-    m->dec_tickets = m->enc_tickets + enc_tickets;
-    cudaCheck(cudaMemset(m->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
+    f->bce_parts = (float*)device_alloc(R * Path<P>::DEC_COL_BLOCKS * sizeof(float), "BCE parts");
+    f->mulv = (float*)device_alloc(B * MULV_DIM * sizeof(float), "mu/logvar");
+    f->z = (float*)device_alloc(B * LATENT_DIM * sizeof(float), "z");
+    f->logits = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "logits");
+    f->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon");
+    f->row_log_ratio = (float*)device_alloc(R * sizeof(float), "per-row log-density ratios");
+    f->enc_partials = (float*)device_alloc(B * MAX_ENC_SLICES * MULV_DIM * sizeof(float), "encoder partials");
+    const size_t enc_tickets = ceil_div(f->max_batch, TASK_ROWS), dec_tickets = ceil_div(f->decoder_rows, TASK_ROWS);
+    f->enc_tickets = (unsigned*)device_alloc((enc_tickets + dec_tickets) * sizeof(unsigned), "tickets");
+    f->dec_tickets = f->enc_tickets + enc_tickets;
+    cudaCheck(cudaMemset(f->enc_tickets, 0, (enc_tickets + dec_tickets) * sizeof(unsigned)));
 }
+
+static Fused* fused_init(VAE* m) {
+    Fused* f = (Fused*)calloc(1, sizeof(Fused));
+    if (f == NULL) fail("out of host memory for the fused kernels' state");
+    f->precision = m->precision, f->stream = m->stream, f->sms = gpu_attribute(cudaDevAttrMultiProcessorCount);
+    f->max_batch = m->max_batch, f->decoder_rows = m->decoder_rows;
+    f->fc1_b = m->tensor[FC1_B], f->enc_b = m->tensor[FC21_B];
+    BY_PRECISION(m->precision, fused_init_path)(f, m->tensor);
+    m->h1 = f->h1, m->h3 = f->h3, m->mulv = f->mulv, m->z = f->z, m->logits = f->logits, m->recon = f->recon;
+    m->bce_parts = f->bce_parts, m->row_log_ratio = f->row_log_ratio;
+    m->bce_parts_per_row = m->precision == PRECISION_FP32 ? Path<PRECISION_FP32>::DEC_COL_BLOCKS
+                                                          : Path<PRECISION_BF16>::DEC_COL_BLOCKS;
+    return f;
+}
+
+static void fused_free(Fused* f) {
+    void* buffers[] = {f->h1, f->mulv, f->z, f->h3, f->logits, f->recon, f->bce_parts, f->params16, f->z_rows,
+                       f->row_log_ratio, f->enc_partials, f->enc_tickets, f->ais_state};
+    for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
+    free(f);
+}
+
 // The most shared memory a block of the fused kernels asks for (ais_kernel's, ~226 KB): the GPU must give that much.
 static size_t fused_smem_bytes() {
     return std::max({(size_t)enc_wg_smem<PRECISION_FP32>(), (size_t)enc_wg_smem<PRECISION_BF16>(),
                      (size_t)dec_wg_smem<PRECISION_FP32>(), (size_t)dec_wg_smem<PRECISION_BF16>(),
                      (size_t)ais_smem<PRECISION_FP32>(), (size_t)ais_smem<PRECISION_BF16>()});
 }
-// Whether `kernels` can serve a model of size dims: the fused kernels are built for the published size only.
-static bool kernels_fit(Kernels kernels, ModelDims dims, Error* err) {
-    if (kernels != KERNELS_FUSED || is_published(dims)) return true;
-    return set_error(err, "--kernels fused: the fused kernels are built for the 784-400-20-400 model; this one is "
-                     "784-%d-%d-%d. HINT: --kernels plain (or auto) runs every size", dims.h1, dims.z, dims.h3);
-}
-// The engine for a model of size dims on a GPU of compute capability major.minor with smem_optin bytes of shared memory
-// a block, fused_code: whether this binary has the fused kernels' sm_90a code. `kernels` as asked, auto the fused
-// kernels where they can run, else the plain path; false, with the reason, where asked-for fused kernels cannot run.
-static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, size_t smem_optin, bool fused_code,
-                        bool* fused, Error* err) {
-    if (!kernels_fit(kernels, dims, err)) return false;
-    const bool can = fused_code && major == 9 && smem_optin >= fused_smem_bytes() && is_published(dims);
-    if (kernels == KERNELS_FUSED && !can)
-        return set_error(err, "--kernels fused: the fused kernels need an sm_90 GPU (H100, H200) and a binary with "
-                         "sm_90a code; this is sm_%d%d%s. HINT: --kernels plain (or auto) runs every mode on any GPU",
-                         major, minor, major == 9 ? " without that code (rebuild: make clean && make vae)" : "");
-    *fused = can && kernels != KERNELS_PLAIN;
-    return true;
-}
-static int gpu_attribute(cudaDeviceAttr attribute) {
-    int device, value;
-    cudaCheck(cudaGetDevice(&device));
-    cudaCheck(cudaDeviceGetAttribute(&value, attribute, device));
-    return value;
-}
-// Whether the fused kernels run for `kernels` on this GPU and a model of size dims (auto: whether they can).
-static bool use_fused(Kernels kernels, ModelDims dims) {
-    const int major = gpu_attribute(cudaDevAttrComputeCapabilityMajor);
-    const int minor = gpu_attribute(cudaDevAttrComputeCapabilityMinor);
-    const int smem = gpu_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
-    const bool fused_code = kernels != KERNELS_PLAIN && is_published(dims) && gpu_has_wgmma();
-    bool fused = false;
-    Error err;
-    if (!pick_engine(kernels, dims, major, minor, (size_t)smem, fused_code, &fused, &err)) fail("%s", err.msg);
-    return fused;
-}
-// The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a row in fp32 for
-// H3 = 400 (fc3's input, h3, the logits), ~20 KB for 4,096.
-enum { PLAIN_DECODER_ROWS = 1 << 18 };
-// max_batch: images a forward pass, and --iwae's most samples per image. decoder_rows: rows a --iwae decoder pass (at
-// least max_batch). A fused row costs at most 172 bytes (fp32's z row, BCE parts, log ratio) and no activations, so its
-// passes run far longer; the plain path keeps a row's h3 and logits: at most PLAIN_DECODER_ROWS (or max_batch).
-static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
-                     int decoder_rows = 0) {
-    memset(m, 0, sizeof(*m));
-    m->dims = w->dims, m->max_batch = max_batch, m->precision = precision;
-    cudaCheck(cudaStreamCreate(&m->stream));
-    // device layout: fc1.w fc1.b | fc21.w fc22.w | fc21.b fc22.b | fc3.w fc3.b fc4.w fc4.b
-    const int order[NUM_TENSORS] = {FC1_W, FC1_B, FC21_W, FC22_W, FC21_B, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B};
-    float* at = m->params = (float*)device_alloc(w->count * sizeof(float), "the weights");
-    for (int t : order) {
-        cudaCheck(cudaMemcpy(at, w->tensor[t], w->size[t] * sizeof(float), cudaMemcpyHostToDevice));
-        m->tensor[t] = at, at += w->size[t];
-    }
 
-    m->sms = gpu_attribute(cudaDevAttrMultiProcessorCount);
-    m->fused = use_fused(kernels, m->dims);
-    if (m->fused) {
-        m->decoder_rows = std::max(decoder_rows, max_batch);
-        BY_PRECISION(precision, vae_init_path)(m);
-    } else {
-        const int rows = std::max(std::min(decoder_rows, (int)PLAIN_DECODER_ROWS), max_batch);
-        plain_init(&m->plain, m->tensor, m->dims, precision, max_batch, rows, m->stream);
-        Plain* pl = &m->plain; // the model's views are the plain path's buffers (h1, h3: fp32's only)
-        m->mulv = pl->mulv, m->z = pl->z, m->logits = pl->logits, m->recon = pl->recon;
-        m->decoder_rows = rows, m->bce_parts = pl->bce, m->bce_parts_per_row = 1, m->row_log_ratio = pl->log_ratio;
-        if (precision == PRECISION_FP32) m->h1 = (float*)pl->h1, m->h3 = (float*)pl->h3;
-    }
-    // K > LSE_CHUNK samples an image: decoder_rows / K images of at most 2 K / LSE_CHUNK chunks
-    m->lse_partials = (float2*)device_alloc((2 * (size_t)m->decoder_rows / LSE_CHUNK + 1) * sizeof(float2),
-                                            "the logsumexp's partials");
-    cudaCheck(cudaStreamSynchronize(m->stream));
-}
-static void vae_free(VAE* m) {
-    void* buffers[] = {m->h1, m->mulv, m->z, m->h3, m->logits, m->recon, m->bce_parts, m->params16, m->z_rows,
-                       m->row_log_ratio, m->enc_partials, m->enc_tickets, m->ais_state};
-    if (m->fused) for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
-    else plain_free(&m->plain);                                   // the views above are its buffers
-    cudaCheck(cudaFree(m->lse_partials)), cudaCheck(cudaFree(m->params));
-    cudaCheck(cudaStreamDestroy(m->stream));
-    memset(m, 0, sizeof(*m));
-}
-// The decoder over `rows` z rows in m->z_rows, in the model's precision. With pixels, row r is scored against image
-// r / rows_per_image: its BCE into bce[r] (bce NULL: left in m->bce_parts for the caller); logits, recon, h3 if given.
-static void vae_decoder(VAE* m, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,
-                        float* recon, float* h3 = NULL) {
-    const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits, recon,
+// The decoder over `rows` z rows in f->z_rows. With pixels, row r is scored against image r / rows_per_image: its BCE
+// into bce[r] (bce NULL: left in f->bce_parts for the caller); logits, recon, h3 if given.
+static void fused_decoder(Fused* f, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,
+                          float* recon, float* h3 = NULL) {
+    const DecoderIO io = {f->z_rows, pixels, rows, rows_per_image, bce, f->bce_parts, f->dec_tickets, logits, recon,
                           h3};
-    BY_PRECISION(m->precision, decoder_launch)(io, m->w4_map, m->w3_map, m->sms, m->stream);
+    BY_PRECISION(f->precision, decoder_launch)(io, f->w4_map, f->w3_map, f->sms, f->stream);
 }
-// The encoder in the model's precision over io.M images (io's weights filled in here).
-static void vae_encoder(VAE* m, EncoderIO io) {
-    io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.enc_w = m->enc_w16;
-    io.fc1_b = m->tensor[FC1_B], io.enc_b = m->tensor[FC21_B];
-    BY_PRECISION(m->precision, encoder_launch)(io, m->w1_map, m->sms, m->stream);
+
+// The encoder over io.M images (io's weights filled in here).
+static void fused_encoder(Fused* f, EncoderIO io) {
+    io.partials = f->enc_partials, io.tickets = f->enc_tickets, io.enc_w = f->enc_w16;
+    io.fc1_b = f->fc1_b, io.enc_b = f->enc_b;
+    BY_PRECISION(f->precision, encoder_launch)(io, f->w1_map, f->sms, f->stream);
 }
-// mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
-static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
-    if (!m->fused) return plain_encode(&m->plain, pixels, B, m->stream);
+
+static void fused_encode(Fused* f, const uint8_t* pixels, int B) {
     EncoderIO io = {};
-    io.z_rows = m->z_rows, io.mulv_out = m->mulv, io.pixels = pixels, io.M = B, io.z_is_mu = true;
-    vae_encoder(m, io);
+    io.z_rows = f->z_rows, io.mulv_out = f->mulv, io.pixels = pixels, io.M = B, io.z_is_mu = true;
+    fused_encoder(f, io);
 }
-// recon = the decoder's images of B latents given in fp32 (a device pointer), in the model's precision.
-static void vae_decode(VAE* m, const float* z, int B) {
-    if (!m->fused) {
-        plain_set_z(&m->plain, z, B, m->stream);
-        return plain_decode(&m->plain, NULL, B, 1, NULL, m->recon, false, m->stream);
-    }
-    launch(BY_PRECISION(m->precision, z_rows_kernel), B, 128, 128, m->stream, m->z_rows, z, B);
-    vae_decoder(m, NULL, B, 1, NULL, NULL, m->recon);
+
+static void fused_decode(Fused* f, const float* z, int B) {
+    launch(BY_PRECISION(f->precision, z_rows_kernel), B, 128, 128, f->stream, f->z_rows, z, B);
+    fused_decoder(f, NULL, B, 1, NULL, NULL, f->recon);
 }
-// Decodes rows first_row .. first_row + rows - 1 of the interpolations between pairs of images (row r: step r % steps
-// of pair r / steps; the pairs index the images' [mu | logvar] rows in m->mulv) into m->recon.
-static void vae_decode_interpolations(VAE* m, const int2* d_pairs, long long first_row, int rows, int steps) {
-    launch(interp_latents_kernel, (long long)rows * m->dims.z, 256, 256, m->stream, m->z, m->mulv, d_pairs, first_row,
-           rows, steps, m->dims.z);
-    vae_decode(m, m->z, rows);
-}
-// The whole forward pass and loss of images first_image .. first_image+B-1 (device uint8 pixels), in the model's
-// precision: per-image BCE and KL into device bce[B], kl[B]. Asynchronous on m->stream; nothing is allocated or copied.
-static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
-                        float* bce, float* kl) {
-    if (B < 1 || B > m->max_batch) fail("internal: batch %d outside 1..%d", B, m->max_batch);
-    const bool keep = opt->keep_activations;
-    if (!m->fused) {
-        Plain* pl = &m->plain;
-        plain_encode(pl, pixels, B, m->stream);
-        plain_sample(pl, B, 1, pl->mulv, opt->eps, first_image, opt->seed, opt->z_is_mu, keep ? pl->z : NULL, kl, NULL,
-                     m->stream);
-        const bool t_logits = !keep && m->precision == PRECISION_BF16; // the tests' activations keep fp32 logits
-        return plain_decode(pl, pixels, B, 1, bce, opt->want_recon ? m->recon : NULL, t_logits, m->stream);
-    }
+
+static void fused_forward(Fused* f, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
+                          const Probe& probe, float* bce, float* kl) {
+    const bool keep = probe.keep_activations;
     EncoderIO io = {};
-    io.z_rows = m->z_rows, io.kl = kl, io.mulv_out = keep ? m->mulv : NULL, io.z_out = keep ? m->z : NULL;
-    io.h1 = keep ? m->h1 : NULL, io.pixels = pixels, io.eps = opt->eps, io.M = B, io.first_image = first_image;
+    io.z_rows = f->z_rows, io.kl = kl, io.mulv_out = keep ? f->mulv : NULL, io.z_out = keep ? f->z : NULL;
+    io.h1 = keep ? f->h1 : NULL, io.pixels = pixels, io.eps = probe.eps, io.M = B, io.first_image = first_image;
     io.seed = opt->seed, io.z_is_mu = opt->z_is_mu;
-    vae_encoder(m, io);
-    vae_decoder(m, pixels, B, 1, bce, keep ? m->logits : NULL, opt->want_recon ? m->recon : NULL, keep ? m->h3 : NULL);
-}
-static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
-// Importance-weighted log p(x) of n images from first_image (device uint8 pixels), K samples each, into device
-// log_px[n], in the model's precision: the encoder once per image, the n x K decoder rows in passes of as many images
-// as m->decoder_rows hold. eps: device [n][K][Z] noise instead of the generator's (tests), or NULL. Asynchronous.
-static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
-                     const float* eps, float* log_px) {
-    if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
-    const int images_per_pass = vae_iwae_images_per_pass(m, K);
-    const SampleOut out = {m->z_rows, NULL, m->row_log_ratio};
-    auto sample = BY_PRECISION(m->precision, sample_z_kernel);
-    // The encoder runs over as many images as m->mulv holds: a pass's few (13 at K = 5000) would not fill the GPU.
-    for (int group = 0; group < n; group += m->max_batch) {
-        const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
-        vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
-        for (int first = group; first < group + group_size; first += images_per_pass) {
-            const int images = std::min(group + group_size - first, images_per_pass), rows = images * K;
-            const uint32_t image = first_image + (uint32_t)first;
-            const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
-            const float* mulv = m->mulv + (size_t)(first - group) * 2 * m->dims.z;
-            const float* e = eps ? eps + (size_t)first * K * m->dims.z : NULL;
-            if (m->fused) { // no tickets: the logsumexp adds each row's parts in the order they would
-                launch(sample, rows, 128, 128, m->stream, out, mulv, e, rows, K, image, seed, false);
-                vae_decoder(m, x, rows, K, NULL, NULL, NULL);
-            } else {
-                plain_sample(&m->plain, rows, K, mulv, e, image, seed, false, NULL, NULL, m->row_log_ratio, m->stream);
-                plain_decode(&m->plain, x, rows, K, m->bce_parts, NULL, true, m->stream);
-            }
-            const int chunks = ceil_div(K, LSE_CHUNK);
-            launch(iwae_logsumexp_kernel, (long long)images * chunks, 1, LSE_THREADS, m->stream, log_px + first,
-                   m->lse_partials, m->bce_parts, m->bce_parts_per_row, m->row_log_ratio, K);
-            if (chunks > 1)
-                launch(iwae_merge_kernel, images, 128, 128, m->stream, log_px + first, m->lse_partials, images, K);
-        }
-    }
-}
-// The AIS schedule b_0 .. b_T: Wu et al.'s sigmoid schedule, s(t) = sigmoid(4 (2t / T - 1)) scaled
-// to b_0 = 0, b_T = 1 (dense at both ends, where f_b changes fastest per step).
-static void ais_schedule(double* beta, int T) {
-    const double s0 = 1.0 / (1.0 + exp(4.0)), s1 = 1.0 / (1.0 + exp(-4.0));
-    for (int t = 0; t <= T; t++) beta[t] = (1.0 / (1.0 + exp(-4.0 * (2.0 * t / T - 1.0))) - s0) / (s1 - s0);
-    beta[0] = 0.0, beta[T] = 1.0;
-}
-static void require_ais(const VAE* m) {
-    if (m->fused && m->ais_clusters == 0)
-        fail("AIS runs on Hopper GPUs (sm_90) only: its kernel uses thread block clusters. HINT: run --ais on an "
-             "H100 or H200 with a binary built for sm_90a (make vae does that there)");
-}
-// AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder, or N(0, I) when
-// from_prior; the caller fills in the rest of io (the schedule, the outputs, the reverse run's z_start). Asynchronous.
-static void vae_ais(VAE* m, AisIO io, bool from_prior) {
-    require_ais(m);
-    if (io.n < 1 || io.n > m->max_batch) fail("internal: %d AIS images outside 1..%d", io.n, m->max_batch);
-    if (from_prior) cudaCheck(cudaMemsetAsync(m->mulv, 0, (size_t)io.n * 2 * m->dims.z * sizeof(float), m->stream));
-    else vae_encode(m, io.pixels, io.n);
-    io.mulv = m->mulv;
-    if (!m->fused) return plain_ais(&m->plain, io, m->stream);
-    BY_PRECISION(m->precision, ais_launch)(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters,
-                                           m->stream);
+    fused_encoder(f, io);
+    fused_decoder(f, pixels, B, 1, bce, keep ? f->logits : NULL, opt->want_recon ? f->recon : NULL,
+                  keep ? f->h3 : NULL);
 }
 
-// ---- file formats: the weights file written by prepare_weights.py, MNIST idx files, PGM images ----------------------
-// A malloc'd copy of `count` values at src into *out, or the error (`name` names the file).
-template <typename T> static bool host_copy(T** out, const void* src, size_t count, const char* name, Error* err) {
-    *out = (T*)malloc(count * sizeof(T));
-    if (*out == NULL) return set_error(err, "%s: out of host memory", name);
-    memcpy(*out, src, count * sizeof(T));
-    return true;
-}
-// Validates a weights file held in memory and copies its tensors out. `name` is used in messages.
-static bool parse_weights(const uint8_t* buf, size_t size, const char* name, HostWeights* w, Error* err) {
-    const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
-    if (size < header_bytes)
-        return set_error(err, "%s: %zu bytes, shorter than the %zu-byte header. " WEIGHTS_HINT, name, size,
-                         header_bytes);
-    int32_t magic = read_le32(buf), version = read_le32(buf + 4);
-    if (magic != WEIGHTS_MAGIC)
-        return set_error(err, "%s: bad magic 0x%08x, not a vae.cu weights file. " CHECKPOINT_HINT, name,
-                         (unsigned)magic);
-    if (version != WEIGHTS_VERSION)
-        return set_error(err, "%s: version %d, this program reads version %d. " WEIGHTS_HINT, name, version,
-                         WEIGHTS_VERSION);
-    // the sizes: input, fc1's hidden units, the latents, fc3's hidden units (header[8])
-    const int32_t in = read_le32(buf + 8);
-    const ModelDims dims = {read_le32(buf + 12), read_le32(buf + 16), read_le32(buf + 32)};
-    if (in != INPUT_DIM || dims.h1 < 1 || dims.h1 > MAX_HIDDEN || dims.z < 1 || dims.z > MAX_LATENT || dims.h3 < 1 ||
-        dims.h3 > MAX_HIDDEN)
-        return set_error(err, "%s: a %d-%d-%d-%d VAE; vae.cu evaluates 784-H1-Z-H3 with H1 and H3 in 1..%d and Z in "
-                         "1..%d. " CHECKPOINT_HINT, name, in, dims.h1, dims.z, dims.h3, MAX_HIDDEN, MAX_LATENT);
-    int32_t dtype = read_le32(buf + 20), num_tensors = read_le32(buf + 24), total = read_le32(buf + 28);
-    size_t expected = 0;
-    for (int i = 0; i < NUM_TENSORS; i++) expected += tensor_size(dims, i);
-    if (dtype != DTYPE_FLOAT32 || num_tensors != NUM_TENSORS || total < 0 || (size_t)total != expected)
-        return set_error(err, "%s: header says dtype %d, %d tensors, %d floats; expected dtype %d, %d tensors, %zu "
-                         "floats. " WEIGHTS_HINT, name, dtype, num_tensors, total, DTYPE_FLOAT32, NUM_TENSORS,
-                         expected);
-    if (size != header_bytes + expected * sizeof(float))
-        return set_error(err, "%s: %zu bytes, the header promises %zu (truncated or padded). " WEIGHTS_HINT, name, size,
-                         header_bytes + expected * sizeof(float));
-    w->count = expected, w->dims = dims;
-    if (!host_copy(&w->data, buf + header_bytes, expected, name, err)) return false;
-    for (int t = 0; t < NUM_TENSORS; t++) {
-        w->size[t] = tensor_size(dims, t), w->tensor[t] = t == 0 ? w->data : w->tensor[t - 1] + w->size[t - 1];
-        for (size_t i = 0; i < w->size[t]; i++)
-            if (!isfinite(w->tensor[t][i])) {
-                set_error(err, "%s: %s[%zu] is %f; the weights must be finite. " WEIGHTS_HINT, name, TENSOR_NAMES[t], i,
-                          w->tensor[t][i]);
-                free(w->data), w->data = NULL;
-                return false;
-            }
-    }
-    return true;
-}
-typedef struct { int count; uint8_t* pixels; } Images; // pixels: [count][784], row-major 28x28 per image
-typedef struct { int count; uint8_t* labels; } Labels; // labels: [count], 0..9
-// idx format: big-endian magic 0x0000 08 NN (unsigned bytes, NN dims), NN big-endian sizes, data.
-static bool parse_idx_images(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
-    if (size < 16)
-        return set_error(err, "%s: %zu bytes, shorter than the 16-byte idx3 header. " PREPARE_HINT, name, size);
-    uint32_t magic = read_be32(buf), count = read_be32(buf + 4), rows = read_be32(buf + 8), cols = read_be32(buf + 12);
-    if (magic != 0x00000803)
-        return set_error(err, "%s: magic 0x%08x, expected 0x00000803 (idx3 unsigned bytes). " PREPARE_HINT, name,
-                         magic);
-    if (rows != IMAGE_SIDE || cols != IMAGE_SIDE)
-        return set_error(err, "%s: images are %ux%u, the model takes %dx%d. " PREPARE_HINT, name, rows, cols,
-                         IMAGE_SIDE, IMAGE_SIDE);
-    if (count == 0 || count > INT32_MAX)
-        return set_error(err, "%s: header claims %u images. " PREPARE_HINT, name, count);
-    size_t expected = 16 + (size_t)count * INPUT_DIM; // count < 2^31, so no overflow in 64 bits
-    if (size != expected)
-        return set_error(err, "%s: header claims %u images (%zu bytes) but the file holds %zu bytes. " PREPARE_HINT,
-                         name, count, expected, size);
-    out->count = (int)count;
-    return host_copy(&out->pixels, buf + 16, expected - 16, name, err);
-}
-static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, Labels* out, Error* err) {
-    if (size < 8)
-        return set_error(err, "%s: %zu bytes, shorter than the 8-byte idx1 header. " PREPARE_HINT, name, size);
-    uint32_t magic = read_be32(buf), count = read_be32(buf + 4);
-    if (magic != 0x00000801)
-        return set_error(err, "%s: magic 0x%08x, expected 0x00000801 (idx1 unsigned bytes). " PREPARE_HINT, name,
-                         magic);
-    if (count == 0 || count > INT32_MAX || size != 8 + (size_t)count)
-        return set_error(err, "%s: header claims %u labels but the file holds %zu. " PREPARE_HINT, name, count,
-                         size - 8);
-    for (uint32_t i = 0; i < count; i++)
-        if (buf[8 + i] > 9)
-            return set_error(err, "%s: label %u is %d, not a digit. " PREPARE_HINT, name, i, buf[8 + i]);
-    out->count = (int)count;
-    return host_copy(&out->labels, buf + 8, count, name, err);
-}
-// Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII), then width, height and
-// maxval (1..65535) as decimal numbers separated by whitespace, where '#' starts a comment to the end of its line; then
-// width x height samples, row by row: in P5 after exactly one whitespace byte, one byte each (two, big-endian, when
-// maxval > 255); in P2 as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
-#define PGM_HINT \
-    "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
-// The next header number at *pos, after whitespace and comments; at most `max`.
-static bool pgm_number(const uint8_t* buf, size_t size, size_t* pos, uint32_t max, uint32_t* out) {
-    size_t p = *pos;
-    while (p < size && (isspace(buf[p]) || buf[p] == '#'))
-        if (buf[p++] == '#')
-            while (p < size && buf[p] != '\n' && buf[p] != '\r') p++;
-    if (p == size || !isdigit(buf[p])) return false;
-    uint64_t v = 0;
-    while (p < size && isdigit(buf[p]) && v <= max) v = v * 10 + (buf[p++] - '0');
-    if (v > max || (p < size && !isspace(buf[p]) && buf[p] != '#')) return false;
-    *pos = p, *out = (uint32_t)v;
-    return true;
-}
-static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
-    if (size < 2 || buf[0] != 'P' || (buf[1] != '5' && buf[1] != '2'))
-        return set_error(err, "%s: not a PGM greymap (P5 or P2). " PGM_HINT, name);
-    const bool ascii = buf[1] == '2';
-    size_t pos = 2;
-    uint32_t width, height, maxval;
-    if (!pgm_number(buf, size, &pos, 1u << 20, &width) || !pgm_number(buf, size, &pos, 1u << 20, &height) ||
-        !pgm_number(buf, size, &pos, 65535, &maxval) || maxval == 0)
-        return set_error(err, "%s: the PGM header (width, height, maxval 1..65535) is malformed. " PGM_HINT, name);
-    if (width != IMAGE_SIDE || height != IMAGE_SIDE)
-        return set_error(err, "%s: a %ux%u image; the model takes %dx%d. " PGM_HINT, name, width, height, IMAGE_SIDE,
-                         IMAGE_SIDE);
-    uint8_t pixels[INPUT_DIM];
-    const size_t bytes_per_sample = maxval > 255 ? 2 : 1;
-    if (!ascii) {
-        if (pos == size || !isspace(buf[pos]) || size - pos - 1 < INPUT_DIM * bytes_per_sample)
-            return set_error(err, "%s: truncated: %zu bytes of samples, a 28x28 image needs %zu. " PGM_HINT, name,
-                             pos == size ? 0 : size - pos - 1, INPUT_DIM * bytes_per_sample);
-        pos++; // the single whitespace byte that ends the header
-    }
-    for (int i = 0; i < INPUT_DIM; i++) {
-        uint32_t v;
-        if (ascii) {
-            if (!pgm_number(buf, size, &pos, maxval, &v))
-                return set_error(err, "%s: sample %d is missing or above maxval %u. " PGM_HINT, name, i, maxval);
-        } else {
-            v = bytes_per_sample == 2 ? (uint32_t)buf[pos] << 8 | buf[pos + 1] : buf[pos];
-            pos += bytes_per_sample;
-            if (v > maxval)
-                return set_error(err, "%s: sample %d is %u, above maxval %u. " PGM_HINT, name, i, v, maxval);
-        }
-        pixels[i] = (uint8_t)((v * 255 + maxval / 2) / maxval);
-    }
-    for (; pos < size; pos++) // a trailing newline is common; anything else is not one 28x28 image
-        if (!isspace(buf[pos]))
-            return set_error(err, "%s: %zu bytes after the 28x28 image. HINT: pass one image per file", name,
-                             size - pos);
-    out->count = 1;
-    return host_copy(&out->pixels, pixels, INPUT_DIM, name, err);
-}
-// Reads a whole file and hands it to one of the parsers above, which never touch the disk.
-template <typename T>
-static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, const char*, T*, Error*), T* out,
-                      Error* err, const char* missing_hint = PREPARE_HINT) {
-    uint8_t* buf = NULL;
-    size_t size = 0;
-    if (!read_file(path, &buf, &size, err, missing_hint)) return false;
-    bool ok = parse(buf, size, path, out, err);
-    free(buf);
-    return ok;
+// --iwae's pass: z for rows of K samples of images, then their BCE parts (no tickets: the logsumexp adds each row's
+// parts in the order they would).
+static void fused_iwae_pass(Fused* f, const uint8_t* pixels, const float* mulv, const float* eps, int rows, int K,
+                            uint32_t first_image, uint64_t seed) {
+    const SampleOut out = {f->z_rows, NULL, f->row_log_ratio};
+    launch(BY_PRECISION(f->precision, sample_z_kernel), rows, 128, 128, f->stream, out, mulv, eps, rows, K,
+           first_image, seed, false);
+    fused_decoder(f, pixels, rows, K, NULL, NULL, NULL);
 }
 
-// ---- image output ---------------------------------------------------------------------------------------------------
-// Writes tiles (each 28x28 floats in [0,1]) as a rows x cols grid into a binary PPM (P6), white digits on black, tiles
-// separated by a 1-pixel grey border. The file reaches `path` at outputs_commit(); `what` describes it there.
-static bool write_ppm_grid(const char* path, const char* what, const float* tiles, int rows, int cols, Error* err) {
-    const int cell = IMAGE_SIDE + 1, width = cols * cell + 1, height = rows * cell + 1;
-    uint8_t* rgb = (uint8_t*)malloc((size_t)width * height * 3);
-    if (rgb == NULL) return set_error(err, "%s: out of host memory", path);
-    memset(rgb, 96, (size_t)width * height * 3);
-    for (int t = 0; t < rows * cols; t++) {
-        const int x0 = (t % cols) * cell + 1, y0 = (t / cols) * cell + 1;
-        for (int y = 0; y < IMAGE_SIDE; y++)
-            for (int x = 0; x < IMAGE_SIDE; x++) {
-                const float v = fminf(fmaxf(tiles[(size_t)t * INPUT_DIM + y * IMAGE_SIDE + x], 0.0f), 1.0f);
-                uint8_t* px = rgb + ((size_t)(y0 + y) * width + x0 + x) * 3;
-                px[0] = px[1] = px[2] = (uint8_t)lrintf(v * 255.0f);
-            }
-    }
-    FILE* f = output_open(path, what);
-    bool ok = f != NULL && fprintf(f, "P6\n%d %d\n255\n", width, height) > 0 &&
-              fwrite(rgb, 3, (size_t)width * height, f) == (size_t)width * height;
-    if (f != NULL && fclose(f) != 0) ok = false;
-    const int saved_errno = errno;
-    free(rgb);
-    return ok || set_error(err, "%s: cannot write (%s). HINT: pass -o with a writable folder", path,
-                           strerror(saved_errno));
-}
+static int fused_ais_images(const Fused* f, int C) { return f->ais_clusters * ais_cluster_images(C); }
 
-// ---- command line ---------------------------------------------------------------------------------------------------
-#define VAE_VERSION "1.0"
-#ifndef VAE_GIT_COMMIT // the Makefile passes the checkout's commit
-#define VAE_GIT_COMMIT "unknown"
-#endif
-// The GPUs vae.cu runs on: the plain path (cuBLASLt and kernels that need no more than 48 KB of shared
-// memory) from sm_75 on (T4, RTX 20xx and later); bf16 needs sm_80's bf16 tensor cores.
-static bool gpu_supported(const char* name, int major, int minor, Precision precision, Error* err) {
-    if (major * 10 + minor < 75)
-        return set_error(err, "%s has compute capability %d.%d; vae.cu needs 7.5 or newer (T4, RTX 20xx and later). "
-                         "HINT: run on a newer NVIDIA GPU", name, major, minor);
-    if (precision == PRECISION_BF16 && major < 8)
-        return set_error(err, "%s (sm_%d%d) has no bf16 tensor cores; --precision bf16 needs sm_80 or newer. HINT: "
-                         "--precision fp32", name, major, minor);
-    return true;
+static void fused_ais(Fused* f, const AisIO& io) {
+    BY_PRECISION(f->precision, ais_launch)(io, f->fc4_wb, f->w4_map, f->ais_w3, f->ais_state, f->ais_clusters,
+                                           f->stream);
 }
-// The refusal where CUDA finds no GPU (`status` from cudaGetDeviceCount, the driver's and this build's runtime's CUDA
-// versions as 1000 major + 10 minor; driver 0: no driver installed), in words a user can act on.
-static bool no_gpu_error(cudaError_t status, int driver, int runtime, Error* err) {
-    const char* lead = "no CUDA device available";
-    if (driver == 0)
-        return set_error(err, "%s: this machine has no NVIDIA driver (libcuda.so.1 was not found). HINT: run on a "
-                         "machine with an NVIDIA GPU and its driver installed (nvidia-smi then lists the GPU)", lead);
-    if (status == cudaErrorInsufficientDriver || driver < runtime)
-        return set_error(err, "%s: the NVIDIA driver supports CUDA up to %d.%d; this vae was built with CUDA %d.%d. "
-                         "HINT: update the NVIDIA driver, or rebuild with a CUDA toolkit of %d.%d or older", lead,
-                         driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10, driver / 1000,
-                         driver % 1000 / 10);
-    return set_error(err, "%s (%s). HINT: run on a machine with an NVIDIA GPU (nvidia-smi lists the GPUs its driver "
-                     "sees)", lead, status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
-}
-
-typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP, MODE_AIS, MODE_BDMC } Mode;
-static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bdmc"};
-// device_alloc's hint for the run's mode: the ELBO's batch is -b; the other modes' buffers have a fixed size.
-static void set_out_of_memory_hint(Mode mode, int batch) {
-    const char* fixed_size = "this mode's buffers have a fixed size: free the GPU's memory (nvidia-smi lists the "
-                             "processes that hold it) or choose another GPU with --devices";
-    if (mode == MODE_ELBO) snprintf(out_of_memory_hint, sizeof(out_of_memory_hint), "use a -b below %d", batch);
-    else snprintf(out_of_memory_hint, sizeof(out_of_memory_hint), "%s",
-                  mode == MODE_BENCH ? "pass smaller --bench-batches" : fixed_size);
-}
-// Every option: long name, short letter (0: none), whether it takes a value.
-enum Option {
-    OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
-    OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_AIS, OPT_CHAINS, OPT_LEAPFROG,
-    OPT_AIS_INIT, OPT_AIS_IWAE, OPT_BDMC, OPT_KERNELS, OPT_SHARD, OPT_DEVICES, OPT_VERSION, OPT_HELP, NUM_OPTIONS
-};
-static const struct {
-    const char* name;
-    char letter;
-    bool takes_value;
-} OPTIONS[NUM_OPTIONS] = {
-    {"weights", 'w', true}, {"data", 'd', true},         {"image", 0, true},          {"invert", 0, false},
-    {"count", 'n', true},   {"batch-size", 'b', true},   {"seed", 's', true},         {"zmu", 0, false},
-    {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
-    {"iwae", 0, true},      {"bench", 0, false},         {"bench-batches", 0, true},  {"interp", 0, true},
-    {"ais", 0, true},       {"chains", 0, true},         {"leapfrog", 0, true},       {"ais-init", 0, true},
-    {"ais-iwae", 0, false}, {"bdmc", 0, true},           {"kernels", 0, true},        {"shard", 0, true},
-    {"devices", 0, true},   {"version", 0, false},       {"help", 'h', false},
-};
-#define OPT_BIT(o) (1u << (o))
-// The options each mode reads; any other one given with it is refused rather than ignored. O(X) is OPT_X's bit; every
-// mode reads the weights, --precision, --devices and -q (and --kernels: parse_args).
-#define O(name) OPT_BIT(OPT_##name)
-constexpr unsigned COMMON = O(WEIGHTS) | O(PRECISION) | O(DEVICES) | O(QUIET);
-constexpr unsigned IMAGES = O(DATA) | O(IMAGE) | O(INVERT) | O(COUNT);
-constexpr unsigned AIS_RUN = O(AIS) | O(CHAINS) | O(LEAPFROG) | O(AIS_INIT) | O(SEED);
-static const unsigned MODE_OPTIONS[] = {
-    COMMON | IMAGES | O(BATCH) | O(SEED) | O(ZMU) | O(OUT) | O(CSV) | O(SHARD), // elbo: the evaluation, images, CSV
-    // iwae: sizes its own passes (no -b), writes no images (no -o), samples z (no --zmu)
-    COMMON | IMAGES | O(SEED) | O(CSV) | O(IWAE) | O(SHARD),
-    // bench: times the test set's first images; prints its table, writes nothing
-    COMMON | O(DATA) | O(COUNT) | O(SEED) | O(ZMU) | O(BENCH) | O(BENCH_BATCHES),
-    COMMON | O(DATA) | O(OUT) | O(INTERP), // interp: decodes latent means (no noise), writes interp.ppm
-    // ais: the chains sample their own z (no --zmu) in launches it sizes (no -b), writes no images
-    COMMON | IMAGES | O(CSV) | AIS_RUN | O(AIS_IWAE) | O(SHARD),
-    COMMON | AIS_RUN | O(BDMC), // bdmc: simulates its own images (no inputs but the weights)
-};
-#undef O
-enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16, MAX_DEVICES = 64 };
-typedef struct {
-    Mode mode;
-    const char *weights_path, *data_dir;
-    const char* image_paths[MAX_IMAGE_FILES]; // --image: evaluated instead of the test set
-    int num_image_files;
-    bool invert;
-    const char *out_dir, *csv_path; // csv_path NULL: no per-image CSV; "-": standard output
-    int batch, count;               // count: images to evaluate; 0 = all
-    uint64_t seed;
-    bool z_is_mu;
-    Precision precision;
-    Kernels kernels;
-    bool quiet;
-    int iwae_k, interp_n; // --iwae: samples per image; --interp: images whose every pair is interpolated
-    int ais_t, chains, leapfrog; // --ais: intermediate distributions, chains per image, leapfrog steps
-    bool ais_from_prior;         // --ais-init prior: p0 = N(0, I) instead of q(z|x)
-    bool ais_iwae;               // --ais-iwae: also IWAE with as many decoder evaluations as AIS made
-    int bdmc_n;                  // --bdmc: simulated images
-    int shard, num_shards;       // --shard K/N: block K of N of the images (N = 0: all of them)
-    int devices[MAX_DEVICES], num_devices; // --devices: the GPUs the run spreads over (0: GPU 0 alone)
-    bool all_devices;                      // --devices all: every GPU of the machine (main lists them)
-    int bench_batches[MAX_BENCH_BATCHES], num_bench_batches;
-    bool help, version;
-    unsigned given;                 // OPT_BIT of every option on the command line
-    char flag[NUM_OPTIONS][24];     // each as it was spelled there ("-b" or "--batch-size"), for messages
-} Config;
-static const char* USAGE =
-    "usage: vae [options]\n"
-    "Evaluates the pretrained MNIST VAE on the test set (mean BCE, KL, loss = BCE + KL) and writes\n"
-    "recon.ppm, samples.ppm and interp.ppm. Values go as '-b 64', '--batch-size 64' or '--batch-size=64';\n"
-    "'--' ends the options.\n"
-    "inputs\n"
-    "  -w, --weights FILE   weights file (default data/vae_weights.bin)\n"
-    "  -d, --data DIR       folder with t10k-images-idx3-ubyte, or .gz as MNIST ships it (default data);\n"
-    "                       t10k-labels-idx1-ubyte[.gz] beside it is optional (label -1 without it)\n"
-    "      --image FILE     instead of the test set: a 28x28 PGM (P5 or P2), a white digit on black as\n"
-    "                       in MNIST; repeat for more; each is printed with its losses\n"
-    "      --invert         the --image files are black on white\n"
-    "  -n, --count N        evaluate the first N images, 1 or more (default all)\n"
-    "      --shard K/N      of those, the K-th of N contiguous blocks (K = 0..N-1), for a cluster's array\n"
-    "                       jobs: --csv rows keep their index among all; no pictures\n"
-    "evaluation\n"
-    "  -b, --batch-size N   images per forward pass, 1..1048576 (default 4096)\n"
-    "  -s, --seed N         seed of the noise eps, 0..2^64-1 (default 0)\n"
-    "      --zmu            use z = mu instead of sampling z\n"
-    "      --precision P    fp32: exact, within 1e-5 of float64 (default); bf16: 2-3x faster, within ~1e-2\n"
-    "                       (bf16 needs sm_80 or newer)\n"
-    "      --kernels K      auto (default): the fused kernels where they run (H100, H200), else plain;\n"
-    "                       plain: cuBLASLt and short kernels, any GPU from sm_75; fused: Hopper's\n"
-    "                       wgmma, TMA and cluster kernels (sm_90 with a binary built for sm_90a)\n"
-    "      --devices L      the GPUs to spread the images over: all, or a list like 0,1 (default 0);\n"
-    "                       on GPUs of one model the results are one GPU's, byte for byte;\n"
-    "                       --bench times the first GPU only\n"
-    "outputs\n"
-    "  -o, --out DIR        folder for the images (default out; made with its parents if missing)\n"
-    "      --csv FILE       also write per-image results (index,label,bce,kl[,log_px]) after a '#' line\n"
-    "                       naming the run; '-' writes them to stdout and the summary to stderr\n"
-    "  -q, --quiet          results and errors only: no start-up table, progress or 'wrote' lines\n"
-    "other runs, instead of the evaluation\n"
-    "      --iwae K         importance-weighted log p(x), K samples per image (1..65536): mean NLL, its\n"
-    "                       standard error, time, beside the ELBO; --csv adds per-image log p(x)\n"
-    "      --bench          time forward+loss per batch size (latency and throughput), in both\n"
-    "                       precisions or the one --precision names, on both engines where both run\n"
-    "                       (or the one --kernels names)\n"
-    "      --bench-batches L  --bench's batch sizes, comma-separated (default 1024,2048,4096,10000)\n"
-    "      --interp N       every pair of the first N test images (2..1000), 11 steps each, decoded\n"
-    "                       batched and one pair per call: both times; the first pairs in interp.ppm\n"
-    "      --ais T          log p(x) by annealed importance sampling over T distributions (1..100000), HMC\n"
-    "                       in the latent space: mean NLL, acceptance, time, beside the ELBO;\n"
-    "                       --csv writes index,label,log_px,ess,acceptance\n"
-    "      --chains C       --ais: chains per image (1..256, default 16; above 128 on the plain path)\n"
-    "      --leapfrog L     --ais: leapfrog steps per HMC transition (1..1000, default 10; 1 is MALA)\n"
-    "      --ais-init P     --ais: start from q (the encoder's q(z|x), default) or prior (N(0, I))\n"
-    "      --ais-iwae       --ais: also IWAE with as many decoder evaluations, between the ELBO and AIS\n"
-    "                       (at the defaults K = 159,856 samples an image: about as long as AIS)\n"
-    "      --bdmc N         with --ais T: N simulated images (z ~ p(z), x ~ p(x|z), binary), forward AIS\n"
-    "                       (a lower bound of log p(x)) and reverse AIS from the true z (an upper bound)\n"
-    "      --version        version, commit, CUDA runtime and driver\n"
-    "  -h, --help           this help\n";
-// A whole number in min..max. Digits only: "0x10", "1e3", " 5" and "+5" are refused.
-static bool parse_number(const char* flag, const char* text, unsigned long long min, unsigned long long max,
-                         unsigned long long* out, Error* err) {
-    if (text == NULL || text[0] == '\0')
-        return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
-    const char* digits = text[0] == '-' ? text + 1 : text;
-    bool whole = digits[0] != '\0';
-    for (const char* p = digits; *p != '\0'; p++) whole = whole && isdigit((unsigned char)*p);
-    if (!whole) return set_error(err, "%s '%s' is not a whole number. HINT: vae -h lists the options", flag, text);
-    errno = 0;
-    const unsigned long long v = strtoull(digits, NULL, 10);
-    if (text[0] == '-' || errno == ERANGE || v < min || v > max)
-        return set_error(err, "%s %s is outside %llu..%llu. HINT: vae -h lists the options", flag, text, min, max);
-    *out = v;
-    return true;
-}
-enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper bound
-enum { MAX_SHARDS = 100000 };  // --shard's N as parsed; main refuses an N above the number of images
-// The program joins paths into 4096-byte buffers (-d + "/t10k-images-idx3-ubyte", -o +
-// "/samples.ppm"); a longer argument would be cut silently and name another file.
-enum { MAX_PATH_ARG = 4000 };
-enum { IWAE_ROWS = 1 << 16 };  // --iwae's largest K, and the images its encoder takes at once
-enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per decoder pass (at most 172 bytes each: z row, BCE parts, log ratio)
-enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
-enum { AIS_MAX_T = 100000, AIS_MAX_CHAINS = 256, AIS_MAX_LEAPFROG = 1000, BDMC_MAX_IMAGES = 100000 };
-static bool parse_path(const char* flag, const char* value, const char** out, Error* err) {
-    if (value[0] == '\0') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
-    if (strlen(value) > MAX_PATH_ARG)
-        return set_error(err, "%s: a path of %zu characters, longer than %d. HINT: use a shorter path", flag,
-                         strlen(value), (int)MAX_PATH_ARG);
-    return *out = value, true;
-}
-static bool parse_int(const char* flag, const char* text, int min, int max, int* out, Error* err) {
-    unsigned long long v = 0;
-    return parse_number(flag, text, min, max, &v, err) ? (*out = (int)v, true) : false;
-}
-// value as one of `names`: its index into *out, or the error that lists them.
-template <typename E, int N>
-static bool parse_choice(const char* flag, const char* value, const char* const (&names)[N], E* out, Error* err) {
-    char list[64] = "";
-    for (int i = 0; i < N; i++) {
-        if (!strcmp(value, names[i])) return *out = (E)i, true;
-        strcat(strcat(list, i == 0 ? "" : i + 1 < N ? ", " : " or "), names[i]);
-    }
-    return set_error(err, "%s needs %s, got '%s'. HINT: vae -h lists the options", flag, list, value);
-}
-// A list of at most max_count whole numbers in min..max, `separator` between them, into out[] and *count; `what` names
-// them in the message for a malformed list (an item empty, over 23 characters or not digits, or too many).
-static bool parse_int_list(const char* flag, const char* value, char separator, int min, int max, int* out,
-                           int max_count, int* count, const char* what, Error* err) {
-    const char separators[2] = {separator, '\0'};
-    *count = 0;
-    for (const char* item = value;; item++) {
-        char text[24];
-        const size_t len = strcspn(item, separators);
-        snprintf(text, sizeof(text), "%.*s", (int)(len < sizeof(text) - 1 ? len : sizeof(text) - 1), item);
-        const size_t sign = text[0] == '-'; // "-1" is a number out of range, as parse_int says
-        if (*count == max_count || len >= sizeof(text) || len == sign ||
-            strspn(text + sign, "0123456789") != len - sign)
-            return set_error(err, "%s '%s' is not a list of up to %d %s. HINT: vae -h lists the options", flag, value,
-                             max_count, what);
-        if (!parse_int(flag, text, min, max, &out[(*count)++], err)) return false;
-        item += len;
-        if (*item == '\0') return true;
-    }
-}
-// One option and its value (NULL for flags) into cfg.
-static bool apply_option(Config* cfg, int o, const char* flag, const char* value, Error* err) {
-    switch (o) {
-    case OPT_WEIGHTS: return parse_path(flag, value, &cfg->weights_path, err);
-    case OPT_DATA: return parse_path(flag, value, &cfg->data_dir, err);
-    case OPT_OUT: return parse_path(flag, value, &cfg->out_dir, err);
-    case OPT_CSV: return parse_path(flag, value, &cfg->csv_path, err);
-    case OPT_IMAGE:
-        if (cfg->num_image_files == MAX_IMAGE_FILES)
-            return set_error(err, "%s: more than %d images. HINT: evaluate them in several runs", flag,
-                             MAX_IMAGE_FILES);
-        return parse_path(flag, value, &cfg->image_paths[cfg->num_image_files++], err);
-    case OPT_INVERT: cfg->invert = true; return true;
-    case OPT_ZMU: cfg->z_is_mu = true; return true;
-    case OPT_AIS_IWAE: cfg->ais_iwae = true; return true;
-    case OPT_QUIET: cfg->quiet = true; return true;
-    case OPT_BENCH: cfg->mode = MODE_BENCH; return true;
-    case OPT_VERSION: cfg->version = true; return true;
-    case OPT_HELP: cfg->help = true; return true;
-    case OPT_PRECISION: return parse_choice(flag, value, PRECISION_NAMES, &cfg->precision, err);
-    case OPT_BATCH: return parse_int(flag, value, 1, MAX_BATCH, &cfg->batch, err);
-    case OPT_COUNT: return parse_int(flag, value, 1, INT32_MAX, &cfg->count, err);
-    case OPT_SEED: return parse_number(flag, value, 0, UINT64_MAX, (unsigned long long*)&cfg->seed, err);
-    case OPT_IWAE: cfg->mode = MODE_IWAE; return parse_int(flag, value, 1, IWAE_ROWS, &cfg->iwae_k, err);
-    case OPT_INTERP: cfg->mode = MODE_INTERP; return parse_int(flag, value, 2, INTERP_MAX_IMAGES, &cfg->interp_n, err);
-    case OPT_AIS:
-        if (cfg->mode != MODE_BDMC) cfg->mode = MODE_AIS;
-        return parse_int(flag, value, 1, AIS_MAX_T, &cfg->ais_t, err);
-    case OPT_BDMC: cfg->mode = MODE_BDMC; return parse_int(flag, value, 1, BDMC_MAX_IMAGES, &cfg->bdmc_n, err);
-    case OPT_CHAINS: return parse_int(flag, value, 1, AIS_MAX_CHAINS, &cfg->chains, err);
-    case OPT_LEAPFROG: return parse_int(flag, value, 1, AIS_MAX_LEAPFROG, &cfg->leapfrog, err);
-    case OPT_KERNELS: return parse_choice(flag, value, KERNELS_NAMES, &cfg->kernels, err);
-    case OPT_SHARD: { // K/N: both whole numbers, N in 1..MAX_SHARDS, K in 0..N-1
-        int kn[2], count = 0;
-        if (!parse_int_list(flag, value, '/', 0, MAX_SHARDS, kn, 2, &count, "K/N", err) || count != 2 || kn[1] == 0 ||
-            kn[0] >= kn[1])
-            return set_error(err, "%s '%s' is not K/N, the K-th (0..N-1) of N blocks with N up to %d (e.g. 0/8). HINT: "
-                             "vae -h lists the options", flag, value, (int)MAX_SHARDS);
-        return cfg->shard = kn[0], cfg->num_shards = kn[1], true;
-    }
-    case OPT_DEVICES: // "all", or GPU numbers, each once
-        cfg->num_devices = 0, cfg->all_devices = !strcmp(value, "all");
-        if (cfg->all_devices) return true;
-        if (!parse_int_list(flag, value, ',', 0, MAX_DEVICES - 1, cfg->devices, MAX_DEVICES, &cfg->num_devices,
-                            "GPU numbers like 0,1 (or all)", err))
-            return false;
-        // The tests run the several-GPU path on one GPU by listing it again (a thread each) under this variable.
-        for (int i = 0; i < cfg->num_devices && getenv("VAE_TEST_REPEAT_GPUS") == NULL; i++)
-            for (int j = 0; j < i; j++)
-                if (cfg->devices[i] == cfg->devices[j])
-                    return set_error(err, "%s %s lists GPU %d twice. HINT: name each GPU once, e.g. --devices 0,1, or "
-                                     "pass --devices all", flag, value, cfg->devices[i]);
-        return true;
-    case OPT_AIS_INIT: return parse_choice(flag, value, {"q", "prior"}, &cfg->ais_from_prior, err);
-    case OPT_BENCH_BATCHES:
-        return parse_int_list(flag, value, ',', 1, MAX_BATCH, cfg->bench_batches, MAX_BENCH_BATCHES,
-                              &cfg->num_bench_batches, "batch sizes like 1024,4096", err);
-    }
-    return set_error(err, "internal: option %d has no handler", o);
-}
-static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
-    memset(cfg, 0, sizeof(*cfg));
-    cfg->weights_path = "data/vae_weights.bin", cfg->data_dir = "data", cfg->out_dir = "out", cfg->batch = 4096;
-    cfg->chains = 16, cfg->leapfrog = 10;
-    // An option as a flag: "--name", or "-l" where it has a letter and is not asked for in long form.
-    auto spell = [](int o, bool long_form, char (&flag)[24]) {
-        if (long_form || OPTIONS[o].letter == 0) snprintf(flag, sizeof(flag), "--%s", OPTIONS[o].name);
-        else snprintf(flag, sizeof(flag), "-%c", OPTIONS[o].letter);
-    };
-    for (int o = 0; o < NUM_OPTIONS; o++) spell(o, false, cfg->flag[o]); // for options the command line did not spell
-    for (int b : {1024, 2048, 4096, 10000}) cfg->bench_batches[cfg->num_bench_batches++] = b;
-
-    // getopt_long's tables from OPTIONS: long options answer LONG_CODE + their index, short ones their letter. '+'
-    // stops at the first word that is not an option (refused below); ':' reports a missing value as ':', not '?'.
-    enum { LONG_CODE = 1000 };
-    struct option long_options[NUM_OPTIONS + 1] = {};
-    char short_options[3 * NUM_OPTIONS + 3] = "+:", *end = short_options + 2;
-    for (int o = 0; o < NUM_OPTIONS; o++) {
-        long_options[o] = {OPTIONS[o].name, OPTIONS[o].takes_value ? required_argument : no_argument, NULL,
-                           LONG_CODE + o};
-        if (OPTIONS[o].letter != 0) *end++ = OPTIONS[o].letter;
-        if (OPTIONS[o].letter != 0 && OPTIONS[o].takes_value) *end++ = ':';
-    }
-    // The option a getopt code stands for (-1: none), spelled into flag as the user did (argv[optind - 1] holds
-    // the word that named it, unless a short option was one of several in one word).
-    auto option_of = [&](int code, char (&flag)[24]) {
-        for (int o = 0; o < NUM_OPTIONS; o++)
-            if (code == LONG_CODE + o || (OPTIONS[o].letter != 0 && code == OPTIONS[o].letter))
-                return spell(o, !strncmp(argv[optind - 1], "--", 2), flag), o;
-        return -1;
-    };
-    optind = 0; // 0: restart GNU getopt's scan from scratch (the tests parse many command lines)
-    opterr = 0;
-    for (int code; (code = getopt_long(argc, argv, short_options, long_options, NULL)) != -1;) {
-        if (code == '?' && optopt != 0 && optopt < LONG_CODE)
-            return set_error(err, "unknown option '-%c'. HINT: vae -h lists the options", optopt);
-        if (code == '?' && optopt == 0)
-            return set_error(err, "unknown option '%s'. HINT: vae -h lists the options", argv[optind - 1]);
-        // a known option; with ':' (its value missing) or '?' (given a value it takes none of) it is in optopt
-        char flag[24];
-        const int known = code == ':' || code == '?' ? optopt : code, o = option_of(known, flag);
-        if (o < 0) return set_error(err, "internal: getopt code %d", known);
-        if (code == ':') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
-        if (code == '?')
-            return set_error(err, "%s takes no value, got '%s'. HINT: vae -h lists the options", flag,
-                             argv[optind - 1]);
-        if (!apply_option(cfg, o, flag, optarg, err)) return false;
-        cfg->given |= OPT_BIT(o);
-        snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "%s", flag);
-    }
-    if (optind < argc)
-        return set_error(err, "unexpected argument '%s'. HINT: vae -h lists the options; files go after a flag "
-                         "(-w, -d, --image ...)", argv[optind]);
-    if (cfg->help || cfg->version) return true;
-
-    // one mode, and only the options it reads
-    const int modes[] = {OPT_IWAE, OPT_BENCH, OPT_INTERP, OPT_AIS};
-    for (int a : modes)
-        for (int b : modes)
-            if (a < b && (cfg->given & OPT_BIT(a)) && (cfg->given & OPT_BIT(b)))
-                return set_error(err, "%s and %s are separate runs. HINT: pass one of them", cfg->flag[a],
-                                 cfg->flag[b]);
-    const int mode_option[] = {-1, OPT_IWAE, OPT_BENCH, OPT_INTERP, OPT_AIS, OPT_BDMC}; // by Mode
-    const char* mode_flag = cfg->mode == MODE_ELBO ? "the evaluation" : cfg->flag[mode_option[cfg->mode]];
-    if (cfg->mode == MODE_BDMC && !(cfg->given & OPT_BIT(OPT_AIS)))
-        return set_error(err, "%s runs AIS both ways and needs its T. HINT: add --ais T (e.g. --ais 1000)",
-                         cfg->flag[OPT_BDMC]);
-    if (cfg->chains > AIS_ROWS && cfg->kernels == KERNELS_FUSED)
-        return set_error(err, "%s %d: the fused AIS kernel holds at most %d chains an image. HINT: --kernels plain "
-                         "(or auto) runs more, or --chains %d", cfg->flag[OPT_CHAINS], cfg->chains, AIS_ROWS, AIS_ROWS);
-    if (cfg->z_is_mu && cfg->mode == MODE_IWAE)
-        return set_error(err, "--iwae samples z by definition; --zmu does not apply. HINT: drop --zmu");
-    for (int o : {OPT_CHAINS, OPT_LEAPFROG, OPT_AIS_INIT, OPT_AIS_IWAE})
-        if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(o)))
-            return set_error(err, "%s applies to --ais only. HINT: add --ais T or drop %s", cfg->flag[o], cfg->flag[o]);
-    if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(OPT_BENCH_BATCHES)))
-        return set_error(err, "%s applies to --bench only. HINT: add --bench or drop %s", cfg->flag[OPT_BENCH_BATCHES],
-                         cfg->flag[OPT_BENCH_BATCHES]);
-    for (int o = 0; o < NUM_OPTIONS; o++)
-        if ((cfg->given & OPT_BIT(o)) && !((MODE_OPTIONS[cfg->mode] | OPT_BIT(OPT_KERNELS)) & OPT_BIT(o)))
-            return set_error(err, "%s does not apply to %s. HINT: drop %s", cfg->flag[o], mode_flag, cfg->flag[o]);
-    // --image replaces the test set, which -d and -n choose from
-    if (cfg->invert && cfg->num_image_files == 0)
-        return set_error(err, "%s applies to --image files. HINT: add --image FILE or drop %s", cfg->flag[OPT_INVERT],
-                         cfg->flag[OPT_INVERT]);
-    for (int o : {OPT_DATA, OPT_COUNT, OPT_SHARD})
-        if (cfg->num_image_files > 0 && (cfg->given & OPT_BIT(o)))
-            return set_error(err, "%s does not apply to --image, which replaces the test set. HINT: drop %s",
-                             cfg->flag[o], cfg->flag[o]);
-    if (cfg->num_shards > 0 && (cfg->given & OPT_BIT(OPT_OUT)))
-        return set_error(err, "%s writes no pictures (a shard's would be of its block only). HINT: drop %s",
-                         cfg->flag[OPT_SHARD], cfg->flag[OPT_OUT]);
-    return true;
-}
-
-#ifndef TESTING
-// Informational lines (the start-up table, progress, 'wrote ...') go to the console unless -q;
-// results always do. The console is stdout, or stderr when the CSV takes stdout (--csv -).
-static FILE* console = stdout;
-static bool quiet = false;
-static void say(const char* fmt, ...) {
-    if (quiet) return;
-    va_list args;
-    va_start(args, fmt);
-    vfprintf(console, fmt, args);
-    va_end(args);
-}
-static void print_version() {
-    int runtime = 0, driver = 0;
-    cudaCheck(cudaRuntimeGetVersion(&runtime));
-    const bool has_driver = cudaDriverGetVersion(&driver) == cudaSuccess && driver > 0; // 0: no driver installed
-    printf("vae.cu %s (commit %s)\n", VAE_VERSION, VAE_GIT_COMMIT);
-    printf("CUDA runtime %d.%d, driver ", runtime / 1000, runtime % 1000 / 10);
-    if (has_driver) printf("%d.%d\n", driver / 1000, driver % 1000 / 10);
-    else printf("none found\n");
-#ifdef VAE_BUILT_FOR // the Makefile's targets, sm_90a included (nvcc's list below says 900 for sm_90 and sm_90a)
-    printf("built for %s\n", VAE_BUILT_FOR);
-#elif defined(__CUDA_ARCH_LIST__) // nvcc's list of the architectures this binary has code for, e.g. 800,900
-#define VAE_STRING(...) #__VA_ARGS__
-#define VAE_EXPAND(...) VAE_STRING(__VA_ARGS__)
-    printf("built for");
-    for (const char* arch = VAE_EXPAND(__CUDA_ARCH_LIST__); *arch != '\0'; arch += *arch == ',') {
-        printf(" sm_%d", atoi(arch) / 10);
-        arch += strcspn(arch, ",");
-    }
-    printf("\n");
-#endif
-}
-// The folder a new file at `path` would go into, for the checks below.
-static void parent_folder(const char* path, char folder[MAX_PATH]) {
-    snprintf(folder, MAX_PATH, "%s", path);
-    char* slash = strrchr(folder, '/');
-    while (slash != NULL && slash != folder && slash[1] == '\0') *slash = '\0', slash = strrchr(folder, '/'); // "a/b/"
-    if (slash == NULL) snprintf(folder, MAX_PATH, ".");
-    else slash[slash == folder ? 1 : 0] = '\0';
-}
-static bool writable_folder(const char* folder) {
-    struct stat st;
-    return stat(folder, &st) == 0 && S_ISDIR(st.st_mode) && access(folder, W_OK) == 0;
-}
-// Outputs are checked before any work and written only at its end: the folder -o names must be a writable folder or
-// one that can be made with its missing parents, as mkdir -p does (they are made only when the outputs are written); a
-// --csv file must not be a folder, and its folder must be writable.
-static void check_output_dir(const char* flag, const char* dir) {
-    struct stat st;
-    char existing[MAX_PATH]; // the folder itself, else its nearest ancestor that exists
-    snprintf(existing, sizeof(existing), "%s", dir);
-    while (stat(existing, &st) != 0) {
-        if (errno != ENOENT && errno != ENOTDIR) // ENOTDIR: a file on the way, which the loop comes to
-            fail("%s %s: cannot create the folder (%s: %s). HINT: pass %s with a writable folder", flag, dir, existing,
-                 strerror(errno), flag);
-        char parent[MAX_PATH];
-        parent_folder(existing, parent);
-        if (!strcmp(parent, existing))
-            fail("%s %s: no folder above it exists. HINT: pass %s with a writable folder", flag, dir, flag);
-        memcpy(existing, parent, sizeof(existing));
-    }
-    const bool is_dir = !strcmp(existing, dir);
-    if (!S_ISDIR(st.st_mode))
-        fail("%s %s: %s is not a folder. HINT: pass %s with a writable folder", flag, dir, is_dir ? "it" : existing,
-             flag);
-    if (access(existing, W_OK) != 0)
-        fail("%s %s: cannot %s (%s%s%s). HINT: pass %s with a writable folder", flag, dir,
-             is_dir ? "write there" : "create the folder", is_dir ? "" : existing, is_dir ? "" : ": ", strerror(errno),
-             flag);
-}
-static void check_output_file(const char* flag, const char* path) {
-    struct stat st;
-    char folder[MAX_PATH];
-    parent_folder(path, folder);
-    const bool is_folder = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
-    if (is_folder || !writable_folder(folder))
-        fail("%s %s: cannot write (%s). HINT: pass a writable path", flag, path,
-             is_folder ? "a folder" : "its folder is missing or not writable");
-}
-// The start-up table: one "| key | value |" row each.
-static void print_separator() { say("+-----------+------------------------------------------------+\n"); }
-static void print_row(const char* key, const char* fmt, ...) {
-    char value[256];
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(value, sizeof(value), fmt, args);
-    va_end(args);
-    say("| %-9s | %-46s |\n", key, value);
-}
-// The engine the run asks for: --kernels, but AIS's --chains above the fused kernel's AIS_ROWS run on the plain path.
-static Kernels run_kernels(const Config* cfg) {
-    const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
-    return ais && cfg->chains > AIS_ROWS ? KERNELS_PLAIN : cfg->kernels;
-}
-// Which engine runs a model of size dims (fused: use_fused's answer), and why, for the start-up table.
-static void print_kernels_row(const Config* cfg, ModelDims dims, bool fused) {
-    if (fused)
-        print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
-    else if (cfg->kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
-    else if (!is_published(dims)) print_row("kernels", "plain: cuBLASLt (fused: 784-400-20-400 only)");
-    else if (run_kernels(cfg) == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--chains above %d)", AIS_ROWS);
-    else print_row("kernels", "plain: cuBLASLt (no sm_90a code for this GPU)");
-}
-static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
-// The first image of each digit 0..9 among the first count (or -1), for the interpolation rows.
-static void first_of_each_digit(const Labels* labels, int count, int first[10]) {
-    for (int d = 0; d < 10; d++) first[d] = -1;
-    for (int i = count - 1; i >= 0 && labels->labels != NULL; i--) first[labels->labels[i]] = i;
-}
-// tiles as the picture `name` in the -o folder (write_ppm_grid), the folder made first if it is missing.
-static void write_grid(const Config* cfg, const char* name, const char* what, const float* tiles, int rows, int cols) {
-    char path[MAX_PATH];
-    Error err;
-    snprintf(path, sizeof(path), "%s/%s", cfg->out_dir, name);
-    if (!output_dir_make(cfg->out_dir, &err) || !write_ppm_grid(path, what, tiles, rows, cols, &err))
-        fail("%s", err.msg);
-}
-// The three picture files: reconstructions, prior samples, latent interpolations.
-enum { RECON_COLS = 16, SAMPLE_SIDE = 8, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
-static_assert(SAMPLE_SIDE * SAMPLE_SIDE <= IMAGE_TILES_MAX && 2 * RECON_COLS <= IMAGE_TILES_MAX, "image batches fit");
-static void write_images(VAE* m, const Images* images, const Labels* labels, int count, const uint8_t* d_pixels,
-                         const Config* cfg) {
-    const int Z = m->dims.z;
-    float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * (INPUT_DIM + Z) * sizeof(float));
-    if (tiles == NULL) fail("out of host memory for the images");
-    float *z = tiles + (size_t)IMAGE_TILES_MAX * INPUT_DIM, *d_z, *d_loss;
-    cudaCheck(cudaMalloc(&d_z, (IMAGE_TILES_MAX * Z + 2 * RECON_COLS) * sizeof(float)));
-    d_loss = d_z + IMAGE_TILES_MAX * Z;
-
-    // recon.ppm: the first images over their reconstructions
-    const int n_recon = count < RECON_COLS ? count : RECON_COLS;
-    const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, true, false};
-    vae_forward(m, d_pixels, n_recon, 0, &opt, d_loss, d_loss + RECON_COLS);
-    for (int i = 0; i < RECON_COLS * INPUT_DIM; i++)
-        tiles[i] = i < n_recon * INPUT_DIM ? images->pixels[i] / 255.0f : 0.0f;
-    memset(tiles + RECON_COLS * INPUT_DIM, 0, RECON_COLS * INPUT_DIM * sizeof(float));
-    cudaCheck(cudaMemcpy(tiles + RECON_COLS * INPUT_DIM, m->recon, (size_t)n_recon * INPUT_DIM * sizeof(float),
-                         cudaMemcpyDeviceToHost));
-    const char* what = cfg->num_image_files > 0 ? "top: the --image files, bottom: reconstructions"
-                                                : "top: test images, bottom: reconstructions";
-    write_grid(cfg, "recon.ppm", what, tiles, 2, RECON_COLS);
-
-    // samples.ppm: decodes of z ~ N(0, I)
-    const int n_samples = SAMPLE_SIDE * SAMPLE_SIDE;
-    for (int s = 0; s < n_samples; s++)
-        for (int j = 0; j < Z; j++) z[s * Z + j] = gaussian(cfg->seed, STREAM_PRIOR, s, 0, j);
-    cudaCheck(cudaMemcpy(d_z, z, (size_t)n_samples * Z * sizeof(float), cudaMemcpyHostToDevice));
-    vae_decode(m, d_z, n_samples);
-    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)n_samples * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
-    write_grid(cfg, "samples.ppm", "decodes of z ~ N(0, I)", tiles, SAMPLE_SIDE, SAMPLE_SIDE);
-
-    // interp.ppm: row d walks the latent mean of a test 'd' to that of a 'd+1'
-    int first[10], rows = 0;
-    int2 pairs[10];
-    first_of_each_digit(labels, count, first);
-    uint8_t* d_pair_pixels; // the images of the pairs, gathered into one batch
-    cudaCheck(cudaMalloc(&d_pair_pixels, (size_t)20 * INPUT_DIM));
-    for (int d = 0; d < 10; d++) {
-        if (first[d] < 0 || first[(d + 1) % 10] < 0) continue;
-        for (int k = 0; k < 2; k++)
-            cudaCheck(cudaMemcpy(d_pair_pixels + (size_t)(2 * rows + k) * INPUT_DIM,
-                                 d_pixels + (size_t)first[(d + k) % 10] * INPUT_DIM, INPUT_DIM,
-                                 cudaMemcpyDeviceToDevice));
-        pairs[rows] = make_int2(2 * rows, 2 * rows + 1);
-        rows++;
-    }
-    if (rows == 0) {
-        say("skipped interp.ppm: %s\n", labels->labels == NULL ? "the images have no labels"
-                                        : "the evaluated images hold no two consecutive digits (raise -n)");
-    } else {
-        int2* d_pairs;
-        cudaCheck(cudaMalloc(&d_pairs, sizeof(pairs)));
-        cudaCheck(cudaMemcpy(d_pairs, pairs, sizeof(pairs), cudaMemcpyHostToDevice));
-        vae_encode(m, d_pair_pixels, 2 * rows);
-        vae_decode_interpolations(m, d_pairs, 0, rows * INTERP_STEPS, INTERP_STEPS);
-        cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)rows * INTERP_STEPS * INPUT_DIM * sizeof(float),
-                             cudaMemcpyDeviceToHost));
-        write_grid(cfg, "interp.ppm", "row d: latent mean of a test 'd' to one of a 'd+1'", tiles, rows, INTERP_STEPS);
-        cudaCheck(cudaFree(d_pairs));
-    }
-    free(tiles), cudaCheck(cudaFree(d_pair_pixels)), cudaCheck(cudaFree(d_z));
-}
-// ---- many GPUs (--devices) ------------------------------------------------------------------------------------------
-// A run on several GPUs gives each a host thread, its own model and stream, and a copy of the images. The GPUs take
-// slices of the images from one shared counter, each as many as it asks for (whole passes of its own engine), so a
-// faster GPU takes more slices and all of them finish within about a slice of each other, whatever their speeds, with
-// no model of them. No image's results depend on the slice it ran in: the generator is keyed by the image's global
-// index, and every reduction is in a fixed order within the image. Each slice's results go to their place in the
-// host's arrays, so the CSV, the means and the pictures are a one-GPU run's, byte for byte.
-typedef struct {
-    int device, sm, sms; // the CUDA device number, its compute capability (90: 9.0) and SMs
-    bool fused;          // the engine this run takes on it: fused or plain (use_fused)
-    char name[256];
-    char label[300]; // "GPU 1 (NVIDIA H100 80GB HBM3): ", for failing_gpu
-    VAE m;
-    uint8_t* pixels; // the run's images, [count][784]
-} Gpu;
-typedef struct { int count; Gpu* gpu; } Gpus;
-// work(g) for every GPU g of the run, each on a thread of its own with its GPU current (the first on this thread).
-template <typename Work> static void on_each_gpu(Gpus* gs, Work work) {
-    auto drive = [&](Gpu* g) {
-        if (gs->count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
-        cudaCheck(cudaSetDevice(g->device));
-        work(g);
-    };
-    std::vector<std::thread> threads;
-    for (int i = 1; i < gs->count; i++) threads.emplace_back(drive, &gs->gpu[i]);
-    drive(&gs->gpu[0]);
-    for (std::thread& t : threads) t.join();
-    failing_gpu[0] = '\0'; // what fails from here on is the run's, not one GPU's
-}
-static void vae_free_all(Gpus* gs) {
-    on_each_gpu(gs, [](Gpu* g) { vae_free(&g->m); });
-}
-// What the GPUs of a run share: the images (or decodes) that none has taken yet, and the wall time of the timed part,
-// from when the last GPU is ready (its modules loaded and its buffers made) to when the last one is done.
-struct Slices {
-    std::atomic<int> next{0};
-    const int count, gpus;
-    std::mutex lock;
-    std::condition_variable all_ready;
-    int ready = 0;
-    double start_ms = 0.0, end_ms = 0.0;
-    Slices(int n, const Gpus* gs) : count(n), gpus(gs->count) {}
-    // The next `want` of them (or the rest) as first .. first + *n - 1; false once none are left.
-    bool take(int want, int* first, int* n) {
-        *first = next.fetch_add(want);
-        *n = std::min(want, count - *first);
-        return *first < count;
-    }
-    static double now_ms() {
-        return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-    }
-    void ready_to_start() {
-        std::unique_lock<std::mutex> hold(lock);
-        if (++ready == gpus) start_ms = now_ms(), all_ready.notify_all();
-        else all_ready.wait(hold, [&] { return ready == gpus; });
-    }
-    void done() {
-        std::lock_guard<std::mutex> hold(lock);
-        end_ms = std::max(end_ms, now_ms());
-    }
-    double ms() const { return end_ms - start_ms; }
-};
-// The one loop that spreads a mode's work over the run's GPUs: body(g, slices) runs on each GPU's thread, makes its
-// buffers, runs an untimed warm-up (module loading stays out of the time) and calls slices(size, run); that waits for
-// every GPU to be ready, then calls run(first, n) for each slice of `count` items this GPU takes from the shared
-// counter until none are left. Returns the wall time from the last GPU ready to the last one done.
-template <typename Body> static double over_slices(Gpus* gs, int count, Body body) {
-    Slices slices(count, gs);
-    on_each_gpu(gs, [&](Gpu* g) {
-        body(g, [&](int size, auto run) {
-            cudaCheck(cudaStreamSynchronize(g->m.stream));
-            slices.ready_to_start();
-            for (int first, n; slices.take(size, &first, &n);) run(first, n);
-            cudaCheck(cudaStreamSynchronize(g->m.stream));
-            slices.done();
-        });
-    });
-    return slices.ms();
-}
-// Progress of a long run on stderr, unless -q: a bar redrawn in place on a terminal, a line every 10% otherwise (logs
-// stay readable). Every GPU adds what it finished.
-struct Progress {
-    std::mutex lock;
-    const char* what;
-    const long long total;
-    long long done = 0;
-    int decile = -1;
-    Progress(const char* what_, long long total_) : what(what_), total(total_) {}
-    void add(long long n) {
-        std::lock_guard<std::mutex> hold(lock);
-        done += n;
-        if (quiet) return;
-        if (isatty(STDERR_FILENO)) {
-            const int width = 40, filled = (int)(width * done / total);
-            fprintf(stderr, "\r%s [%.*s%*s] %3d%% (%lld/%lld)", what, filled,
-                    "########################################", width - filled, "", (int)(100 * done / total), done,
-                    total);
-            if (done == total) fputc('\n', stderr);
-        } else if ((int)(10 * done / total) != decile) {
-            decile = (int)(10 * done / total);
-            fprintf(stderr, "%s: %lld/%lld\n", what, done, total);
-        }
-    }
-};
-// The run's GPUs: --devices' (every GPU, or the list; GPU 0 by default), the first alone for --bench, each checked:
-// this binary has code for it, and it has what --precision needs.
-static Gpus open_gpus(const Config* cfg, ModelDims dims) {
-    int available = 0, devices[MAX_DEVICES], count = 0;
-    const cudaError_t status = cudaGetDeviceCount(&available);
-    if (status != cudaSuccess || available == 0) {
-        int driver = 0, runtime = 0;
-        Error err;
-        if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
-        cudaCheck(cudaRuntimeGetVersion(&runtime));
-        no_gpu_error(status, driver, runtime, &err);
-        fail("%s", err.msg);
-    }
-    if (cfg->all_devices) for (; count < available && count < MAX_DEVICES; count++) devices[count] = count;
-    for (; count < cfg->num_devices; count++) {
-        devices[count] = cfg->devices[count];
-        if (devices[count] >= available)
-            fail("%s: there is no GPU %d; this machine's %d GPU%s 0..%d. HINT: pass --devices all, or GPU numbers of "
-                 "0..%d (nvidia-smi -L lists them)", cfg->flag[OPT_DEVICES], devices[count], available,
-                 available > 1 ? "s are" : " is", available - 1, available - 1);
-    }
-    if (count == 0) devices[count++] = 0;
-    if (cfg->mode == MODE_BENCH) count = 1;
-    Gpus gs = {count, (Gpu*)calloc(count, sizeof(Gpu))};
-    if (gs.gpu == NULL) fail("out of host memory for %d GPUs", count);
-    for (int i = 0; i < count; i++) {
-        Gpu* g = &gs.gpu[i];
-        cudaDeviceProp prop;
-        if (count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "GPU %d: ", devices[i]); // until its name is known
-        cudaCheck(cudaGetDeviceProperties(&prop, devices[i]));
-        g->device = devices[i], g->sm = 10 * prop.major + prop.minor, g->sms = prop.multiProcessorCount;
-        snprintf(g->name, sizeof(g->name), "%s", prop.name);
-        snprintf(g->label, sizeof(g->label), "GPU %d (%s): ", g->device, g->name);
-        if (count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
-        cudaCheck(cudaSetDevice(devices[i]));
-        Error err;
-        if (!gpu_supported(prop.name, prop.major, prop.minor, cfg->precision, &err)) fail("%s", err.msg);
-        cudaFuncAttributes attr; // a binary built for other GPUs has no kernel this one can load
-        const cudaError_t loaded = cudaFuncGetAttributes(&attr, iwae_logsumexp_kernel);
-        if (loaded != cudaSuccess)
-            fail("this vae has no code for the %s (sm_%d): %s. HINT: rebuild it here: make clean && make vae", g->name,
-                 g->sm, cudaGetErrorString(loaded));
-        g->fused = use_fused(run_kernels(cfg), dims);
-    }
-    failing_gpu[0] = '\0';
-    cudaCheck(cudaSetDevice(gs.gpu[0].device));
-    return gs;
-}
-// What produced a run's results, for the CSV's first line; `images` says where the images came from. A --shard run
-// evaluates images first .. first + count - 1 of them: the generator's keys, the CSV's indices and the labels use
-// those global indices, so the shards' rows are those of one run over all of them.
-typedef struct { const char* images; int count; const Labels* labels; int first; } Inputs;
-// Per-image results as CSV after one '#' line naming what produced them; "-" is stdout. `columns`
-// names the float columns after index and label, `values` holds them.
-static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
-                      std::initializer_list<const float*> values) {
-    const bool to_stdout = !strcmp(cfg->csv_path, "-");
-    FILE* f = to_stdout ? stdout : output_open(cfg->csv_path, "per-image results");
-    if (f == NULL) fail("--csv %s: cannot write (%s). HINT: pass a writable path", cfg->csv_path, strerror(errno));
-    char run[160] = "";
-    if (cfg->mode == MODE_AIS)
-        snprintf(run, sizeof(run), ", T %d, chains %d, leapfrog %d, from %s", cfg->ais_t, cfg->chains, cfg->leapfrog,
-                 cfg->ais_from_prior ? "the prior" : "q(z|x)");
-    bool ok = fprintf(f, "# vae.cu %s (commit %s): mode %s, precision %s, seed %llu, z %s%s, weights %s, images %s\n",
-                      VAE_VERSION, VAE_GIT_COMMIT, MODE_NAMES[cfg->mode], PRECISION_NAMES[cfg->precision],
-                      (unsigned long long)cfg->seed, cfg->z_is_mu ? "mu" : "sampled", run, cfg->weights_path,
-                      in->images) > 0;
-    ok = ok && fprintf(f, "index,label,%s\n", columns) > 0;
-    for (int i = 0; i < in->count && ok; i++) {
-        ok = fprintf(f, "%d,%d", in->first + i, label_of(in->labels, in->first + i)) > 0;
-        for (const float* v : values) ok = ok && fprintf(f, ",%.6f", v[i]) > 0;
-        ok = ok && fputc('\n', f) != EOF;
-    }
-    if (to_stdout ? fflush(f) != 0 : fclose(f) != 0) ok = false;
-    if (!ok) fail("--csv %s: write failed (%s). HINT: check the disk", cfg->csv_path, strerror(errno));
-}
-// The time on `stream` from construction (or restart()) to elapsed_ms(), which waits for it.
-struct Timer {
-    cudaStream_t stream;
-    cudaEvent_t start, stop;
-    Timer(cudaStream_t s) : stream(s) {
-        cudaCheck(cudaEventCreate(&start)), cudaCheck(cudaEventCreate(&stop)), restart();
-    }
-    ~Timer() { cudaCheck(cudaEventDestroy(start)), cudaCheck(cudaEventDestroy(stop)); }
-    void restart() { cudaCheck(cudaEventRecord(start, stream)); }
-    float elapsed_ms() {
-        float ms;
-        cudaCheck(cudaEventRecord(stop, stream)), cudaCheck(cudaEventSynchronize(stop));
-        cudaCheck(cudaEventElapsedTime(&ms, start, stop));
-        return ms;
-    }
-};
-// Per-image BCE and KL of `count` images (image0 the first one's global index) to the host, on every GPU, in slices of
-// whole batches of `batch` (about 8 slices a GPU); returns the time in ms.
-static double evaluate(Gpus* gs, int count, int image0, int batch, const Config* cfg, float* bce, float* kl) {
-    const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, false, false};
-    const int slice = batch * ceil_div(ceil_div(count, 8 * gs->count), batch);
-    return over_slices(gs, count, [&](Gpu* g, auto slices) {
-        VAE* m = &g->m;
-        float* d_losses = (float*)device_alloc((size_t)2 * slice * sizeof(float), "the losses");
-        vae_forward(m, g->pixels, batch, 0, &opt, d_losses, d_losses + slice); // the warm-up
-        slices(slice, [&](int first, int n) {
-            for (int b = 0; b < n; b += batch)
-                vae_forward(m, g->pixels + (size_t)(first + b) * INPUT_DIM, std::min(batch, n - b), image0 + first + b,
-                            &opt, d_losses + b, d_losses + slice + b);
-            cudaCheck(cudaMemcpyAsync(bce + first, d_losses, n * sizeof(float), cudaMemcpyDeviceToHost, m->stream));
-            cudaCheck(cudaMemcpyAsync(kl + first, d_losses + slice, n * sizeof(float), cudaMemcpyDeviceToHost,
-                                      m->stream));
-            cudaCheck(cudaStreamSynchronize(m->stream));
-        });
-        cudaCheck(cudaFree(d_losses));
-    });
-}
-static double mean_of(const float* v, int n) {
-    double sum = 0.0;
-    for (int i = 0; i < n; i++) sum += v[i];
-    return sum / n;
-}
-// Prints `label`, the mean NLL of `count` images' log p(x) and its standard error; returns the mean log p(x).
-template <typename V> static double print_mean_nll(const char* label, const V* log_px, int count) {
-    double sum = 0.0, sum_sq = 0.0;
-    for (int i = 0; i < count; i++) sum += log_px[i], sum_sq += (double)log_px[i] * log_px[i];
-    const double mean = sum / count, var = count > 1 ? (sum_sq - count * mean * mean) / (count - 1) : 0.0;
-    fprintf(console, "%s%10.4f   (-log p(x), nats; ", label, -mean);
-    if (count > 1) fprintf(console, "standard error %.4f)\n", sqrt(fmax(var, 0.0) / count));
-    else fprintf(console, "one image: no standard error)\n");
-    return mean;
-}
-// " on 2 GPUs" after a time where the run used several.
-static const char* on_gpus(const Gpus* gs) {
-    static char text[32];
-    snprintf(text, sizeof(text), gs->count > 1 ? " on %d GPUs" : "", gs->count);
-    return text;
-}
-// The default run: mean BCE, KL and loss; per image for --image files; CSV; the three pictures (the first GPU's).
-static void run_elbo(const HostWeights* w, const Images* images, const Inputs* in, Gpus* gs, const Config* cfg) {
-    const int count = in->count, batch = cfg->batch < count ? cfg->batch : count;
-    on_each_gpu(gs, [&](Gpu* g) { // the pictures take batches of up to 110
-        vae_init(&g->m, w, batch > IMAGE_TILES_MAX ? batch : IMAGE_TILES_MAX, cfg->precision, cfg->kernels);
-    });
-    float* bce = (float*)malloc((size_t)2 * count * sizeof(float));
-    if (bce == NULL) fail("out of host memory for %d losses", count);
-    float* kl = bce + count;
-    const double ms = evaluate(gs, count, in->first, batch, cfg, bce, kl);
-    if (cfg->num_image_files > 0)
-        for (int i = 0; i < count; i++)
-            fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f\n", cfg->image_paths[i], bce[i], kl[i], bce[i] + kl[i]);
-    const double mean_bce = mean_of(bce, count), mean_kl = mean_of(kl, count);
-    fprintf(console, "evaluated %d images in %.3f ms%s (%.0f images/s)\n", count, ms, on_gpus(gs),
-            count / (ms * 1e-3));
-    fprintf(console, "mean BCE   %10.4f\n", mean_bce);
-    fprintf(console, "mean KL    %10.4f\n", mean_kl);
-    fprintf(console, "mean loss  %10.4f   (BCE + KL = -ELBO)\n", mean_bce + mean_kl);
-    if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl", {bce, kl});
-    if (cfg->num_shards == 0) { // the pictures: a few decodes, and the files written
-        const double start = Slices::now_ms();
-        write_images(&gs->gpu[0].m, images, in->labels, count, gs->gpu[0].pixels, cfg);
-        const double pictures_ms = Slices::now_ms() - start;
-        fprintf(console, "time       %10.3f ms (evaluation %.3f ms, pictures %.3f ms)\n", ms + pictures_ms, ms,
-                pictures_ms);
-    }
-    free(bce), vae_free_all(gs);
-}
-// log p(x) of `count` images (image0 the first one's global index) by IWAE with K samples, to the host, on every GPU in
-// slices of whole decoder passes, ~2% of the images each, or a GPU's share where that is less (progress, unless NULL,
-// between them); returns the time in ms.
-static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg, Progress* progress, float* log_px) {
-    return over_slices(gs, count, [&](Gpu* g, auto slices) {
-        VAE* m = &g->m;
-        const int per_pass = vae_iwae_images_per_pass(m, K);
-        const int slice = std::min(per_pass * ceil_div(ceil_div(count, per_pass), 50), ceil_div(count, gs->count));
-        float* d_log_px = (float*)device_alloc((size_t)slice * sizeof(float), "log p(x)");
-        vae_iwae(m, g->pixels, 1, 0, K, cfg->seed, NULL, d_log_px); // the warm-up
-        slices(slice, [&](int first, int n) {
-            vae_iwae(m, g->pixels + (size_t)first * INPUT_DIM, n, image0 + first, K, cfg->seed, NULL, d_log_px);
-            cudaCheck(cudaMemcpyAsync(log_px + first, d_log_px, n * sizeof(float), cudaMemcpyDeviceToHost, m->stream));
-            cudaCheck(cudaStreamSynchronize(m->stream));
-            if (progress != NULL) progress->add(n);
-        });
-        cudaCheck(cudaFree(d_log_px));
-    });
-}
-// --iwae K: log p(x) of every evaluated image, K importance samples each, beside its ELBO.
-static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
-    const int K = cfg->iwae_k, count = in->count;
-    on_each_gpu(gs, [&](Gpu* g) { vae_init(&g->m, w, IWAE_ROWS, cfg->precision, cfg->kernels, IWAE_PASS_ROWS); });
-    float* results = (float*)malloc((size_t)3 * count * sizeof(float)); // log p(x), BCE, KL
-    if (results == NULL) fail("out of host memory for %d results", count);
-    float *log_px = results, *bce = results + count, *kl = results + 2 * count;
-    Progress progress("iwae", count);
-    const double iwae_ms = iwae_all(gs, count, in->first, K, cfg, &progress, log_px);
-    const double elbo_ms = evaluate(gs, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl);
-    if (cfg->num_image_files > 0)
-        for (int i = 0; i < count; i++)
-            fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f  log p(x) %.4f\n", cfg->image_paths[i], bce[i], kl[i],
-                    bce[i] + kl[i], log_px[i]);
-    fprintf(console, "IWAE, K = %d samples per image, %d images (%s)\n", K, count, PRECISION_NAMES[cfg->precision]);
-    fprintf(console, "mean -ELBO %10.4f   (BCE + KL, one sample; the bound IWAE tightens)\n",
-            mean_of(bce, count) + mean_of(kl, count));
-    print_mean_nll("mean NLL   ", log_px, count);
-    fprintf(console, "time       %10.2f ms%s (IWAE %.2f ms: %.3g decoder passes/s, progress reports included; ELBO "
-            "%.2f ms)\n", iwae_ms + elbo_ms, on_gpus(gs), iwae_ms, (double)count * K / (iwae_ms * 1e-3), elbo_ms);
-    if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl,log_px", {bce, kl, log_px});
-    free(results), vae_free_all(gs);
-}
-// The device buffers of AIS over n images of C chains: the schedule, per chain its log weight and acceptances, per
-// image the step size and the estimates.
-typedef struct { double *beta, *log_w, *log_px; int* accepted; float *step, *ess, *acceptance; } AisBuffers;
-static AisBuffers ais_buffers(int n, const Config* cfg) {
-    const size_t rows = (size_t)n * cfg->chains;
-    AisBuffers b;
-    b.beta = (double*)device_alloc((cfg->ais_t + 1) * sizeof(double), "the AIS schedule");
-    b.log_w = (double*)device_alloc(rows * sizeof(double), "the AIS log weights");
-    b.accepted = (int*)device_alloc(rows * sizeof(int), "the AIS acceptances");
-    b.log_px = (double*)device_alloc(n * sizeof(double), "log p(x)");
-    b.step = (float*)device_alloc((size_t)3 * n * sizeof(float), "the AIS step sizes");
-    b.ess = b.step + n, b.acceptance = b.step + 2 * n;
-    double* beta = (double*)malloc((cfg->ais_t + 1) * sizeof(double));
-    if (beta == NULL) fail("out of host memory for the AIS schedule");
-    ais_schedule(beta, cfg->ais_t);
-    cudaCheck(cudaMemcpy(b.beta, beta, (cfg->ais_t + 1) * sizeof(double), cudaMemcpyHostToDevice));
-    free(beta);
-    return b;
-}
-static void ais_buffers_free(AisBuffers* b) {
-    void* buffers[] = {b->beta, b->log_w, b->accepted, b->log_px, b->step};
-    for (void* p : buffers) cudaCheck(cudaFree(p));
-}
-// Images one vae_ais call takes at a time (at most max_batch): a round of the fused kernel's clusters,
-// or two sets of the plain path's PLAIN_AIS_ROWS chains.
-static int vae_ais_round(const VAE* m, int C) {
-    const int round = m->fused ? m->ais_clusters * ais_cluster_images(C) : 2 * (PLAIN_AIS_ROWS / C);
-    return round < m->max_batch ? round : m->max_batch;
-}
-typedef struct { double* log_px; float *step, *ess, *acceptance; } AisResults; // host arrays of n each
-// AIS over n images (image0 the first one's global index), forward, or reverse from the host's z_start [n][Z], on every
-// GPU in slices of whole rounds (fused: ~2% of the images each; plain: launches of even size, as many a GPU), progress
-// between them; each image's estimates to `out`. Returns the time in ms.
-static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const float* z_start, const char* what,
-                      AisResults out) {
-    Progress progress(what, n);
-    return over_slices(gs, n, [&](Gpu* g, auto slices) {
-        VAE* m = &g->m;
-        const int C = cfg->chains, Z = m->dims.z, round = vae_ais_round(m, C), rounds = ceil_div(n, round);
-        int slice = m->fused ? round * ceil_div(rounds, 50) : ceil_div(n, gs->count * ceil_div(rounds, gs->count));
-        if (slice > m->max_batch) slice = m->max_batch / round * round;
-        AisBuffers b = ais_buffers(slice, cfg);
-        float* d_z = NULL;
-        if (z_start != NULL) {
-            d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the AIS start z");
-            cudaCheck(cudaMemcpy(d_z, z_start, (size_t)n * Z * sizeof(float), cudaMemcpyHostToDevice));
-        }
-        AisIO io = {};
-        io.beta = b.beta, io.chains = C, io.T = std::min(2, cfg->ais_t), io.leapfrog = 1, io.seed = cfg->seed;
-        io.adapt = true, io.step0 = AIS_STEP_START, io.n = 1, io.pixels = g->pixels;
-        io.log_w = b.log_w, io.accepted = b.accepted, io.step_out = b.step;
-        vae_ais(m, io, cfg->ais_from_prior); // the warm-up
-        io.T = cfg->ais_t, io.leapfrog = cfg->leapfrog, io.reverse = z_start != NULL;
-        slices(slice, [&](int first, int k) {
-            io.n = k, io.first_image = (uint32_t)(image0 + first);
-            io.pixels = g->pixels + (size_t)first * INPUT_DIM;
-            io.z_start = d_z != NULL ? d_z + (size_t)first * Z : NULL;
-            vae_ais(m, io, cfg->ais_from_prior);
-            launch(ais_estimate_kernel, k, 128, 128, m->stream, b.log_px, b.ess, b.acceptance, b.log_w, b.accepted, k,
-                   C, cfg->ais_t - 1, io.reverse);
-            const std::pair<float*, float*> floats[] = {{out.step, b.step}, {out.ess, b.ess},
-                                                        {out.acceptance, b.acceptance}};
-            for (auto f : floats)
-                cudaCheck(cudaMemcpyAsync(f.first + first, f.second, k * sizeof(float), cudaMemcpyDeviceToHost,
-                                          m->stream));
-            cudaCheck(cudaMemcpyAsync(out.log_px + first, b.log_px, k * sizeof(double), cudaMemcpyDeviceToHost,
-                                      m->stream));
-            cudaCheck(cudaStreamSynchronize(m->stream));
-            progress.add(k);
-        });
-        cudaCheck(cudaFree(d_z)), ais_buffers_free(&b);
-    });
-}
-enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
-static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
-    vae_init(m, w, AIS_BATCH, cfg->precision, run_kernels(cfg), decoder_rows);
-    require_ais(m);
-}
-// --ais T: each image's log p(x) by AIS, beside the ELBO, and with --ais-iwae IWAE with as many decoder evaluations.
-static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
-    const int count = in->count, C = cfg->chains, T = cfg->ais_t, L = cfg->leapfrog;
-    const long long evals_per_image = (long long)C * (1 + (long long)(T - 1) * L); // gradient evaluations
-    const bool iwae = cfg->ais_iwae; // IWAE's K = evals_per_image: one image's rows must fit a decoder pass
-    on_each_gpu(gs, [&](Gpu* g) { ais_init(&g->m, w, cfg, iwae ? IWAE_PASS_ROWS : 0); });
-    for (int i = 0; i < gs->count && iwae; i++)
-        if (evals_per_image > gs->gpu[i].m.decoder_rows)
-            fail("%s: IWAE with K = C (1 + (T - 1) L) = %lld samples an image needs that many decoder rows a pass; "
-                 "the %s engine takes %d. HINT: a smaller --ais T, --chains or --leapfrog, or drop %s",
-                 cfg->flag[OPT_AIS_IWAE], evals_per_image, gs->gpu[i].m.fused ? "fused" : "plain",
-                 gs->gpu[i].m.decoder_rows, cfg->flag[OPT_AIS_IWAE]);
-
-    double* log_px = (double*)malloc((size_t)count * sizeof(double));
-    float* results = (float*)malloc((size_t)7 * count * sizeof(float));
-    if (log_px == NULL || results == NULL) fail("out of host memory for %d results", count);
-    float *step = results, *ess = results + count, *acceptance = results + 2 * count, *bce = results + 3 * count;
-    float *kl = results + 4 * count, *iwae_px = results + 5 * count, *ais_px = results + 6 * count;
-    const double ais_ms = ais_all(gs, count, in->first, cfg, NULL, "ais", {log_px, step, ess, acceptance});
-    const double elbo_ms = evaluate(gs, count, in->first, count < 4096 ? count : 4096, cfg, bce, kl);
-    Progress progress("iwae", count);
-    const double iwae_ms = iwae ? iwae_all(gs, count, in->first, (int)evals_per_image, cfg, &progress, iwae_px) : 0.0;
-    double accept = 0.0, ess_sum = 0.0, iwae_sum = 0.0;
-    float step_min = step[0], step_max = step[0];
-    for (int i = 0; i < count; i++) {
-        accept += acceptance[i], ess_sum += ess[i], iwae_sum += iwae ? iwae_px[i] : 0.0, ais_px[i] = (float)log_px[i];
-        step_min = fminf(step_min, step[i]), step_max = fmaxf(step_max, step[i]);
-        if (cfg->num_image_files > 0)
-            fprintf(console, "%s: -ELBO %.4f  log p(x) %.4f (AIS), %.4f (IWAE)\n", cfg->image_paths[i], bce[i] + kl[i],
-                    log_px[i], iwae ? iwae_px[i] : NAN);
-    }
-    const double elbo = -(mean_of(bce, count) + mean_of(kl, count)), evals = (double)count * evals_per_image;
-    fprintf(console, "AIS, T = %d distributions, C = %d chains, L = %d leapfrog steps, from %s; %d images (%s)\n", T,
-            C, L, cfg->ais_from_prior ? "the prior" : "q(z|x)", count, PRECISION_NAMES[cfg->precision]);
-    const double mean = print_mean_nll("mean NLL    ", log_px, count);
-    if (T > 1)
-        fprintf(console, "acceptance  %10.4f   (mean; step sizes %.4g .. %.4g; effective sample size %.2f of %d)\n",
-                accept / count, step_min, step_max, ess_sum / count, C);
-    fprintf(console, "time        %10.3f s%s  (AIS %.3f s: %.3g gradient evaluations/s, %.1f TFLOP/s of decoder "
-            "work; ELBO %.3f s", (ais_ms + elbo_ms + iwae_ms) * 1e-3, on_gpus(gs), ais_ms * 1e-3,
-            evals / (ais_ms * 1e-3), evals * ais_flops_per_eval(w->dims) / (ais_ms * 1e9), elbo_ms * 1e-3);
-    if (iwae) fprintf(console, "; IWAE %.3f s)\n", iwae_ms * 1e-3);
-    else fprintf(console, ")\n");
-    if (iwae)
-        fprintf(console, "inference gap: -ELBO %.4f > IWAE (K = %lld, as many decoder evaluations) %.4f > AIS %.4f "
-                "nats\n", -elbo, evals_per_image, -iwae_sum / count, -mean);
-    else
-        fprintf(console, "inference gap: -ELBO %.4f > AIS %.4f nats (IWAE with as many decoder evaluations, K = %lld, "
-                "between them: add %s)\n", -elbo, -mean, evals_per_image, "--ais-iwae");
-    if (cfg->csv_path != NULL) write_csv(cfg, in, "log_px,ess,acceptance", {ais_px, ess, acceptance});
-    free(log_px), free(results), vae_free_all(gs);
-}
-// --bdmc N --ais T: N images simulated from the model (z ~ N(0, I) keyed by the image, x ~
-// Bernoulli(sigmoid(logits)), binary), AIS forward from p0 (a stochastic lower bound of log p(x))
-// and reverse from the true z (an upper bound); their gap is how far AIS at this T is from exact.
-static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
-    const int n = cfg->bdmc_n, Z = w->dims.z;
-    on_each_gpu(gs, [&](Gpu* g) { ais_init(&g->m, w, cfg, 0); });
-    VAE* m = &gs->gpu[0].m; // simulates the images
-    float* z = (float*)malloc((size_t)n * Z * sizeof(float) + (size_t)AIS_BATCH * INPUT_DIM * sizeof(float));
-    uint8_t* pixels = (uint8_t*)malloc((size_t)n * INPUT_DIM);
-    double* bounds = (double*)malloc((size_t)2 * n * sizeof(double));
-    float* estimates = (float*)malloc((size_t)3 * n * sizeof(float)); // step sizes, ESS, acceptance: not reported
-    if (z == NULL || pixels == NULL || bounds == NULL || estimates == NULL)
-        fail("out of host memory for %d simulated images", n);
-    float* recon = z + (size_t)n * Z;
-    const double simulation_start = Slices::now_ms();
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < Z; j++) z[(size_t)i * Z + j] = gaussian(cfg->seed, STREAM_SIMULATE, i, 0, j);
-    float* d_z = (float*)device_alloc((size_t)n * Z * sizeof(float), "the simulated z");
-    cudaCheck(cudaMemcpy(d_z, z, (size_t)n * Z * sizeof(float), cudaMemcpyHostToDevice));
-    for (int first = 0; first < n; first += AIS_BATCH) {
-        const int B = n - first < AIS_BATCH ? n - first : AIS_BATCH;
-        vae_decode(m, d_z + (size_t)first * Z, B);
-        cudaCheck(cudaMemcpy(recon, m->recon, (size_t)B * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
-        for (int k = 0; k < B * INPUT_DIM; k++) { // pixel k % 784 of image first + k / 784
-            const float u = uniform_open0(cfg->seed, STREAM_SIMULATE, first + k / INPUT_DIM, 1, k % INPUT_DIM);
-            pixels[(size_t)first * INPUT_DIM + k] = u <= recon[k] ? 255 : 0;
-        }
-    }
-    cudaCheck(cudaFree(d_z));
-    on_each_gpu(gs, [&](Gpu* g) {
-        g->pixels = (uint8_t*)device_alloc((size_t)n * INPUT_DIM, "the simulated images");
-        cudaCheck(cudaMemcpy(g->pixels, pixels, (size_t)n * INPUT_DIM, cudaMemcpyHostToDevice));
-    });
-    const double simulation_ms = Slices::now_ms() - simulation_start;
-    double ms[2];
-    for (int reverse = 0; reverse < 2; reverse++) {
-        const AisResults out = {bounds + (size_t)reverse * n, estimates, estimates + n, estimates + 2 * n};
-        ms[reverse] = ais_all(gs, n, 0, cfg, reverse ? z : NULL, reverse ? "bdmc reverse" : "bdmc forward", out);
-    }
-    double lower = 0.0, upper = 0.0, gap_min = INFINITY, gap_max = -INFINITY;
-    for (int i = 0; i < n; i++) {
-        const double gap = bounds[n + i] - bounds[i];
-        lower += bounds[i], upper += bounds[n + i], gap_min = fmin(gap_min, gap), gap_max = fmax(gap_max, gap);
-    }
-    fprintf(console, "BDMC, %d simulated images; AIS with T = %d, C = %d chains, L = %d leapfrog steps, from %s (%s)\n",
-            n, cfg->ais_t, cfg->chains, cfg->leapfrog, cfg->ais_from_prior ? "the prior" : "q(z|x)",
-            PRECISION_NAMES[cfg->precision]);
-    fprintf(console, "lower bound %10.4f   (mean log p(x), forward AIS; %.3f s%s)\n", lower / n, ms[0] * 1e-3,
-            on_gpus(gs));
-    fprintf(console, "upper bound %10.4f   (mean log p(x), reverse AIS from the true z; %.3f s%s)\n", upper / n,
-            ms[1] * 1e-3, on_gpus(gs));
-    fprintf(console, "gap         %10.4f   (nats, upper - lower; per image %.4f .. %.4f)\n", (upper - lower) / n,
-            gap_min, gap_max);
-    fprintf(console, "time        %10.3f s%s  (simulating the images %.3f s, forward %.3f s, reverse %.3f s)\n",
-            (simulation_ms + ms[0] + ms[1]) * 1e-3, on_gpus(gs), simulation_ms * 1e-3, ms[0] * 1e-3, ms[1] * 1e-3);
-    free(z), free(pixels), free(bounds), free(estimates), vae_free_all(gs);
-}
-// --bench: one whole forward+loss (sampled z) per batch size and precision, captured once as a CUDA graph and replayed:
-// 20 replays warm up; latency is the median of 200 replays, each from an idle GPU between two events (what one request
-// waits for), throughput the time of 200 back-to-back replays between two events over 200 (what a full queue sustains).
-// dev/bench_pytorch.py times PyTorch's modes by the same two definitions.
-static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Config* cfg) {
-    enum { WARMUP = 20, REPS = 200 };
-    const ModelDims d = w->dims;
-    const double flops_per_image = 2.0 * ((double)INPUT_DIM * d.h1 + 2.0 * d.h1 * d.z + (double)d.z * d.h3 +
-                                          (double)d.h3 * INPUT_DIM);
-    // the floor: the matrix work at the dense bf16 rate an H200 sustains, or the bytes that must move
-    // (pixels in, two losses out, the weights once) at its memory bandwidth, whichever is longer
-    const double floor_flops = 770e12, floor_bytes_per_s = 4.2e12;
-    const int max_batch = *std::max_element(cfg->bench_batches, cfg->bench_batches + cfg->num_bench_batches);
-    float* d_losses = (float*)device_alloc((size_t)2 * max_batch * sizeof(float), "the losses");
-    printf("forward + loss per batch, z %s: CUDA graph replays after %d warm-up; latency = median of %d single\n"
-           "replays from an idle GPU, throughput = %d back-to-back replays / %d (images/s and TFLOP/s from it);\n"
-           "floor = the FLOPs at 770 TFLOP/s or the bytes at 4.2 TB/s\n", cfg->z_is_mu ? "= mu" : "sampled", WARMUP,
-           REPS, REPS, REPS);
-    printf("| kernels | precision | batch | latency us | throughput us | images/s | TFLOP/s | floor us | "
-           "%% of floor |\n");
-    printf("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
-    // both engines wherever both run, unless --kernels names one
-    Kernels engines[2] = {cfg->kernels, KERNELS_FUSED};
-    int num_engines = 1;
-    if (cfg->kernels == KERNELS_AUTO) engines[0] = KERNELS_PLAIN, num_engines = use_fused(KERNELS_AUTO, d) ? 2 : 1;
-    const bool has_bf16 = gpu_attribute(cudaDevAttrComputeCapabilityMajor) >= 8; // bf16 tensor cores: sm_80 on
-    for (int run = 0; run < 2 * num_engines; run++) { // each engine in both precisions
-        const int p = run % 2;
-        if ((cfg->given & OPT_BIT(OPT_PRECISION)) && p != (int)cfg->precision) continue;
-        if (p == PRECISION_BF16 && !(cfg->given & OPT_BIT(OPT_PRECISION)) && !has_bf16) continue;
-        VAE m;
-        vae_init(&m, w, max_batch, (Precision)p, engines[run / 2]);
-        const char* engine = m.fused ? "fused" : "plain";
-        for (int b = 0; b < cfg->num_bench_batches; b++) {
-            const int B = cfg->bench_batches[b];
-            const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, NULL, false, false};
-            cudaGraph_t graph;
-            cudaGraphExec_t exec;
-            cudaCheck(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeGlobal));
-            vae_forward(&m, d_pixels, B, 0, &opt, d_losses, d_losses + max_batch);
-            cudaCheck(cudaStreamEndCapture(m.stream, &graph));
-            cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
-            for (int i = 0; i < WARMUP; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
-            cudaCheck(cudaStreamSynchronize(m.stream));
-            Timer timer(m.stream);
-            float us[REPS];
-            for (int i = 0; i < REPS; i++) { // each from an idle GPU (elapsed_ms waits): the launch is in the latency
-                timer.restart();
-                cudaCheck(cudaGraphLaunch(exec, m.stream));
-                us[i] = 1000.0f * timer.elapsed_ms();
-            }
-            timer.restart();
-            for (int i = 0; i < REPS; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
-            const float burst_ms = timer.elapsed_ms();
-            std::sort(us, us + REPS);
-            const double latency_us = us[REPS / 2], throughput_us = 1000.0 * burst_ms / REPS;
-            const double weight_bytes = (double)w->count * (p == PRECISION_FP32 ? 4 : 2);
-            const double floor_us = 1e6 * fmax(flops_per_image * B / floor_flops,
-                                               ((double)B * (INPUT_DIM + 2 * sizeof(float)) + weight_bytes) /
-                                                   floor_bytes_per_s);
-            const double tflops = flops_per_image * B / (throughput_us * 1e6);
-            printf("| %s | %s | %d | %.1f | %.1f | %.3g | %.1f | %.1f | %.1f%% |\n", engine, PRECISION_NAMES[p], B,
-                   latency_us, throughput_us, B / (throughput_us * 1e-6), tflops, floor_us,
-                   100.0 * floor_us / throughput_us);
-            cudaCheck(cudaGraphExecDestroy(exec));
-            cudaCheck(cudaGraphDestroy(graph));
-        }
-        vae_free(&m);
-    }
-    cudaCheck(cudaFree(d_losses));
-}
-// --interp N: every pair of the first N images, INTERP_STEPS decodes each on the line between their latent means, first
-// in passes of as many decodes as the model holds (on every GPU), then one pair per call on the first GPU (a launch and
-// a wait for 11 decodes, the way an interactive loop would ask). Both decode on the device and leave the images there;
-// neither copies them back inside the timing.
-static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
-    const int n = cfg->interp_n, num_pairs = n * (n - 1) / 2, decodes = num_pairs * INTERP_STEPS;
-    const int pass_rows = IWAE_ROWS - IWAE_ROWS % INTERP_STEPS; // whole pairs per pass
-    const size_t pair_floats = (size_t)INTERP_STEPS * INPUT_DIM;
-    int2* pairs = (int2*)malloc((size_t)num_pairs * sizeof(int2));
-    float* tiles = (float*)malloc((size_t)IMAGE_TILES_MAX * INPUT_DIM * sizeof(float));
-    float* last = (float*)malloc((size_t)2 * pair_floats * sizeof(float)); // the last pair, both ways
-    if (pairs == NULL || tiles == NULL || last == NULL) fail("out of host memory for %d pairs", num_pairs);
-    for (int a = 0, p = 0; a < n; a++)
-        for (int b = a + 1; b < n; b++) pairs[p++] = make_int2(a, b);
-    std::vector<int2*> d_pairs(gs->count);
-    const double batched_ms = over_slices(gs, decodes, [&](Gpu* g, auto slices) {
-        VAE* m = &g->m;
-        int2*& here = d_pairs[g - gs->gpu];
-        vae_init(m, w, pass_rows, cfg->precision, cfg->kernels);
-        here = (int2*)device_alloc((size_t)num_pairs * sizeof(int2), "the pairs");
-        cudaCheck(cudaMemcpy(here, pairs, (size_t)num_pairs * sizeof(int2), cudaMemcpyHostToDevice));
-        vae_encode(m, g->pixels, n); // m->mulv holds the N means from here on; decoding leaves it alone
-        vae_decode_interpolations(m, here, 0, INTERP_STEPS, INTERP_STEPS); // the warm-up
-        slices(pass_rows, [&](int first, int rows) {
-            vae_decode_interpolations(m, here, first, rows, INTERP_STEPS);
-            // done before this GPU takes more; one GPU queues its passes back to back (a wait after each of N = 1000's
-            // 84 passes costs ~5%)
-            if (gs->count > 1) cudaCheck(cudaStreamSynchronize(m->stream));
-        });
-    });
-
-    // the last pass again (untimed) on the first GPU, whose one-pair decodes below it is compared with: another GPU may
-    // have taken it, and GPUs of other kinds may run another engine
-    VAE* m = &gs->gpu[0].m;
-    const double rest_start = Slices::now_ms(); // the check and the picture, beside the two timed ways
-    const int last_pass = (decodes - 1) / pass_rows * pass_rows, last_rows = decodes - last_pass;
-    vae_decode_interpolations(m, d_pairs[0], last_pass, last_rows, INTERP_STEPS);
-    cudaCheck(cudaMemcpy(last, m->recon + (size_t)(last_rows - INTERP_STEPS) * INPUT_DIM, pair_floats * sizeof(float),
-                         cudaMemcpyDeviceToHost));
-    const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
-    Progress progress("one pair per call", num_pairs);
-    const double single_start = Slices::now_ms();
-    Timer timer(m->stream);
-    for (int p = 0, reported = 0; p < num_pairs; p++) {
-        vae_decode_interpolations(m, d_pairs[0], (long long)p * INTERP_STEPS, INTERP_STEPS, INTERP_STEPS);
-        cudaCheck(cudaStreamSynchronize(m->stream));
-        if ((p + 1) % report_every == 0 || p + 1 == num_pairs) progress.add(p + 1 - reported), reported = p + 1;
-    }
-    const float single_ms = timer.elapsed_ms();
-    const double single_end = Slices::now_ms();
-    cudaCheck(cudaMemcpy(last + pair_floats, m->recon, pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
-    const bool same = !memcmp(last, last + pair_floats, pair_floats * sizeof(float));
-
-    fprintf(console, "interpolation: %d images, %d pairs x %d steps = %d decodes (%s)\n", n, num_pairs, INTERP_STEPS,
-            decodes, PRECISION_NAMES[cfg->precision]);
-    fprintf(console, "batched          %10.2f ms%s (%.3g decodes/s, passes of %d)\n", batched_ms, on_gpus(gs),
-            decodes / (batched_ms * 1e-3), pass_rows);
-    fprintf(console, "one pair a call  %10.2f ms (%.3g decodes/s, %d calls)\n", single_ms, decodes / (single_ms * 1e-3),
-            num_pairs);
-    fprintf(console, "batched is %.1fx faster; the last pair's images are %s both ways\n", single_ms / batched_ms,
-            same ? "bitwise identical" : "DIFFERENT");
-    if (!same) fail("--interp: the batched and the one-pair decodes differ. HINT: this is a bug; please report it");
-
-    const int rows = num_pairs < 10 ? num_pairs : 10;
-    vae_decode_interpolations(m, d_pairs[0], 0, rows * INTERP_STEPS, INTERP_STEPS);
-    cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)rows * pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
-    char what[96];
-    snprintf(what, sizeof(what), "the first %d pairs, t = 0, 0.1, ..., 1", rows);
-    write_grid(cfg, "interp.ppm", what, tiles, rows, INTERP_STEPS);
-    const double rest_ms = single_start - rest_start + Slices::now_ms() - single_end;
-    fprintf(console, "time             %10.2f ms (batched %.2f ms, one pair a call %.2f ms, the check and interp.ppm "
-            "%.2f ms)\n", batched_ms + single_ms + rest_ms, batched_ms, single_ms, rest_ms);
-    free(pairs), free(tiles), free(last);
-    on_each_gpu(gs, [&](Gpu* g) { cudaCheck(cudaFree(d_pairs[g - gs->gpu])), vae_free(&g->m); });
-}
-// The idx file `name` in `dir`, or its gzipped copy (MNIST as shipped) where only that is there.
-static void idx_path(char path[MAX_PATH], const char* dir, const char* name) {
-    struct stat st;
-    snprintf(path, MAX_PATH, "%s/%s", dir, name);
-    if (stat(path, &st) != 0 && errno == ENOENT) snprintf(path, MAX_PATH, "%s/%s.gz", dir, name);
-    if (stat(path, &st) != 0 && errno == ENOENT) snprintf(path, MAX_PATH, "%s/%s", dir, name); // neither: name it
-}
-// --image files: 28x28 greymaps, read in full and validated like every other input.
-static void load_image_files(const Config* cfg, Images* images) {
-    images->count = cfg->num_image_files;
-    images->pixels = (uint8_t*)malloc((size_t)images->count * INPUT_DIM);
-    if (images->pixels == NULL) fail("out of host memory for %d images", images->count);
-    for (int i = 0; i < images->count; i++) {
-        Images one = {};
-        Error err;
-        if (!load_file(cfg->image_paths[i], parse_pgm, &one, &err, "HINT: check the --image path")) fail("%s", err.msg);
-        for (int p = 0; p < INPUT_DIM; p++)
-            images->pixels[(size_t)i * INPUT_DIM + p] = cfg->invert ? 255 - one.pixels[p] : one.pixels[p];
-        free(one.pixels);
-    }
-}
-int main(int argc, char** argv) {
-    Config cfg;
-    Error err;
-    if (!parse_args(argc, argv, &cfg, &err)) fail("%s", err.msg);
-    if (cfg.help || cfg.version) {
-        if (cfg.help) printf("%s", USAGE);
-        else print_version();
-        return 0;
-    }
-    quiet = cfg.quiet;
-    if (cfg.csv_path != NULL && !strcmp(cfg.csv_path, "-")) console = stderr;
-
-    // read and validate every input before touching the GPU
-    HostWeights weights = {};
-    Images images = {};
-    Labels labels = {}; // none: every label is -1
-    char images_path[MAX_PATH], labels_path[MAX_PATH];
-    const bool own_weights = cfg.given & OPT_BIT(OPT_WEIGHTS); // -w: a missing file is the user's, not make data's
-    if (!load_file(cfg.weights_path, parse_weights, &weights, &err, own_weights ? WEIGHTS_HINT : PREPARE_HINT) ||
-        !kernels_fit(cfg.kernels, weights.dims, &err))
-        fail("%s", err.msg);
-    if (cfg.num_image_files > 0) {
-        load_image_files(&cfg, &images);
-        snprintf(images_path, sizeof(images_path), "%d --image file%s", images.count, images.count > 1 ? "s" : "");
-    } else if (cfg.mode != MODE_BDMC) { // --bdmc simulates its images: no test set
-        // -d names the user's folder: 'make data' makes data/ only
-        const bool own_data = cfg.given & OPT_BIT(OPT_DATA);
-        const char* data_hint = own_data ? "HINT: pass -d with the folder that holds t10k-images-idx3-ubyte or its .gz"
-                                         : PREPARE_HINT;
-        struct stat st;
-        const int missing = stat(cfg.data_dir, &st) == 0 ? 0 : errno;
-        if (missing != 0 || !S_ISDIR(st.st_mode))
-            fail("%s %s: %s. %s", cfg.flag[OPT_DATA], cfg.data_dir,
-                 missing == ENOENT ? "no such folder" : missing != 0 ? strerror(missing) : "not a folder", data_hint);
-        idx_path(images_path, cfg.data_dir, "t10k-images-idx3-ubyte");
-        idx_path(labels_path, cfg.data_dir, "t10k-labels-idx1-ubyte");
-        if (!load_file(images_path, parse_idx_images, &images, &err, data_hint)) fail("%s", err.msg);
-        const bool have_labels = stat(labels_path, &st) == 0 || errno != ENOENT; // optional, but never half-read
-        if (have_labels && !load_file(labels_path, parse_idx_labels, &labels, &err)) fail("%s", err.msg);
-        if (have_labels && labels.count != images.count)
-            fail("%s holds %d labels for %d images in %s. " PREPARE_HINT, labels_path, labels.count, images.count,
-                 images_path);
-    }
-    if (cfg.count > images.count)
-        fail("%s %d: %s holds only %d images. HINT: pass %s %d or less", cfg.flag[OPT_COUNT], cfg.count, images_path,
-             images.count, cfg.flag[OPT_COUNT], images.count);
-    const int total = cfg.count > 0 ? cfg.count : images.count;
-    // --shard K/N: block K of N of the evaluated images, first .. first + count - 1
-    const int first = cfg.num_shards > 0 ? (int)((long long)total * cfg.shard / cfg.num_shards) : 0;
-    const int count = cfg.num_shards > 0 ? (int)((long long)total * (cfg.shard + 1) / cfg.num_shards) - first : total;
-    if (cfg.num_shards > total)
-        fail("%s %d/%d: the %d images make fewer than %d blocks. HINT: pass --shard K/N with N of at most %d",
-             cfg.flag[OPT_SHARD], cfg.shard, cfg.num_shards, total, cfg.num_shards, total);
-    if (cfg.mode == MODE_BENCH)
-        for (int b = 0; b < cfg.num_bench_batches; b++)
-            if (cfg.bench_batches[b] > count)
-                fail("--bench times batches of up to %d images, but only %d are evaluated (%s). HINT: pass "
-                     "--bench-batches with sizes of at most %d, or a larger -n", cfg.bench_batches[b], count,
-                     cfg.count > 0 ? cfg.flag[OPT_COUNT] : images_path, count);
-    if (cfg.mode == MODE_INTERP && cfg.interp_n > count)
-        fail("%s %d: %s holds only %d images. HINT: pass %s %d or less", cfg.flag[OPT_INTERP], cfg.interp_n,
-             images_path, count, cfg.flag[OPT_INTERP], count);
-    if ((cfg.mode == MODE_ELBO && cfg.num_shards == 0) || cfg.mode == MODE_INTERP)
-        check_output_dir(cfg.flag[OPT_OUT], cfg.out_dir);
-    if (cfg.csv_path != NULL && strcmp(cfg.csv_path, "-") != 0) check_output_file(cfg.flag[OPT_CSV], cfg.csv_path);
-
-    const int batch = cfg.batch < count ? cfg.batch : count;
-    set_out_of_memory_hint(cfg.mode, batch);
-    Gpus gpus = open_gpus(&cfg, weights.dims);
-    const ModelDims dims = weights.dims;
-    print_separator();
-    if (gpus.count == 1) {
-        print_row("device", "%s", gpus.gpu[0].name);
-        print_row("arch", "sm_%d, %d SMs", gpus.gpu[0].sm, gpus.gpu[0].sms);
-        if (cfg.mode == MODE_BENCH && (cfg.all_devices || cfg.num_devices > 1))
-            print_row("devices", "--bench times one GPU: %d", gpus.gpu[0].device);
-    } else {
-        print_row("devices", "%d GPUs, each taking slices as it frees up", gpus.count);
-        for (int i = 0; i < gpus.count; i++) {
-            const Gpu* g = &gpus.gpu[i];
-            char key[16];
-            snprintf(key, sizeof(key), "gpu %d", g->device);
-            print_row(key, "%s, sm_%d: %s", g->name, g->sm, g->fused ? "fused" : "plain");
-        }
-    }
-    print_row("weights", "%s", cfg.weights_path);
-    print_row("dims", "%d -> %d -> %d -> %d -> %d", INPUT_DIM, dims.h1, dims.z, dims.h3, INPUT_DIM);
-    if (cfg.num_shards > 0)
-        print_row("images", "%d-%d of %d from %s (--shard %d/%d)", first, first + count - 1, total, images_path,
-                  cfg.shard, cfg.num_shards);
-    else if (cfg.mode != MODE_BDMC) print_row("images", "%d from %s", count, images_path);
-    if (labels.labels == NULL && cfg.mode != MODE_BDMC) print_row("labels", "none (each image's label is -1)");
-    if (cfg.mode == MODE_ELBO) print_row("batch", "%d", batch);
-    print_row("precision", "%s", PRECISION_NAMES[cfg.precision]);
-    if (cfg.mode != MODE_BENCH && gpus.count == 1) print_kernels_row(&cfg, dims, gpus.gpu[0].fused);
-    if (cfg.mode == MODE_ELBO || cfg.mode == MODE_BENCH)
-        print_row("z", "%s", cfg.z_is_mu ? "mu (--zmu)" : "mu + eps * sigma, sampled");
-    if (cfg.mode != MODE_INTERP) print_row("seed", "%llu", (unsigned long long)cfg.seed);
-    if (cfg.mode == MODE_IWAE) print_row("iwae", "K = %d importance samples per image", cfg.iwae_k);
-    if (cfg.mode == MODE_INTERP)
-        print_row("interp", "all pairs of %d images, %d steps each", cfg.interp_n, INTERP_STEPS);
-    if (cfg.mode == MODE_AIS)
-        print_row("ais", "T = %d, C = %d chains, L = %d leapfrog steps, from %s", cfg.ais_t, cfg.chains, cfg.leapfrog,
-                  cfg.ais_from_prior ? "the prior" : "q(z|x)");
-    if (cfg.mode == MODE_BDMC)
-        print_row("bdmc", "%d simulated images, T = %d, C = %d, L = %d, from %s", cfg.bdmc_n, cfg.ais_t, cfg.chains,
-                  cfg.leapfrog, cfg.ais_from_prior ? "the prior" : "q(z|x)");
-    print_separator();
-
-    // the images stay on each GPU as uint8 for the whole run: no copies in the batch loop (--bdmc makes its own)
-    if (cfg.mode != MODE_BDMC)
-        on_each_gpu(&gpus, [&](Gpu* g) {
-            g->pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the images");
-            cudaCheck(cudaMemcpy(g->pixels, images.pixels + (size_t)first * INPUT_DIM, (size_t)count * INPUT_DIM,
-                                 cudaMemcpyHostToDevice));
-        });
-    const Inputs inputs = {images_path, count, &labels, first};
-    if (cfg.mode == MODE_ELBO) run_elbo(&weights, &images, &inputs, &gpus, &cfg);
-    else if (cfg.mode == MODE_IWAE) run_iwae(&weights, &inputs, &gpus, &cfg);
-    else if (cfg.mode == MODE_BENCH) run_bench(&weights, gpus.gpu[0].pixels, &cfg);
-    else if (cfg.mode == MODE_AIS) run_ais(&weights, &inputs, &gpus, &cfg);
-    else if (cfg.mode == MODE_BDMC) run_bdmc(&weights, &gpus, &cfg);
-    else run_interp(&weights, &gpus, &cfg);
-    if (!outputs_commit(&err, quiet ? NULL : console)) fail("%s", err.msg);
-
-    on_each_gpu(&gpus, [](Gpu* g) { cudaCheck(cudaFree(g->pixels)); });
-    free(gpus.gpu), free(weights.data), free(images.pixels), free(labels.labels);
-    return 0;
-}
-#endif // TESTING
