@@ -58,6 +58,7 @@ static bool set_error(Error* err, const char* fmt, ...) {
     va_end(args);
     return false;
 }
+
 // A run on several GPUs (--devices) drives each from a host thread of its own, which names its GPU here
 // ("GPU 1 (NVIDIA H100 80GB HBM3): "). A failure on any of them ends the whole run at once in one line, the
 // first failure's: quick_exit, because exit's handlers would tear CUDA down under the other threads.
@@ -76,10 +77,12 @@ static std::atomic<bool> failed{false};
     fflush(stdout);
     quick_exit(EXIT_FAILURE);
 }
+
 // Every CUDA call is checked; a failure names the call site and exits.
 static void cuda_check(cudaError_t status, const char* file, int line) {
     if (status != cudaSuccess) fail("CUDA: %s at %s:%d", cudaGetErrorString(status), file, line);
 }
+
 #define cudaCheck(call) cuda_check((call), __FILE__, __LINE__)
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 #ifndef VAE_PYTHON
@@ -95,6 +98,7 @@ __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; 
 #define MAX_FILE_BYTES (1ull << 30) // no input of this model comes near 1 GiB
 static int32_t read_le32(const uint8_t* p) { return (int32_t)(p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24); }
 static uint32_t read_be32(const uint8_t* p) { return (uint32_t)p[0] << 24 | p[1] << 16 | p[2] << 8 | p[3]; }
+
 // An idx file as MNIST ships it, gzipped, inflated in memory: to at most the size its idx header promises (a magic
 // whose low byte counts the dimensions, the dimensions as big-endian int32, then their product in bytes) and one byte
 // more, so a stream that would expand further (a gzip bomb) is refused there, not at the 1 GiB any input may take.
@@ -133,6 +137,7 @@ static bool gunzip_idx(const char* path, const uint8_t* in, size_t in_size, uint
     return set_error(err, "%s: not a whole gzip file of an idx file (%s). HINT: fetch it again, or run 'make data'",
                      path, why);
 }
+
 // Reads a whole regular file into a malloc'd buffer, inflated when its name ends in .gz. `missing_hint` ends the
 // message for a file that is not there (the program's own data files are made by 'make data'; a user's image is not).
 static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err,
@@ -162,6 +167,7 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
     free(packed);
     return ok;
 }
+
 // Output files are written under a temporary name beside their final one and renamed into place together once the run
 // has succeeded (outputs_commit), so a run that fails - no GPU, a bad input found late, a full disk - leaves every
 // existing file as it was and creates nothing. An exit before the commit (fail(), cudaCheck) removes the temporary
@@ -169,6 +175,7 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
 enum { MAX_OUTPUTS = 8, MAX_PATH = 4096 };
 static struct { char final_path[MAX_PATH], temp_path[MAX_PATH + 8], what[128]; } pending_outputs[MAX_OUTPUTS];
 static int num_pending_outputs = 0;
+
 // The output folder while nothing is committed, and how many of its last path components this run made (mkdir -p).
 static char created_dir[MAX_PATH] = "";
 static int created_levels = 0;
@@ -183,10 +190,12 @@ static void outputs_discard() {
     }
     created_levels = 0;
 }
+
 static void discard_outputs_at_exit() {
     static bool registered = false;
     if (!registered) registered = atexit(outputs_discard) == 0 && at_quick_exit(outputs_discard) == 0;
 }
+
 // Makes the output folder and its missing parents, as mkdir -p does; an exit before the commit removes them again.
 static bool output_dir_make(const char* dir, Error* err) {
     discard_outputs_at_exit();
@@ -203,6 +212,7 @@ static bool output_dir_make(const char* dir, Error* err) {
         *slash = '/';
     }
 }
+
 // A new temporary file beside `path` (path.XXXXXX, with the mode fopen would give), or NULL with
 // errno set. Its contents reach `path` at outputs_commit(); `what` describes it there.
 static FILE* output_open(const char* path, const char* what) {
@@ -224,6 +234,7 @@ static FILE* output_open(const char* path, const char* what) {
     if (f == NULL) close(fd);
     return f;
 }
+
 // Moves every file written since the last commit into place; names each on `report` (NULL: quiet).
 static bool outputs_commit(Error* err, FILE* report) {
     for (int i = 0; i < num_pending_outputs; i++) {
@@ -248,8 +259,10 @@ static const ModelDims PUBLISHED_DIMS = {HIDDEN_DIM, LATENT_DIM, HIDDEN_DIM};
 static bool is_published(ModelDims d) {
     return d.h1 == PUBLISHED_DIMS.h1 && d.z == PUBLISHED_DIMS.z && d.h3 == PUBLISHED_DIMS.h3;
 }
+
 typedef enum { PRECISION_FP32, PRECISION_BF16 } Precision; // both run the tensor-core kernels (Path, below)
 enum { HEADER_INTS = 256, WEIGHTS_MAGIC = 0x31454156 /* "VAE1" */, WEIGHTS_VERSION = 2, DTYPE_FLOAT32 = 1 };
+
 // The tensors in file order, PyTorch layout (weight[out][in], bias[out]).
 enum { FC1_W, FC1_B, FC21_W, FC21_B, FC22_W, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B, NUM_TENSORS };
 static size_t tensor_size(ModelDims d, int t) {
@@ -258,6 +271,7 @@ static size_t tensor_size(ModelDims d, int t) {
                                        (size_t)INPUT_DIM * d.h3, INPUT_DIM};
     return sizes[t];
 }
+
 static const char* TENSOR_NAMES[NUM_TENSORS] = {"fc1.weight", "fc1.bias", "fc21.weight", "fc21.bias", "fc22.weight",
                                                 "fc22.bias", "fc3.weight", "fc3.bias", "fc4.weight", "fc4.bias"};
 typedef struct {
@@ -295,6 +309,7 @@ __host__ __device__ inline uint32_t mulhi32(uint32_t a, uint32_t b) {
     return (uint32_t)(((uint64_t)a * b) >> 32);
 #endif
 }
+
 __host__ __device__ inline uint4 philox4x32(uint4 c, uint2 k) {
     for (int round = 0; round < 10; round++) {
         uint32_t hi0 = mulhi32(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
@@ -305,8 +320,10 @@ __host__ __device__ inline uint4 philox4x32(uint4 c, uint2 k) {
     }
     return c;
 }
+
 // Streams keep the noise of different uses apart.
 enum { STREAM_POSTERIOR = 0, STREAM_PRIOR = 1, STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4 };
+
 // Two independent N(0,1) draws from two 32-bit random words (Box-Muller: radius times cosine and sine of one angle).
 __host__ __device__ inline float2 box_muller(uint32_t word1, uint32_t word2) {
     const float u1 = ((word1 >> 8) + 1) * (1.0f / 16777216.0f); // (0, 1]: log stays finite
@@ -320,12 +337,14 @@ __host__ __device__ inline float2 box_muller(uint32_t word1, uint32_t word2) {
 #endif
     return make_float2(radius * cosine, radius * sine);
 }
+
 // Philox's four words keyed by (seed, stream, image, row, counter): row is a sample or a chain; the counter a latent
 // group, or AIS's transition and latent pair (momentum_counter), so no draw depends on the batch.
 __host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, uint32_t image, uint32_t row,
                                               uint32_t counter) {
     return philox4x32(make_uint4(counter, image, row, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
 }
+
 // Four N(0,1) draws (two Box-Muller pairs): latents 4q .. 4q+3 of group q (of a Z not a multiple of 4, some unused).
 __host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
                                             uint32_t group) {
@@ -333,6 +352,7 @@ __host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint
     const float2 a = box_muller(r.x, r.y), b = box_muller(r.z, r.w);
     return make_float4(a.x, a.y, b.x, b.y);
 }
+
 // One draw: latent j of (seed, stream, image, sample).
 __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
                                           uint32_t latent) {
@@ -340,12 +360,14 @@ __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32
     const uint32_t i = latent % 4;
     return i == 0 ? g.x : i == 1 ? g.y : i == 2 ? g.z : g.w;
 }
+
 // Two N(0, 1) draws (a pair of latents), and one uniform in (0, 1] below, keyed as philox_keyed.
 __host__ __device__ inline float2 gaussian_pair(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
                                                 uint32_t counter) {
     const uint4 r = philox_keyed(seed, stream, image, chain, counter);
     return box_muller(r.x, r.y);
 }
+
 // Transition s's counter of latent pair j / 2: 16 pairs a transition, 32 for a Z above 32.
 __host__ __device__ inline uint32_t momentum_counter(int s, int j, int z) { return (z <= 32 ? 16 : 32) * s + j / 2; }
 static_assert(MAX_LATENT <= 64, "momentum_counter's 32 pairs a transition hold every latent");
@@ -369,6 +391,7 @@ __device__ inline float latent_z(float mu, float logvar, float eps, float* kl_te
     *kl_term = 1.0f + logvar - mu * mu - expf(logvar);
     return mu + eps * expf(0.5f * logvar);
 }
+
 // eps of latents 4q .. 4q+3 (of nz) of sample `sample` of an image: from `eps_row` when given (tests feed PyTorch's),
 // else from the counter-based generator keyed by the image's global index; zero for z = mu.
 __device__ inline float4 posterior_eps(const float* eps_row, int q, int nz, uint32_t image, uint32_t sample,
@@ -379,6 +402,7 @@ __device__ inline float4 posterior_eps(const float* eps_row, int q, int nz, uint
     for (int i = 0; i < 4; i++) e[i] = 4 * q + i < nz ? eps_row[4 * q + i] : 0.0f;
     return make_float4(e[0], e[1], e[2], e[3]);
 }
+
 // Latents on the straight line between two images' means: row r of the decoder's batch is step r % steps of pair r /
 // steps, z = (1 - t) mu_a + t mu_b with t = step / (steps - 1). The pairs index rows of mulv ([mu | logvar] per image);
 // rows count from first_row, so a long list of pairs is decoded in passes with no host work between. A thread a latent.
@@ -392,8 +416,10 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
     const float t = (float)step / (float)(steps - 1);
     z[i] = (1.0f - t) * mulv[pair.x * 2 * nz + j] + t * mulv[pair.y * 2 * nz + j];
 }
+
 typedef __nv_bfloat16 bf16;
 typedef __half fp16;
+
 // Stores and loads in the path's type: the same names for float and bf16.
 __device__ inline void store_as(float* p, float v) { *p = v; }
 __device__ inline void store_as(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
@@ -401,8 +427,10 @@ __device__ inline void store_as(fp16* p, float v) { *p = __float2half_rn(v); }
 __device__ inline float as_float(float v) { return v; }
 __device__ inline float as_float(bf16 v) { return __bfloat162float(v); }
 __device__ inline float as_float(fp16 v) { return __half2float(v); }
+
 // Four consecutive values as one 4-, 8- or 16-byte access (the elementwise kernels' loads and stores).
 template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
+
 // fc3's input and weights, with the bias in K: the input row ends its latents with ones and fc3's rows hold the bias
 // there, so the product adds it (the epilogue only takes the ReLU). Blocks of z_pad(Z) (24 for Z = 20) keep
 // fp32's rows, and bf16's where z_pad is a multiple of 8 (Z = 20's), on a 16-byte boundary (cuBLAS's fast kernels
@@ -416,11 +444,13 @@ template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
 __host__ __device__ constexpr int z_pad(int nz) { return (nz + 3 + 3) / 4 * 4; } // z, three ones, whole fours
 template <typename T> __host__ __device__ constexpr int z_parts() { return std::is_same<T, bf16>::value ? 3 : 1; }
 __host__ __device__ constexpr int z_width(Precision p, int nz) { return z_pad(nz) * (p == PRECISION_BF16 ? 3 : 1); }
+
 // A row's latents live in registers, in arrays of a compile-time length ZMAX of which the first nz are used: loops over
 // them run to ZMAX, unrolled, and skip j >= nz (a loop to a run-time bound would index them in local memory). ZMAX =
 // LATENT_DIM is the published model's instance, where nz is that constant too (latents()): its loops have no tests
 // left, and sample_kernel keeps 48 registers rather than 125 for bf16. Every other Z runs the MAX_LATENT instance.
 template <int ZMAX> __host__ __device__ constexpr int latents(int nz) { return ZMAX == LATENT_DIM ? LATENT_DIM : nz; }
+
 // AIS's loops over a chain's latents: unrolled in the published model's instance, where that keeps the arrays in
 // registers, and not in the MAX_LATENT one, whose arrays spill anyway (unrolling them there costs only build time). The
 // loops that the published instance compiles differently this way keep #pragma unroll.
@@ -434,7 +464,9 @@ template <typename T> __device__ inline T split_part(float v, int p) {
     store_as(&part, v);
     return part;
 }
+
 __device__ inline float bf16_part(float v, int p) { return as_float(split_part<bf16>(v, p)); }
+
 // fc3's input row of nz latents z, as above: each block of z_pad(nz) stored four values at a time.
 template <typename T, int ZMAX> __device__ inline void store_z_input(T* row, const float (&z)[ZMAX], int nz) {
     constexpr int PARTS = z_parts<T>();
@@ -454,6 +486,7 @@ template <typename T, int ZMAX> __device__ inline void store_z_input(T* row, con
         }
     }
 }
+
 // fc3's rows as above, [H3][z_width], from W3 [H3][nz] and b3 (fp32).
 template <typename T>
 __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const float* __restrict__ b3, int h3, int nz) {
@@ -466,12 +499,14 @@ __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const f
     else if (block == 0 && k < nz + bias_parts) v = parts ? bf16_part(b3[n], k - nz) : b3[n];
     store_as(&dst[i], v);
 }
+
 // The type of AIS's backward pass (sigmoid - x, dh, and their copies of W4 and W3): T, but fp16 for bf16, as the fused
 // kernels': sigmoid - x lies in [-1, 1] and dh well inside fp16's range, so its 11 significant bits cost nothing over
 // bf16's 8, and the gradient (W3^T dh, terms of both signs) lands 2.3e-3 of its scale from float64 (tolerance 2e-2).
 template <typename T> struct Backward { typedef T type; };
 template <> struct Backward<bf16> { typedef fp16 type; };
 static_assert(sizeof(Backward<bf16>::type) == sizeof(bf16), "the backward's buffers are sized in T");
+
 // The pixels as fc1's input: bytes 0..255 as T, exact in both types; fc1's alpha = 1/255 scales them. Four pixels a
 // thread (n is a multiple of four, rows of 784): a byte a thread took 22 us for 10,000 images, 4x the bytes' time.
 template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t* pixels, long long n) {
@@ -482,6 +517,7 @@ template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t
     for (int k = 0; k < 4; k++) store_as(&v.v[k], (float)px.v[k]);
     reinterpret_cast<Four<T>*>(x)[i] = v;
 }
+
 // Both engines' z, KL and log p(z) - log q(z|x) of sample `sample` of an image (mulv_row: [mu | logvar]): z = mu +
 // sigma eps, eps keyed by (seed, image, sample) (sample 0: the ELBO's draw), and log p(z) - log q(z|x) = sum_j 1/2
 // (eps_j^2 + logvar_j - z_j^2) (the log(2 pi) cancel), summed over j in order.
@@ -506,6 +542,7 @@ __device__ inline void sample_latents(float (&z)[ZMAX], int nz, float* kl, float
     }
     *kl = -0.5f * kl_sum, *log_ratio = 0.5f * ratio;
 }
+
 // fc3's inputs for `rows` decoder rows from the images' [mu | logvar]: row r is sample r % K of image r / K (K = 1 for
 // the ELBO, --iwae's K importance samples otherwise). kl, log_ratio and z_out NULL: not wanted. One thread a row.
 template <typename T, int ZMAX>
@@ -525,6 +562,7 @@ __global__ void sample_kernel(T* z_input, float* z_out, float* kl, float* log_ra
     if (kl) kl[r] = row_kl;
     if (log_ratio) log_ratio[r] = ratio;
 }
+
 // fc3's inputs from latents given in fp32 (prior samples, interpolations, the tests' z). One thread a row.
 template <typename T, int ZMAX>
 __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows, int nz) {
@@ -536,6 +574,7 @@ __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows
     for (int j = 0; j < ZMAX; j++) row[j] = j < nz ? z[(size_t)r * nz + j] : 0.0f;
     store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), row, nz);
 }
+
 // What the decoder's logits give, per row r scored against image r / rows_per_image (NULL: not wanted):
 //   bce       BCE(x, sigmoid(l)) summed over the 784 pixels, as softplus(l) - x l = max(l, 0) - x l +
 //             log(1 + exp(-|l|)): no log of a rounded sigmoid, finite for any l
@@ -579,6 +618,7 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (bce && x_row && lane == 0) bce[r] = sum;
 }
+
 // The ReLU's backward: the gradient w.r.t. a hidden layer's input is zero where its output h is. Four values a thread
 // (the last thread the one to three left where n is not a multiple of four).
 template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long n) {
@@ -595,6 +635,7 @@ template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, 
         if (!(as_float(hidden.v[k]) > 0.0f)) store_as(&g.v[k], 0.0f);
     reinterpret_cast<Four<G>*>(grad)[i] = g;
 }
+
 // The plain path's weights, once at load: rows x cols of W (fp32, PyTorch's W[out][in]) as T in rows of `pitch`,
 // zeros past `cols` (fc3's backward copy: [W3 | 0]).
 template <typename T>
@@ -604,6 +645,7 @@ __global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int ro
     const int r = (int)(i / pitch), c = (int)(i % pitch);
     store_as(&dst[i], c < cols ? w[(size_t)r * cols + c] : 0.0f);
 }
+
 // The importance-weighted log-likelihood (--iwae K; Burda et al., "Importance Weighted Autoencoders"):
 //   log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
 // The K samples of an image are K decoder rows (sample_kernel); log p(x|z) = -BCE. Per image, log w_k = log_ratio_k -
@@ -676,6 +718,7 @@ __global__ void iwae_merge_kernel(float* __restrict__ log_px, const float2* __re
 // differences of ~1e-5 nats) and the weights in float64, and adapt each image's step size from its chains' acceptance.
 constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f, AIS_TARGET_ACCEPT = 0.65f;
 static double ais_flops_per_eval(ModelDims d) { return 4.0 * ((double)d.z * d.h3 + (double)d.h3 * INPUT_DIM); }
+
 // What one AIS run over n images reads and writes. Row r is chain r % C of image r / C.
 struct AisIO {
     const uint8_t* pixels; // [n][784]
@@ -762,6 +805,7 @@ __host__ __device__ inline float ais_adapted_step(const AisIO& io, float step, i
     if (io.probe.fixed_step) return step;
     return fminf(fmaxf(step * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN), AIS_STEP_MAX);
 }
+
 // The plain path's chains, in memory between its kernels: per row z, p, the gradient of BCE (fc3's backward writes it,
 // row-major and z_pad(nz) wide), the BCE, and the transition's start (z, grad, BCE, H) that a rejected proposal returns
 // to. z, p and the start are stored latent by latent, [nz][rows], so that a warp's 32 rows of one latent are 128
@@ -793,6 +837,7 @@ struct AisChains {
         }
     }
 };
+
 // A chain's view of its image: p0's mean, inverse variance and sum of log variances (unused latents: 0, 1: no terms).
 template <int ZMAX> struct AisPrior {
     float mu[ZMAX], inv_var[ZMAX], logvar_sum;
@@ -816,6 +861,7 @@ template <int ZMAX> struct AisPrior {
         for (int j = 0; j < ZMAX; j++) p[j] = ais_kick(p[j], z[j], grad_bce[j], mu[j], inv_var[j], beta, scaled_step);
     }
 };
+
 // z += eps p, stored, and as fc3's input for the next gradient evaluation.
 template <typename T, int ZMAX>
 __device__ inline void drift_chain(const AisChains& c, T* z_input, size_t r, float (&z)[ZMAX], const float (&p)[ZMAX],
@@ -825,6 +871,7 @@ __device__ inline void drift_chain(const AisChains& c, T* z_input, size_t r, flo
     c.store(c.z, r, z);
     store_z_input(z_input + r * z_pad(latents<ZMAX>(c.nz)) * z_parts<T>(), z, latents<ZMAX>(c.nz));
 }
+
 // The chains' start: z ~ p0 (keyed like the ELBO's eps, chain c as sample c) or the given z_start; no weight yet,
 // nothing accepted, each image at the first step size.
 template <typename T, int ZMAX> __global__ void ais_start_kernel(AisIO io, AisChains c, T* z_input) {
@@ -840,6 +887,7 @@ template <typename T, int ZMAX> __global__ void ais_start_kernel(AisIO io, AisCh
     io.log_w[r] = 0.0, io.accepted[r] = 0;
     if (chain == 0) io.step_out[image] = io.step0;
 }
+
 // Step s = 1..T of the schedule, at the chain's z (the last transition's end): its term of the log weight; then, but at
 // s = T (the chain's results), the next transition's start: momentum p, H0, the start kept, half a kick, a drift.
 template <typename T, int ZMAX> __global__ void ais_begin_kernel(AisIO io, AisChains c, T* z_input, int s) {
@@ -884,6 +932,7 @@ template <typename T, int ZMAX> __global__ void ais_begin_kernel(AisIO io, AisCh
     c.store(c.p, r, p);
     drift_chain(c, z_input, r, z, p, step);
 }
+
 // A leapfrog step between two gradient evaluations: a whole kick, then the next drift.
 template <typename T, int ZMAX> __global__ void ais_leapfrog_kernel(AisIO io, AisChains c, T* z_input, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
@@ -897,6 +946,7 @@ template <typename T, int ZMAX> __global__ void ais_leapfrog_kernel(AisIO io, Ai
     c.store(c.p, r, p);
     drift_chain(c, z_input, r, z, p, step);
 }
+
 // A transition's end: the last half kick, H1, and the Metropolis test; a rejected proposal returns to the start.
 template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
@@ -928,6 +978,7 @@ template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s)
     }
     io.accepted[r] += accept, c.took[r] = accept;
 }
+
 // Each image's step size from its C chains' acceptance in this transition, counted in chain order.
 __global__ void ais_adapt_kernel(AisIO io, AisChains c) {
     const int image = blockIdx.x * blockDim.x + threadIdx.x;
@@ -936,6 +987,7 @@ __global__ void ais_adapt_kernel(AisIO io, AisChains c) {
     for (int k = 0; k < io.chains; k++) taken += c.took[(size_t)image * io.chains + k];
     io.step_out[image] = ais_adapted_step(io, io.step_out[image], taken, io.chains);
 }
+
 // Per image, from its C chains in order, in float64: log p(x) ~ logsumexp log w - log C (for the reverse run, whose
 // weights ais_begin_kernel accumulates with -d_beta, the upper bound -(logsumexp log w - log C)), the effective sample
 // size (sum w)^2 / sum w^2 of the weights, and the acceptance rate over the transitions.
@@ -977,6 +1029,7 @@ __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restri
 static void cublas_check(cublasStatus_t status, const char* file, int line) {
     if (status != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: %s at %s:%d", cublasLtGetStatusString(status), file, line);
 }
+
 #define cublasCheck(call) cublas_check((call), __FILE__, __LINE__)
 // One product of the plain path: a layer's weights W (row-major, `pitch` values a row), its epilogue and algorithm.
 typedef struct {
@@ -988,11 +1041,13 @@ typedef struct {
     const void* w;
     float alpha; // the product's scale: fc1's 1/255
 } Gemm;
+
 static cublasLtMatrixLayout_t gemm_layout(cudaDataType_t type, int rows, int cols, int ld) {
     cublasLtMatrixLayout_t layout;
     cublasCheck(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld));
     return layout;
 }
+
 // What every pick asks of an algorithm: no workspace and no split-K.
 static cublasLtMatmulPreference_t gemm_preference() {
     cublasLtMatmulPreference_t pref;
@@ -1005,6 +1060,7 @@ static cublasLtMatmulPreference_t gemm_preference() {
                                                      sizeof(reduction)));
     return pref;
 }
+
 // A product over W[out][in] (pitch values a row, pitch >= in): forward Y[rows][out] = alpha X W^T (+ bias) (ReLU), or
 // with `backward` dX[rows][in] = dY[rows][out] W. The inputs in in_type, Y and the bias (NULL: none) in out_type, as
 // cuBLASLt reads it. Its algorithm is the heuristic's first for pick_rows rows.
@@ -1042,11 +1098,13 @@ static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int p
     cublasCheck(cublasLtMatrixLayoutDestroy(x)), cublasCheck(cublasLtMatrixLayoutDestroy(y));
     return g;
 }
+
 static void gemm_free(Gemm* g) {
     if (g->desc) cublasCheck(cublasLtMatmulDescDestroy(g->desc));
     if (g->w_layout) cublasCheck(cublasLtMatrixLayoutDestroy(g->w_layout));
     memset(g, 0, sizeof(*g));
 }
+
 // y[rows][m] = the product of x[rows][k], in the algorithm picked for it, on `stream`.
 static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int rows, cudaStream_t stream) {
     cublasLtMatrixLayout_t x_layout = gemm_layout(g.in_type, g.k, rows, g.k);
@@ -1056,6 +1114,7 @@ static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int
                                &g.algo, NULL, 0, stream));
     cublasCheck(cublasLtMatrixLayoutDestroy(x_layout)), cublasCheck(cublasLtMatrixLayoutDestroy(y_layout));
 }
+
 // One set of AIS buffers for up to PLAIN_AIS_ROWS chains: their own z input, h3 and logits, the backward's residual
 // (sigmoid - x) and dh, the chains, and its stream. AIS runs two sets at once, each on its stream, so that one set's
 // memory-bound kernels fill the SMs beside the other set's matmuls.
@@ -1065,6 +1124,7 @@ typedef struct {
     AisChains chains;
     cudaStream_t stream;
 } AisWork;
+
 // The plain path's model of any size (dims): its weights in the path's type T, its products, and its activations (T, or
 // fp32 where marked) for up to max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples).
 typedef struct {
@@ -1085,6 +1145,7 @@ typedef struct {
     AisWork ais[2]; // AIS's two sets of buffers, allocated by its first run
     cudaEvent_t fork, join;
 } Plain;
+
 // What to do when a GPU's memory runs out: the fix the run's mode has (set_out_of_memory_hint).
 static char out_of_memory_hint[192] = "use a smaller batch";
 static void* device_alloc(size_t bytes, const char* what) {
@@ -1095,6 +1156,7 @@ static void* device_alloc(size_t bytes, const char* what) {
     cudaCheck(status);
     return p;
 }
+
 // The small kernels: `items` rows (or elements), `per_block` of them to a block of `threads` threads (one a thread, or
 // one a warp), on `stream`; the launch is checked.
 template <typename... Params, typename... Args>
@@ -1103,6 +1165,7 @@ static void launch(void (*kernel)(Params...), long long items, int per_block, in
     kernel<<<(unsigned)((items + per_block - 1) / per_block), threads, 0, stream>>>(Params(args)...);
     cudaCheck(cudaGetLastError());
 }
+
 // The weights (fp32 on the device, PyTorch's layout; fc22's rows follow fc21's: t[FC21_W] is one [2Z][H1] layer) in
 // the path's types, each at a 256-byte boundary, and the products of the four layers and of AIS's backward pass.
 template <typename T> static void plain_init_weights(Plain* pl, const float* const* t, cudaStream_t stream) {
@@ -1155,6 +1218,7 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
     pl->fc3_backward = gemm_init(pl->lt, convert(B(), w3_back, FC3_W, H3, Z, pad), H3, pad, pad, true, false, NULL,
                                  back, f32, 1.0f, backward_pick);
 }
+
 // The plain model for up to max_batch images a forward pass and `rows` decoder rows a pass.
 static Plain* plain_init(const float* const* tensors, ModelDims dims, Precision precision, int max_batch, int rows,
                          cudaStream_t stream) {
@@ -1180,6 +1244,7 @@ static Plain* plain_init(const float* const* tensors, ModelDims dims, Precision 
     pl->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon");
     return pl;
 }
+
 static void plain_free(Plain* pl) {
     void* buffers[] = {pl->weights, pl->x, pl->h1, pl->mulv, pl->z, pl->z_input, pl->h3, pl->logits, pl->bce,
                        pl->log_ratio, pl->recon};
@@ -1197,6 +1262,7 @@ static void plain_free(Plain* pl) {
     if (pl->lt) cublasCheck(cublasLtDestroy(pl->lt));
     free(pl);
 }
+
 // The encoder: [mu | logvar] of B images (device uint8 pixels) into pl->mulv, and h1.
 static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t stream) {
     const long long n = (long long)B * INPUT_DIM;
@@ -1206,6 +1272,7 @@ static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t s
     gemm(pl->lt, pl->fc1, pl->h1, pl->x, B, stream);
     gemm(pl->lt, pl->fc2, pl->mulv, pl->h1, B, stream);
 }
+
 // Calls f(T(), ZMAX) for the plain path's type T and its latents' array length ZMAX (a std::integral_constant): the
 // place where the precision and Z, known at run time, pick the kernels' template instances.
 template <typename F> static void with_type_and_zmax(const Plain* pl, F f) {
@@ -1215,6 +1282,7 @@ template <typename F> static void with_type_and_zmax(const Plain* pl, F f) {
     if (pl->precision == PRECISION_BF16) small ? f(bf16(), published) : f(bf16(), largest);
     else small ? f(0.0f, published) : f(0.0f, largest);
 }
+
 // fc3's inputs for `rows` rows of K samples of images (sample_kernel; mulv: their [mu | logvar]). Blocks of 64 rows:
 // the ELBO's 10,000 rows in blocks of 128 kept 53 of 132 SMs idle.
 static void plain_sample(Plain* pl, int rows, int K, const float* mulv, const float* eps, uint32_t first_image,
@@ -1225,6 +1293,7 @@ static void plain_sample(Plain* pl, int rows, int K, const float* mulv, const fl
                mulv, eps, rows, pl->dims.z, K, first_image, seed, z_is_mu);
     });
 }
+
 // fc3's inputs from latents given in fp32 ([rows][Z] on the device).
 static void plain_set_z(Plain* pl, const float* z, int rows, cudaStream_t stream) {
     with_type_and_zmax(pl, [&](auto t, auto zmax) {
@@ -1232,6 +1301,7 @@ static void plain_set_z(Plain* pl, const float* z, int rows, cudaStream_t stream
         launch(z_input_kernel<T, decltype(zmax)::value>, rows, 128, 128, stream, (T*)pl->z_input, z, rows, pl->dims.z);
     });
 }
+
 // The decoder over `rows` rows of pl->z_input: logits, then each row's BCE against image r /
 // rows_per_image into bce (with pixels), recon when given. With t_logits (--iwae's passes, and bf16's ELBO where no
 // one reads the logits) fc4_t writes them in T: in bf16 half the bytes of the pass's largest buffer (3,136 a row in
@@ -1246,6 +1316,7 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
     launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
            pixels, rows, rows_per_image);
 }
+
 // The forward pass and loss of B images: per-image BCE and KL into bce[B] and kl[B].
 static void plain_forward(Plain* pl, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
                           const Probe& probe, float* bce, float* kl, cudaStream_t stream) {
@@ -1285,6 +1356,7 @@ static void plain_ais_gradient(Plain* pl, const AisIO& io, const AisWork& w, int
     launch(relu_backward_kernel<B, T>, (hidden + 3) / 4, 256, 256, w.stream, (B*)w.dh, (const T*)w.h3, hidden);
     gemm(pl->lt, pl->fc3_backward, w.chains.grad, w.dh, rows, w.stream);
 }
+
 // Step s of an AIS run over io.n * C chains in one set of buffers, a kernel for each part of a transition over every
 // chain (part 1), the gradient between them. s = 0: the chains' start and their first gradient; s = 1 .. T - 1: the
 // weight's term at step s, then transition s; s = T: the last term.
@@ -1304,6 +1376,7 @@ template <typename T, int ZMAX> static void plain_ais_step(Plain* pl, const AisI
     launch(ais_end_kernel<ZMAX>, rows, 128, 128, w.stream, io, w.chains, s);
     launch(ais_adapt_kernel, io.n, 128, 128, w.stream, io, w.chains);
 }
+
 // The same run on n of io's images, from image `first`, for nz latents.
 static AisIO ais_slice(AisIO io, int first, int n, int nz) {
     const size_t rows = (size_t)first * io.chains;
@@ -1319,6 +1392,7 @@ static AisIO ais_slice(AisIO io, int first, int n, int nz) {
     if (p.proposal) p.proposal += rows * 2 * nz;
     return io;
 }
+
 // The first AIS run's: both sets of buffers, the second set's stream and the events that join it to the caller's.
 static void plain_ais_alloc(Plain* pl) {
     const size_t R = PLAIN_AIS_ROWS, t = pl->type_size, Z = pl->dims.z, H3 = pl->dims.h3;
@@ -1339,6 +1413,7 @@ static void plain_ais_alloc(Plain* pl) {
     cudaCheck(cudaStreamCreateWithFlags(&pl->ais[1].stream, cudaStreamNonBlocking));
     for (cudaEvent_t* e : {&pl->fork, &pl->join}) cudaCheck(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
 }
+
 // AIS on the plain path over io.n images (io.mulv filled in), in parts of even size, at most PLAIN_AIS_ROWS chains
 // each: two parts at a time, one in each set of buffers on its stream, step by step, so that both streams always have
 // work queued. A chain's results do not depend on which part or stream it ran in.
@@ -1591,6 +1666,7 @@ template <typename T> static bool host_copy(T** out, const void* src, size_t cou
     memcpy(*out, src, count * sizeof(T));
     return true;
 }
+
 // Validates a weights file held in memory and copies its tensors out. `name` is used in messages.
 static bool parse_weights(const uint8_t* buf, size_t size, const char* name, HostWeights* w, Error* err) {
     const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
@@ -1635,6 +1711,7 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
     }
     return true;
 }
+
 typedef struct { int count; uint8_t* pixels; } Images; // pixels: [count][784], row-major 28x28 per image
 typedef struct { int count; uint8_t* labels; } Labels; // labels: [count], 0..9
 // idx format: big-endian magic 0x0000 08 NN (unsigned bytes, NN dims), NN big-endian sizes, data.
@@ -1657,6 +1734,7 @@ static bool parse_idx_images(const uint8_t* buf, size_t size, const char* name, 
     out->count = (int)count;
     return host_copy(&out->pixels, buf + 16, expected - 16, name, err);
 }
+
 static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, Labels* out, Error* err) {
     if (size < 8)
         return set_error(err, "%s: %zu bytes, shorter than the 8-byte idx1 header. " PREPARE_HINT, name, size);
@@ -1673,6 +1751,7 @@ static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, 
     out->count = (int)count;
     return host_copy(&out->labels, buf + 8, count, name, err);
 }
+
 // Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII), then width, height and
 // maxval (1..65535) as decimal numbers separated by whitespace, where '#' starts a comment to the end of its line; then
 // width x height samples, row by row: in P5 after exactly one whitespace byte, one byte each (two, big-endian, when
@@ -1692,6 +1771,7 @@ static bool pgm_number(const uint8_t* buf, size_t size, size_t* pos, uint32_t ma
     *pos = p, *out = (uint32_t)v;
     return true;
 }
+
 static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images* out, Error* err) {
     if (size < 2 || buf[0] != 'P' || (buf[1] != '5' && buf[1] != '2'))
         return set_error(err, "%s: not a PGM greymap (P5 or P2). " PGM_HINT, name);
@@ -1732,6 +1812,7 @@ static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images*
     out->count = 1;
     return host_copy(&out->pixels, pixels, INPUT_DIM, name, err);
 }
+
 // Reads a whole file and hands it to one of the parsers above, which never touch the disk.
 template <typename T>
 static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, const char*, T*, Error*), T* out,
@@ -1787,6 +1868,7 @@ static bool gpu_supported(const char* name, int major, int minor, Precision prec
                          "--precision fp32", name, major, minor);
     return true;
 }
+
 // The refusal where CUDA finds no GPU (`status` from cudaGetDeviceCount, the driver's and this build's runtime's CUDA
 // versions as 1000 major + 10 minor; driver 0: no driver installed), in words a user can act on.
 static bool no_gpu_error(cudaError_t status, int driver, int runtime, Error* err) {
@@ -1805,6 +1887,7 @@ static bool no_gpu_error(cudaError_t status, int driver, int runtime, Error* err
 
 typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP, MODE_AIS, MODE_BDMC } Mode;
 static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bdmc"};
+
 // device_alloc's hint for the run's mode: the ELBO's batch is -b; the other modes' buffers have a fixed size.
 static void set_out_of_memory_hint(Mode mode, int batch) {
     const char* fixed_size = "this mode's buffers have a fixed size: free the GPU's memory (nvidia-smi lists the "
@@ -1813,17 +1896,20 @@ static void set_out_of_memory_hint(Mode mode, int batch) {
     else snprintf(out_of_memory_hint, sizeof(out_of_memory_hint), "%s",
                   mode == MODE_BENCH ? "pass smaller --bench-batches" : fixed_size);
 }
+
 // Every option: long name, short letter (0: none), whether it takes a value.
 enum Option {
     OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
     OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_AIS, OPT_CHAINS, OPT_LEAPFROG,
     OPT_AIS_INIT, OPT_AIS_IWAE, OPT_BDMC, OPT_KERNELS, OPT_SHARD, OPT_DEVICES, OPT_VERSION, OPT_HELP, NUM_OPTIONS
 };
+
 static const struct {
     const char* name;
     char letter;
     bool takes_value;
 } OPTIONS[NUM_OPTIONS] = {
+
     {"weights", 'w', true}, {"data", 'd', true},         {"image", 0, true},          {"invert", 0, false},
     {"count", 'n', true},   {"batch-size", 'b', true},   {"seed", 's', true},         {"zmu", 0, false},
     {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
@@ -1832,6 +1918,7 @@ static const struct {
     {"ais-iwae", 0, false}, {"bdmc", 0, true},           {"kernels", 0, true},        {"shard", 0, true},
     {"devices", 0, true},   {"version", 0, false},       {"help", 'h', false},
 };
+
 #define OPT_BIT(o) (1u << (o))
 // The options each mode reads; any other one given with it is refused rather than ignored. O(X) is OPT_X's bit; every
 // mode reads the weights, --precision, --devices and -q (and --kernels: parse_args).
@@ -1850,6 +1937,7 @@ static const unsigned MODE_OPTIONS[] = {
     COMMON | IMAGES | O(CSV) | AIS_RUN | O(AIS_IWAE) | O(SHARD),
     COMMON | AIS_RUN | O(BDMC), // bdmc: simulates its own images (no inputs but the weights)
 };
+
 #undef O
 enum { MAX_IMAGE_FILES = 256, MAX_BENCH_BATCHES = 16, MAX_DEVICES = 64 };
 typedef struct {
@@ -1878,6 +1966,7 @@ typedef struct {
     unsigned given;                 // OPT_BIT of every option on the command line
     char flag[NUM_OPTIONS][24];     // each as it was spelled there ("-b" or "--batch-size"), for messages
 } Config;
+
 static const char* USAGE =
     "usage: vae [options]\n"
     "Evaluates the pretrained MNIST VAE on the test set (mean BCE, KL, loss = BCE + KL) and writes\n"
@@ -1947,6 +2036,7 @@ static bool parse_number(const char* flag, const char* text, unsigned long long 
     *out = v;
     return true;
 }
+
 enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper bound
 enum { MAX_SHARDS = 100000 };  // --shard's N as parsed; main refuses an N above the number of images
 // The program joins paths into 4096-byte buffers (-d + "/t10k-images-idx3-ubyte", -o +
@@ -1963,10 +2053,12 @@ static bool parse_path(const char* flag, const char* value, const char** out, Er
                          strlen(value), (int)MAX_PATH_ARG);
     return *out = value, true;
 }
+
 static bool parse_int(const char* flag, const char* text, int min, int max, int* out, Error* err) {
     unsigned long long v = 0;
     return parse_number(flag, text, min, max, &v, err) ? (*out = (int)v, true) : false;
 }
+
 // value as one of `names`: its index into *out, or the error that lists them.
 template <typename E, int N>
 static bool parse_choice(const char* flag, const char* value, const char* const (&names)[N], E* out, Error* err) {
@@ -1977,6 +2069,7 @@ static bool parse_choice(const char* flag, const char* value, const char* const 
     }
     return set_error(err, "%s needs %s, got '%s'. HINT: vae -h lists the options", flag, list, value);
 }
+
 // A list of at most max_count whole numbers in min..max, `separator` between them, into out[] and *count; `what` names
 // them in the message for a malformed list (an item empty, over 23 characters or not digits, or too many).
 static bool parse_int_list(const char* flag, const char* value, char separator, int min, int max, int* out,
@@ -1997,6 +2090,7 @@ static bool parse_int_list(const char* flag, const char* value, char separator, 
         if (*item == '\0') return true;
     }
 }
+
 // One option and its value (NULL for flags) into cfg.
 static bool apply_option(Config* cfg, int o, const char* flag, const char* value, Error* err) {
     switch (o) {
@@ -2057,6 +2151,7 @@ static bool apply_option(Config* cfg, int o, const char* flag, const char* value
     }
     return set_error(err, "internal: option %d has no handler", o);
 }
+
 static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     memset(cfg, 0, sizeof(*cfg));
     cfg->weights_path = "data/vae_weights.bin", cfg->data_dir = "data", cfg->out_dir = "out", cfg->batch = 4096;
@@ -2165,6 +2260,7 @@ static void say(const char* fmt, ...) {
     vfprintf(console, fmt, args);
     va_end(args);
 }
+
 static void print_version() {
     int runtime = 0, driver = 0;
     cudaCheck(cudaRuntimeGetVersion(&runtime));
@@ -2186,6 +2282,7 @@ static void print_version() {
     printf("\n");
 #endif
 }
+
 // The folder a new file at `path` would go into, for the checks below.
 static void parent_folder(const char* path, char folder[MAX_PATH]) {
     snprintf(folder, MAX_PATH, "%s", path);
@@ -2194,10 +2291,12 @@ static void parent_folder(const char* path, char folder[MAX_PATH]) {
     if (slash == NULL) snprintf(folder, MAX_PATH, ".");
     else slash[slash == folder ? 1 : 0] = '\0';
 }
+
 static bool writable_folder(const char* folder) {
     struct stat st;
     return stat(folder, &st) == 0 && S_ISDIR(st.st_mode) && access(folder, W_OK) == 0;
 }
+
 // Outputs are checked before any work and written only at its end: the folder -o names must be a writable folder or
 // one that can be made with its missing parents, as mkdir -p does (they are made only when the outputs are written); a
 // --csv file must not be a folder, and its folder must be writable.
@@ -2224,6 +2323,7 @@ static void check_output_dir(const char* flag, const char* dir) {
              is_dir ? "write there" : "create the folder", is_dir ? "" : existing, is_dir ? "" : ": ", strerror(errno),
              flag);
 }
+
 static void check_output_file(const char* flag, const char* path) {
     struct stat st;
     char folder[MAX_PATH];
@@ -2233,6 +2333,7 @@ static void check_output_file(const char* flag, const char* path) {
         fail("%s %s: cannot write (%s). HINT: pass a writable path", flag, path,
              is_folder ? "a folder" : "its folder is missing or not writable");
 }
+
 // The start-up table: one "| key | value |" row each.
 static void print_separator() { say("+-----------+------------------------------------------------+\n"); }
 static void print_row(const char* key, const char* fmt, ...) {
@@ -2243,11 +2344,13 @@ static void print_row(const char* key, const char* fmt, ...) {
     va_end(args);
     say("| %-9s | %-46s |\n", key, value);
 }
+
 // The engine the run asks for: --kernels, but AIS's --chains above FUSED_AIS_CHAINS run on the plain path.
 static Kernels run_kernels(const Config* cfg) {
     const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
     return ais && cfg->chains > FUSED_AIS_CHAINS ? KERNELS_PLAIN : cfg->kernels;
 }
+
 // Which engine runs a model of size dims (fused: use_fused's answer), and why, for the start-up table.
 static void print_kernels_row(const Config* cfg, ModelDims dims, bool fused) {
     if (fused)
@@ -2258,12 +2361,15 @@ static void print_kernels_row(const Config* cfg, ModelDims dims, bool fused) {
         print_row("kernels", "plain: cuBLASLt (--chains above %d)", FUSED_AIS_CHAINS);
     else print_row("kernels", "plain: cuBLASLt (no sm_90a code for this GPU)");
 }
+
 static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
+
 // The first image of each digit 0..9 among the first count (or -1), for the interpolation rows.
 static void first_of_each_digit(const Labels* labels, int count, int first[10]) {
     for (int d = 0; d < 10; d++) first[d] = -1;
     for (int i = count - 1; i >= 0 && labels->labels != NULL; i--) first[labels->labels[i]] = i;
 }
+
 // tiles as the picture `name` in the -o folder (write_ppm_grid), the folder made first if it is missing.
 static void write_grid(const Config* cfg, const char* name, const char* what, const float* tiles, int rows, int cols) {
     char path[MAX_PATH];
@@ -2272,6 +2378,7 @@ static void write_grid(const Config* cfg, const char* name, const char* what, co
     if (!output_dir_make(cfg->out_dir, &err) || !write_ppm_grid(path, what, tiles, rows, cols, &err))
         fail("%s", err.msg);
 }
+
 // The three picture files: reconstructions, prior samples, latent interpolations.
 enum { RECON_COLS = 16, SAMPLE_SIDE = 8, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
 static_assert(SAMPLE_SIDE * SAMPLE_SIDE <= IMAGE_TILES_MAX && 2 * RECON_COLS <= IMAGE_TILES_MAX, "image batches fit");
@@ -2337,6 +2444,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     }
     free(tiles), cudaCheck(cudaFree(d_pair_pixels)), cudaCheck(cudaFree(d_z));
 }
+
 // ---- many GPUs (--devices) ------------------------------------------------------------------------------------------
 // A run on several GPUs gives each a host thread, its own model and stream, and a copy of the images. The GPUs take
 // slices of the images from one shared counter, each as many as it asks for (whole passes of its own engine), so a
@@ -2352,7 +2460,9 @@ typedef struct {
     VAE m;
     uint8_t* pixels; // the run's images, [count][784]
 } Gpu;
+
 typedef struct { int count; Gpu* gpu; } Gpus;
+
 // work(g) for every GPU g of the run, each on a thread of its own with its GPU current (the first on this thread).
 template <typename Work> static void on_each_gpu(Gpus* gs, Work work) {
     auto drive = [&](Gpu* g) {
@@ -2366,9 +2476,11 @@ template <typename Work> static void on_each_gpu(Gpus* gs, Work work) {
     for (std::thread& t : threads) t.join();
     failing_gpu[0] = '\0'; // what fails from here on is the run's, not one GPU's
 }
+
 static void vae_free_all(Gpus* gs) {
     on_each_gpu(gs, [](Gpu* g) { vae_free(&g->m); });
 }
+
 // What the GPUs of a run share: the images (or decodes) that none has taken yet, and the wall time of the timed part,
 // from when the last GPU is ready (its modules loaded and its buffers made) to when the last one is done.
 struct Slices {
@@ -2399,6 +2511,7 @@ struct Slices {
     }
     double ms() const { return end_ms - start_ms; }
 };
+
 // The one loop that spreads a mode's work over the run's GPUs: body(g, slices) runs on each GPU's thread, makes its
 // buffers, runs an untimed warm-up (module loading stays out of the time) and calls slices(size, run); that waits for
 // every GPU to be ready, then calls run(first, n) for each slice of `count` items this GPU takes from the shared
@@ -2416,6 +2529,7 @@ template <typename Body> static double over_slices(Gpus* gs, int count, Body bod
     });
     return slices.ms();
 }
+
 // Progress of a long run on stderr, unless -q: a bar redrawn in place on a terminal, a line every 10% otherwise (logs
 // stay readable). Every GPU adds what it finished.
 struct Progress {
@@ -2441,6 +2555,7 @@ struct Progress {
         }
     }
 };
+
 // The run's GPUs: --devices' (every GPU, or the list; GPU 0 by default), the first alone for --bench, each checked:
 // this binary has code for it, and it has what --precision needs.
 static Gpus open_gpus(const Config* cfg, ModelDims dims) {
@@ -2489,10 +2604,12 @@ static Gpus open_gpus(const Config* cfg, ModelDims dims) {
     cudaCheck(cudaSetDevice(gs.gpu[0].device));
     return gs;
 }
+
 // What produced a run's results, for the CSV's first line; `images` says where the images came from. A --shard run
 // evaluates images first .. first + count - 1 of them: the generator's keys, the CSV's indices and the labels use
 // those global indices, so the shards' rows are those of one run over all of them.
 typedef struct { const char* images; int count; const Labels* labels; int first; } Inputs;
+
 // Per-image results as CSV after one '#' line naming what produced them; "-" is stdout. `columns`
 // names the float columns after index and label, `values` holds them.
 static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
@@ -2517,6 +2634,7 @@ static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
     if (to_stdout ? fflush(f) != 0 : fclose(f) != 0) ok = false;
     if (!ok) fail("--csv %s: write failed (%s). HINT: check the disk", cfg->csv_path, strerror(errno));
 }
+
 // The time on `stream` from construction (or restart()) to elapsed_ms(), which waits for it.
 struct Timer {
     cudaStream_t stream;
@@ -2533,6 +2651,7 @@ struct Timer {
         return ms;
     }
 };
+
 // Per-image BCE and KL of `count` images (image0 the first one's global index) to the host, on every GPU, in slices of
 // whole batches of `batch` (about 8 slices a GPU); returns the time in ms.
 static double evaluate(Gpus* gs, int count, int image0, int batch, const Config* cfg, float* bce, float* kl) {
@@ -2554,11 +2673,13 @@ static double evaluate(Gpus* gs, int count, int image0, int batch, const Config*
         cudaCheck(cudaFree(d_losses));
     });
 }
+
 static double mean_of(const float* v, int n) {
     double sum = 0.0;
     for (int i = 0; i < n; i++) sum += v[i];
     return sum / n;
 }
+
 // Prints `label`, the mean NLL of `count` images' log p(x) and its standard error; returns the mean log p(x).
 template <typename V> static double print_mean_nll(const char* label, const V* log_px, int count) {
     double sum = 0.0, sum_sq = 0.0;
@@ -2569,12 +2690,14 @@ template <typename V> static double print_mean_nll(const char* label, const V* l
     else fprintf(console, "one image: no standard error)\n");
     return mean;
 }
+
 // " on 2 GPUs" after a time where the run used several.
 static const char* on_gpus(const Gpus* gs) {
     static char text[32];
     snprintf(text, sizeof(text), gs->count > 1 ? " on %d GPUs" : "", gs->count);
     return text;
 }
+
 // The default run: mean BCE, KL and loss; per image for --image files; CSV; the three pictures (the first GPU's).
 static void run_elbo(const HostWeights* w, const Images* images, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int count = in->count, batch = cfg->batch < count ? cfg->batch : count;
@@ -2604,6 +2727,7 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
     }
     free(bce), vae_free_all(gs);
 }
+
 // log p(x) of `count` images (image0 the first one's global index) by IWAE with K samples, to the host, on every GPU in
 // slices of whole decoder passes, ~2% of the images each, or a GPU's share where that is less (progress, unless NULL,
 // between them); returns the time in ms.
@@ -2623,6 +2747,7 @@ static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg
         cudaCheck(cudaFree(d_log_px));
     });
 }
+
 // --iwae K: log p(x) of every evaluated image, K importance samples each, beside its ELBO.
 static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int K = cfg->iwae_k, count = in->count;
@@ -2646,6 +2771,7 @@ static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Con
     if (cfg->csv_path != NULL) write_csv(cfg, in, "bce,kl,log_px", {bce, kl, log_px});
     free(results), vae_free_all(gs);
 }
+
 // The device buffers of AIS over n images of C chains: the schedule, per chain its log weight and acceptances, per
 // image the step size and the estimates.
 typedef struct { double *beta, *log_w, *log_px; int* accepted; float *step, *ess, *acceptance; } AisBuffers;
@@ -2665,10 +2791,12 @@ static AisBuffers ais_buffers(int n, const Config* cfg) {
     free(beta);
     return b;
 }
+
 static void ais_buffers_free(AisBuffers* b) {
     void* buffers[] = {b->beta, b->log_w, b->accepted, b->log_px, b->step};
     for (void* p : buffers) cudaCheck(cudaFree(p));
 }
+
 typedef struct { double* log_px; float *step, *ess, *acceptance; } AisResults; // host arrays of n each
 // AIS over n images (image0 the first one's global index), forward, or reverse from the host's z_start [n][Z], on every
 // GPU in slices of whole rounds (fused: ~2% of the images each; plain: launches of even size, as many a GPU), progress
@@ -2713,11 +2841,13 @@ static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const floa
         cudaCheck(cudaFree(d_z)), ais_buffers_free(&b);
     });
 }
+
 enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
 static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
     vae_init(m, w, AIS_BATCH, cfg->precision, run_kernels(cfg), decoder_rows);
     require_ais(m);
 }
+
 // --ais T: each image's log p(x) by AIS, beside the ELBO, and with --ais-iwae IWAE with as many decoder evaluations.
 static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int count = in->count, C = cfg->chains, T = cfg->ais_t, L = cfg->leapfrog;
@@ -2770,6 +2900,7 @@ static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Conf
     if (cfg->csv_path != NULL) write_csv(cfg, in, "log_px,ess,acceptance", {ais_px, ess, acceptance});
     free(log_px), free(results), vae_free_all(gs);
 }
+
 // --bdmc N --ais T: N images simulated from the model (z ~ N(0, I) keyed by the image, x ~
 // Bernoulli(sigmoid(logits)), binary), AIS forward from p0 (a stochastic lower bound of log p(x))
 // and reverse from the true z (an upper bound); their gap is how far AIS at this T is from exact.
@@ -2827,6 +2958,7 @@ static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
             (simulation_ms + ms[0] + ms[1]) * 1e-3, on_gpus(gs), simulation_ms * 1e-3, ms[0] * 1e-3, ms[1] * 1e-3);
     free(z), free(pixels), free(bounds), free(estimates), vae_free_all(gs);
 }
+
 // --bench: one whole forward+loss (sampled z) per batch size and precision, captured once as a CUDA graph and replayed:
 // 20 replays warm up; latency is the median of 200 replays, each from an idle GPU between two events (what one request
 // waits for), throughput the time of 200 back-to-back replays between two events over 200 (what a full queue sustains).
@@ -2898,6 +3030,7 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
     }
     cudaCheck(cudaFree(d_losses));
 }
+
 // --interp N: every pair of the first N images, INTERP_STEPS decodes each on the line between their latent means, first
 // in passes of as many decodes as the model holds (on every GPU), then one pair per call on the first GPU (a launch and
 // a wait for 11 decodes, the way an interactive loop would ask). Both decode on the device and leave the images there;
@@ -2973,6 +3106,7 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
     free(pairs), free(tiles), free(last);
     on_each_gpu(gs, [&](Gpu* g) { cudaCheck(cudaFree(d_pairs[g - gs->gpu])), vae_free(&g->m); });
 }
+
 // The idx file `name` in `dir`, or its gzipped copy (MNIST as shipped) where only that is there.
 static void idx_path(char path[MAX_PATH], const char* dir, const char* name) {
     struct stat st;
@@ -2980,6 +3114,7 @@ static void idx_path(char path[MAX_PATH], const char* dir, const char* name) {
     if (stat(path, &st) != 0 && errno == ENOENT) snprintf(path, MAX_PATH, "%s/%s.gz", dir, name);
     if (stat(path, &st) != 0 && errno == ENOENT) snprintf(path, MAX_PATH, "%s/%s", dir, name); // neither: name it
 }
+
 // --image files: 28x28 greymaps, read in full and validated like every other input.
 static void load_image_files(const Config* cfg, Images* images) {
     images->count = cfg->num_image_files;
@@ -2994,6 +3129,7 @@ static void load_image_files(const Config* cfg, Images* images) {
         free(one.pixels);
     }
 }
+
 int main(int argc, char** argv) {
     Config cfg;
     Error err;
@@ -3169,6 +3305,7 @@ template <> struct Path<PRECISION_BF16> {
     static constexpr int Z_K = 32;                        // a z row's K
     static constexpr int AIS_CLUSTER = 4, AIS_BN = 200;   // ais_kernel: fc4's column blocks, one a block
 };
+
 template <> struct Path<PRECISION_FP32> {
     typedef fp16 T;
     static constexpr bool SPLIT = true;
@@ -3178,16 +3315,19 @@ template <> struct Path<PRECISION_FP32> {
     static constexpr int Z_K = 64;
     static constexpr int AIS_CLUSTER = 8, AIS_BN = 104;   // 8 of 104 in two copies of cores (AisFc4Cores)
 };
+
 // Two values as the 16-bit pair of one mma operand register (lo in the low half): one instruction.
 template <typename T> __device__ inline uint32_t pack2(float lo, float hi);
 template <> __device__ inline uint32_t pack2<bf16>(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
 }
+
 template <> __device__ inline uint32_t pack2<fp16>(float lo, float hi) {
     const __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
 }
+
 // D += A (16x16, row-major) * B (16x8, column-major), bf16 or fp16 inputs, fp32 accumulators.
 // With g = lane / 4 and t = lane % 4, each register holds two consecutive k of one row:
 //   a[0] = A[g][2t..]  a[1] = A[g+8][2t..]  a[2] = A[g][2t+8..]  a[3] = A[g+8][2t+8..]
@@ -3202,6 +3342,7 @@ template <typename T> __device__ inline void mma_m16n8k16(float* d, const uint32
     if constexpr (std::is_same<T, bf16>::value) MMA_M16N8K16("bf16");
     else MMA_M16N8K16("f16");
 }
+
 // d += a b in the path's precision: bf16 one product; fp32 the two corrections (al bh, ah bl), then ah bh.
 template <typename T>
 __device__ inline void mma_parts(float* d, const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
@@ -3209,18 +3350,22 @@ __device__ inline void mma_parts(float* d, const uint32_t (&a_hi)[4], const uint
     if constexpr (std::is_same<T, fp16>::value) mma_m16n8k16<T>(d, a_lo, b_hi), mma_m16n8k16<T>(d, a_hi, b_lo);
     mma_m16n8k16<T>(d, a_hi, b_hi);
 }
+
 // The shared-memory address of p, as the PTX instructions take it.
 __device__ inline uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
 // 16-byte asynchronous copy global -> shared (sm_80+). When !valid it writes 16 zero bytes and
 // reads nothing, so tiles hanging over the matrix edge hold zeros and the math needs no edge case.
 __device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
     const uint32_t dst = smem_addr(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
 }
+
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int PENDING> __device__ inline void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
+
 // A rows x cols block of 16-bit values (cols a multiple of 8) from global memory, row pitch src_pitch, into
 // shared memory with row pitch dst_pitch: 16-byte cp.async copies spread over the whole thread
 // block, committed as one group (the caller waits). How the kernels load their resident weights.
@@ -3233,6 +3378,7 @@ __device__ inline void copy_block_async(T* dst, int dst_pitch, const T* __restri
     }
     cp_async_commit();
 }
+
 // The cross-block merge of the encoder and the decoder: each of `arrivals` blocks stores its share
 // of a 16-row task, then its warp calls this; the warp that arrives last gets true (on every lane),
 // with all the shares visible to it, and resets the ticket for the next launch. The merge itself
@@ -3247,19 +3393,23 @@ __device__ inline bool last_to_arrive(unsigned* ticket, unsigned arrivals) {
     if (threadIdx.x % 32 == 0) *ticket = 0; // every share has arrived
     return true;
 }
+
 // Programmatic dependent launch (sm_90+): the decoder is launched while the encoder still runs
 // (each encoder block allows it as it starts), copies its weights into shared memory on the SMs
 // the encoder leaves free, and waits here for the encoder's grid to finish and its writes to be
 // visible before it reads a z row. Without the launch attribute (other GPUs) both are no-ops.
 __device__ inline void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 __device__ inline void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 // Two consecutive k of a 16-bit row in shared memory as one mma operand register.
 __device__ inline uint32_t pair_at(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
 // Byte b (0..3) of a word as an exact float: placed in the mantissa of 2^23 (0x4B000000) and
 // 2^23 subtracted, one byte permute and one add instead of an integer-to-float conversion.
 __device__ inline float byte_as_float(uint32_t word, int b) {
     return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440 + b)) - 8388608.0f;
 }
+
 // The decoder's shapes. fc4's 784 logits are cut into column blocks of DEC_BN (bf16: 4 of 200, one m64n200 wgmma; the
 // last block starts at 784 - DEC_BN and leaves its first DEC_OVERLAP columns to the block before); fc3's 400 hidden
 // units are taken in chunks of 80 = 5 k16 steps of fc4. Both layers carry their bias in the K padding: 1 in z's K =
@@ -3274,9 +3424,11 @@ enum {
     FC4_K = HIDDEN_DIM + 8, // fc4's K with the bias parts: 816-byte rows, a 16-byte multiple for TMA
     AIS_W3_K = 24,          // ais_kernel's fc3 rows [W3 | bias parts | 0] in memory (AisW3Cores on chip)
 };
+
 template <Precision P> __host__ __device__ constexpr int dec_overlap() {
     return Path<P>::DEC_COL_BLOCKS * Path<P>::DEC_BN - INPUT_DIM;
 }
+
 static_assert(LATENT_DIM + BIAS_PARTS <= Path<PRECISION_BF16>::Z_K && FC4_K - HIDDEN_DIM >= BIAS_PARTS &&
                   HIDDEN_DIM % 64 <= 48, "the 3 bias parts fit the K padding, in fc4's k16 step 25");
 static_assert(3 * LATENT_DIM + BIAS_PARTS <= Path<PRECISION_FP32>::Z_K, "fp32's z row: zh, the ones, zl, zh");
@@ -3290,6 +3442,7 @@ enum {
     FC1_K = 832,               // 13 blocks of 64 pixels: 784 and zeros
     ENC_PREFETCH = 2,          // pixel blocks loaded ahead of the one multiplied (1, 4 or 6: the same time on an H200)
 };
+
 static_assert(Path<PRECISION_BF16>::ENC_UNITS == ENC_BN && 2 * Path<PRECISION_FP32>::ENC_UNITS == ENC_BN &&
                   FC1_K % 64 == 0 && (int)FC1_K >= (int)INPUT_DIM && INPUT_DIM % 16 == 0,
               "a slice is 80 rows of fc1 in both paths; pixels come in 16-byte loads");
@@ -3333,16 +3486,19 @@ __global__ void weights_kernel(typename Path<P>::T* __restrict__ dst, Layer laye
     }
     dst[i] = split_part<T>(v, part);
 }
+
 __device__ inline float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+
 __device__ inline float fast_log2(float x) {
     float y;
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+
 // A z row: Z_K 16-bit values in pairs, in the order fc3's A fragments load them: uint4 4h + t holds what thread t of a
 // quad needs for k16 steps 2h and 2h + 1, the pairs at K = 32h + (2t, 2t+1), (8+2t, ..), (16+2t, ..), (24+2t, ..). K =
 // 0..19 are the latents, 20..22 hold 1 (times fc3's bias parts); fp32 follows with zl and zh (the header above), zeros
@@ -3362,11 +3518,13 @@ template <Precision P> __device__ inline void store_z_row(uint4* row, const floa
                                         pack2<T>(q[24], q[25]));
         }
 }
+
 // z rows of B latents given in fp32 (prior samples, interpolations), one thread per row.
 template <Precision P> __global__ void z_rows_kernel(uint4* __restrict__ z_rows, const float* __restrict__ z, int B) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r < B) store_z_row<P>(z_rows + (size_t)r * Path<P>::Z_K / 8, z + (size_t)r * LATENT_DIM);
 }
+
 // ReLU of a warp's m16n8 accumulators (h[4j..4j+3] = n8 block j, rows g and g + 8), as the A fragments of the next
 // layer's k16 steps over them: that layout is already mma's A layout, a[s] = blocks 2s (k 2t..) and 2s + 1 (k 8 +
 // 2t..); steps past the accumulators are zeros. h1 -> fc21/fc22 in the encoder and h3 -> fc4 in both decoders go
@@ -3391,6 +3549,7 @@ __device__ inline void relu_to_a(uint32_t (&hi)[STEPS][4], uint32_t (&lo)[STEPS]
             }
         }
 }
+
 // The tests' view of h1 and h3: a warp's accumulators h (layout as above) with the ReLU, as rows
 // row16 + g and + 8 (those below `rows`), columns col0 + 8j + 2t and + 1, of out[rows][400].
 template <int H> __device__ inline void store_hidden(float* out, const float (&h)[H], int row16, int rows, int col0) {
@@ -3401,6 +3560,7 @@ template <int H> __device__ inline void store_hidden(float* out, const float (&h
                 *reinterpret_cast<float2*>(&out[(size_t)(row16 + g + 8 * half) * HIDDEN_DIM + col0 + 8 * j + 2 * t]) =
                     make_float2(fmaxf(h[4 * j + 2 * half], 0.0f), fmaxf(h[4 * j + 2 * half + 1], 0.0f));
 }
+
 // What an encoder pass reads and writes (both kernels, both paths).
 struct EncoderIO {
     uint4* z_rows;              // [M][Z_K / 8]
@@ -3417,6 +3577,7 @@ struct EncoderIO {
     uint64_t seed;
     bool z_is_mu;
 };
+
 // The 16-byte pixel loads of rows g and g + 8 of a warp's 16 (zeros past the rows and past pixel
 // 783), for pixel block u, and their widening into the A fragments of its 4 k16 steps.
 struct PixelRows {
@@ -3435,6 +3596,7 @@ struct PixelRows {
         px[1] = bottom_live && inside ? bottom[4 * u + t] : make_uint4(0, 0, 0, 0);
     }
 };
+
 template <typename T> __device__ inline void pixel_fragments(uint32_t (&a)[4][4], const uint4 (&px)[2]) {
     const uint32_t words[2][4] = {{px[0].x, px[0].y, px[0].z, px[0].w}, {px[1].x, px[1].y, px[1].z, px[1].w}};
     for (int j = 0; j < 4; j++) // k16 step j: rows g, g + 8 at slots (2t, 2t+1) and (8+2t, 9+2t): bytes 4j .. 4j+3
@@ -3442,6 +3604,7 @@ template <typename T> __device__ inline void pixel_fragments(uint32_t (&a)[4][4]
             a[j][i] =
                 pack2<T>(byte_as_float(words[i % 2][j], (i / 2) * 2), byte_as_float(words[i % 2][j], (i / 2) * 2 + 1));
 }
+
 // Everything after fc1, for one warp's 16 images: h1 = ReLU(acc / 255 + b1) as A fragments, the slice's partial [mu |
 // logvar], the ticket, and for the last slice to arrive the merge, z and KL. z_s, kl_s: the warp's [16][20] scratch.
 template <Precision P>
@@ -3510,6 +3673,7 @@ __device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
     }
     __syncwarp(); // z_s is rewritten by this warp's next finishing task
 }
+
 // A block's [fc21 | fc22] columns for its slice, copied into shared memory (both kernels).
 template <Precision P>
 __device__ inline void copy_enc_weights(typename Path<P>::T (*dst)[Path<P>::ENC_W_COLS + 8], const EncoderIO& io,
@@ -3518,6 +3682,7 @@ __device__ inline void copy_enc_weights(typename Path<P>::T (*dst)[Path<P>::ENC_
     const typename Path<P>::T* src = static_cast<const typename Path<P>::T*>(io.enc_w);
     copy_block_async(&dst[0][0], COLS + 8, src + slice * COLS, Path<P>::ENC_SLICES * COLS, MULV_DIM, COLS);
 }
+
 // fc3's A fragments (Z_K / 16 k16 steps) of rows row16 + g and + 8 (zeros past the rows): two 16-byte loads per two.
 template <int STEPS>
 __device__ inline void load_z_fragments(uint32_t (&z_a)[STEPS][4], const uint4* __restrict__ z_rows, int row16,
@@ -3532,6 +3697,7 @@ __device__ inline void load_z_fragments(uint32_t (&z_a)[STEPS][4], const uint4* 
         b[0] = top.z, b[1] = bottom.z, b[2] = top.w, b[3] = bottom.w;
     }
 }
+
 // What a decoder pass reads and writes. With pixels, row r is compared with image
 // r / rows_per_image (1 for the ELBO, K for --iwae) and its BCE lands in bce[r]; without, the
 // pass only decodes. logits and recon are written when given (tests, pictures).
@@ -3545,6 +3711,7 @@ struct DecoderIO {
     float *logits, *recon; // [rows][784] or NULL
     float* h3;             // [rows][400] or NULL (tests)
 };
+
 // The decoder's epilogue (also dev/decoder_v1.cu's mma.sync kernel's), for one warp's 16 rows x DEC_BN logits of column
 // block cb, held in the m16n8 layout (logit[4j..4j+3] = n8 block j, rows g and g + 8). A row's BCE terms max(l, 0) - x
 // l + log(1 + e^-|l|) are summed as (1/2 - x) l + |l| / 2 + log(1 + e^-|l|) with one log per row and thread: the
@@ -3603,6 +3770,7 @@ __device__ inline void decoder_epilogue(const float (&logit)[Path<P>::DEC_BN / 2
         io.bce[row] = sum;
     }
 }
+
 // bf16's or fp16's 1s at K = 400..402 (times fc4's bias parts), as thread t's A register pair.
 template <typename T> __device__ inline uint32_t bias_ones(int t) {
     return t == 0 ? pack2<T>(1.0f, 1.0f) : t == 1 ? pack2<T>(1.0f, 0.0f) : 0u;
@@ -3627,10 +3795,12 @@ template <typename T> __device__ inline uint32_t bias_ones(int t) {
 __device__ inline void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
+
 // The producer's arrival: also sets how many bytes this phase waits for.
 __device__ inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+
 __device__ inline bool mbar_try_wait(uint32_t bar, uint32_t parity) {
     uint32_t done;
     asm volatile("{\n.reg .pred p;\n"
@@ -3639,12 +3809,14 @@ __device__ inline bool mbar_try_wait(uint32_t bar, uint32_t parity) {
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     return done != 0;
 }
+
 __device__ inline void mbar_wait(uint32_t bar, uint32_t parity) {
     if (mbar_try_wait(bar, parity)) return;
     const long long start = clock64();
     while (!mbar_try_wait(bar, parity))
         if (clock64() - start > 2000000000ll) __trap();
 }
+
 // A load's mbarrier, by the one thread that issues the load: one arrival (its own, which also sets
 // the bytes to wait for), made visible to TMA (the async proxy) before the copies start.
 __device__ inline void mbar_expect_load(uint32_t bar, uint32_t bytes) {
@@ -3652,17 +3824,20 @@ __device__ inline void mbar_expect_load(uint32_t bar, uint32_t bytes) {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     mbar_arrive_expect_tx(bar, bytes);
 }
+
 // A wgmma kernel's shared memory: the 128-byte swizzle wants 1024-byte alignment, so the dynamic
 // allocation (1 KB larger than S) is used from its first such address.
 template <typename S> __device__ inline S& smem_aligned_1024(uint8_t* raw) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(raw);
     return *reinterpret_cast<S*>(raw + ((addr + 1023) & ~1023u) - addr);
 }
+
 // One box of a 2-D tensor map -> shared memory at dst; the mbarrier counts its bytes.
 __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int col, int row) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
                  "[%2];\n" ::"r"(dst), "l"(map), "r"(bar), "r"(col), "r"(row) : "memory");
 }
+
 // wgmma descriptor of a K-major tile of 128-byte rows in the 128-byte swizzle layout (what TMA
 // writes with CU_TENSOR_MAP_SWIZZLE_128B): start address / 16, stride 1024 bytes between 8-row
 // groups, layout type 1 (128B swizzle); the leading offset is unused for this layout. The tile
@@ -3670,22 +3845,26 @@ __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_
 __device__ inline uint64_t smem_desc_128b(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
 }
+
 __device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int PENDING> __device__ inline void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
 }
+
 // The accumulators are written by asynchronous wgmmas that the compiler cannot see finish; this
 // empty asm "writes" each one, so no read or write of them moves across a wgmma.wait_group.
 // (pin_registers, below, does the same for A fragments held in registers.)
 template <int R> __device__ inline void fence_accumulators(float (&d)[R]) {
     for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
+
 // wgmma descriptor of a K-major tile of 64-byte rows in the 64-byte swizzle layout: stride 512
 // bytes between 8-row groups, layout type 2; the tile starts 512-byte aligned.
 __device__ inline uint64_t smem_desc_64b(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(512 >> 4) << 32 | (uint64_t)2 << 62;
 }
+
 // D[64 x N] (+)= A[64 x 16] B[16 x N] with A from registers: each warp's a[4] hold its 16 rows in mma.sync's m16n8k16 A
 // layout (a[0] = row g, k 2t..2t+1; a[1] = row g+8; a[2], a[3] = the same at k + 8), which is also the layout of an
 // m16n8 accumulator pair: fp32 results of one wgmma become the A operand of the next without leaving the registers.
@@ -3710,6 +3889,7 @@ __device__ inline void wgmma_m64n200k16_rs(float (&d)[100], const uint32_t (&a)[
              "{%100, %101, %102, %103}, %104", "%105", "0", WG_D10(), WG_D10(1), WG_D10(2), WG_D10(3), WG_D10(4),
              WG_D10(5), WG_D10(6), WG_D10(7), WG_D10(8), WG_D10(9));
 }
+
 template <typename T>
 __device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
 #define WG_M64N80(TYPE)                                                                                                \
@@ -3718,6 +3898,7 @@ __device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4]
     if constexpr (std::is_same<T, bf16>::value) WG_M64N80("bf16");
     else WG_M64N80("f16");
 }
+
 // fc4's product for a path: bf16 m64n200, fp32 m64n88 (two fp16 copies of 88 rows fit shared memory beside fc3).
 template <int R>
 __device__ inline void wgmma_fc4(float (&d)[R], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
@@ -3726,24 +3907,30 @@ __device__ inline void wgmma_fc4(float (&d)[R], const uint32_t (&a)[4], uint64_t
                   ", %40, %41, %42, %43", "{%44, %45, %46, %47}, %48", "%49", "0", WG_D10(), WG_D10(1), WG_D10(2),
                   WG_D10(3), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]));
 }
+
 // An empty asm "writes" each register: a constant A fragment is then materialised here, before a
 // wgmma.fence, rather than between wgmmas (where ptxas would have to add a fence of its own).
 template <int R> __device__ inline void pin_registers(uint32_t (&a)[R]) {
     for (int i = 0; i < R; i++) asm volatile("" : "+r"(a[i])::"memory");
 }
+
 // Named barriers (0 is __syncthreads): the two warpgroups' turns at the tensor cores.
 enum { BAR_TURN = 1 };
 __device__ inline void named_bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+
 __device__ inline void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+
 enum {
     DEC_WG_SLICES = (HIDDEN_DIM + 63) / 64, // fc4's K in 64-wide 128-byte swizzle rows
     DEC_WG_THREADS = 256,                   // two warpgroups
 };
+
 static_assert(FC4_K <= DEC_WG_SLICES * 64, "the bias parts fit the last slice");
+
 // fc4's weights for this block's logits (bias in K = 400..402; fp32: and the lo copy), K-major in
 // 128-byte swizzle rows; fc3's with its bias in K = 20..22, rows of 64 bytes (bf16, 64-byte
 // swizzle) or 128 (fp32). Every tile starts 1024-byte aligned (200 or 88 rows of 128 bytes).
@@ -3752,6 +3939,7 @@ template <Precision P> struct DecoderWgmmaSmem {
     typename Path<P>::T w3[HIDDEN_DIM][Path<P>::Z_K];
     uint64_t loaded;
 };
+
 template <Precision P> constexpr int dec_wg_smem() { return sizeof(DecoderWgmmaSmem<P>) + 1024; } // + room to align
 template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     decoder_wgmma_kernel(const __grid_constant__ CUtensorMap w4_map, const __grid_constant__ CUtensorMap w3_map,
@@ -3858,6 +4046,7 @@ template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     if (wg == 0) named_bar_sync(BAR_TURN + 0, 256); // warpgroup 1's last hand-over
 #endif
 }
+
 // encoder_wgmma_kernel: the decoder's design turned around. fc1's 400 hidden units are cut into slices (bf16: 5 of 80
 // units; fp32: 10 of 40, their hi and lo rows); a block owns one slice, its 80 rows of fc1, which arrive once by TMA
 // (13 tiles of 80 x 64, the 128-byte swizzle wgmma reads), and its columns of [fc21 | fc22]. Each warpgroup takes
@@ -3877,6 +4066,7 @@ template <Precision P> struct EncoderWgmmaSmem {
     float z[4 * ENC_WG_GROUPS][TASK_ROWS][LATENT_DIM], kl_terms[4 * ENC_WG_GROUPS][TASK_ROWS][LATENT_DIM];
     uint64_t loaded;
 };
+
 static_assert(sizeof(bf16) * ENC_BN * 64 % 1024 == 0, "every weight tile starts 1024-byte aligned");
 template <Precision P> constexpr int enc_wg_smem() { return sizeof(EncoderWgmmaSmem<P>) + 1024; }
 template <Precision P> __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
@@ -3924,6 +4114,7 @@ template <Precision P> __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
     }
 #endif
 }
+
 // Writes 1 when the code loaded for this GPU was built for sm_90a (wgmma and TMA available),
 // else 0: the host picks the decoder from what actually runs, not from what the GPU could run.
 __global__ void has_wgmma_kernel(int* out) {
@@ -3941,6 +4132,7 @@ struct SampleOut {
     float* kl;         // [rows]: KL(q(z|x) || N(0, I)) of the row's image, the ELBO's
     float* log_ratio;  // [rows]: log p(z) - log q(z|x), --iwae's
 };
+
 // z for `rows` rows from the images' [mu | logvar] as sample_kernel draws them: row r is sample r % K of image r / K.
 template <Precision P>
 __global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, const float* __restrict__ eps_in,
@@ -3970,6 +4162,7 @@ enum {
     AIS_LATENTS = 6,                  // latents a thread holds per row
     AIS_SHARE = 24,                   // floats of a block's share of a row: grad, BCE, padding (ais_merge)
 };
+
 // A thread's chain state kept in memory, not registers (ais_chains): per row p0's mean and inverse variance, read by
 // each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when the proposal is rejected. Slot s of
 // thread i of block b: state[(b * AIS_STATE_SLOTS + s) * AIS_THREADS + i], a warp's 32 values adjacent. In registers
@@ -3980,48 +4173,57 @@ enum {
     AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 2 * AIS_LATENTS, AIS_SLOT_Z0 = 4 * AIS_LATENTS,
     AIS_SLOT_GRAD0 = 6 * AIS_LATENTS, AIS_SLOT_BCE0 = 8 * AIS_LATENTS, AIS_STATE_SLOTS = AIS_SLOT_BCE0 + 2,
 };
+
 // Chains of a tile: a warpgroup's 64 when two such tiles hold as many images as the block's 128 (C = 16: 4 + 4 of 8;
 // not C = 5: 12 + 12 of 25, nor any C > 64), so that its images' step sizes need no other warpgroup and the two run
 // apart, one's epilogue beside the other's products; else the block's 128.
 __host__ __device__ inline int ais_tile_rows(int C) {
     return 2 * (AIS_ROWS / 2 / C) >= AIS_ROWS / C ? AIS_ROWS / 2 : AIS_ROWS;
 }
+
 // Images a cluster holds at a time: its tiles' images.
 __host__ __device__ inline int ais_cluster_images(int C) {
     return AIS_ROWS / ais_tile_rows(C) * (ais_tile_rows(C) / C);
 }
+
 // Where a warpgroup meets its counterparts in the other blocks of the cluster (ais_merge), per block:
 // `stored` completes when their threads have stored their shares, `added` when they have read this
 // block's. Each warpgroup meets only its counterparts, so the two of a block need not keep in step.
 struct AisMeet { uint64_t stored[2], added[2]; };
+
 // Thread block clusters (sm_90): the blocks of a cluster run together, reach each other's shared
 // memory (mapa + ld.shared::cluster) and meet at the cluster barrier (its arrive, then its wait).
 __device__ inline void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+
 // This block's rank in its cluster, the cluster's index in the grid, and the grid's count of clusters.
 __device__ inline uint32_t cluster_rank() {
     uint32_t v = 0;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(v));
     return v;
 }
+
 __device__ inline uint32_t cluster_index() {
     uint32_t v = 0;
     asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(v));
     return v;
 }
+
 __device__ inline uint32_t cluster_count() {
     uint32_t v = 1;
     asm volatile("mov.u32 %0, %%nclusterid.x;\n" : "=r"(v));
     return v;
 }
+
 // p's address in the shared memory of block `rank` of the cluster.
 __device__ inline uint32_t cluster_address(const float* p, uint32_t rank) {
     uint32_t remote = 0;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
     return remote;
 }
+
 // Two (four) floats at p in the shared memory of block `rank` of the cluster.
 __device__ inline float2 cluster_load2(const float* p, uint32_t rank) {
     float2 v = make_float2(0.0f, 0.0f);
@@ -4029,12 +4231,14 @@ __device__ inline float2 cluster_load2(const float* p, uint32_t rank) {
                  : "memory");
     return v;
 }
+
 __device__ inline float4 cluster_load4(const float* p, uint32_t rank) {
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
                  : "r"(cluster_address(p, rank)) : "memory");
     return v;
 }
+
 // mbarriers across the cluster. A thread releases its accesses with one cluster fence, then arrives (relaxed) at the
 // barrier at the same address in each block that must see them; the wait acquires what the arrivals released. The
 // fences: fence_cluster orders all of the thread's accesses (its reads of other blocks' shared memory among them);
@@ -4044,9 +4248,11 @@ __device__ inline float4 cluster_load4(const float* p, uint32_t rank) {
 __device__ inline void fence_cluster() {
     asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
 }
+
 __device__ inline void fence_shared_release() {
     asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
 }
+
 // One arrival at the barrier at address bar in each other block of the cluster.
 template <int CLUSTER> __device__ inline void arrive_at_other_blocks(uint32_t bar) {
     const uint32_t own_rank = cluster_rank();
@@ -4056,6 +4262,7 @@ template <int CLUSTER> __device__ inline void arrive_at_other_blocks(uint32_t ba
                          "mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
                          : "memory");
 }
+
 __device__ inline void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
     uint32_t done = 0;
     while (!done)
@@ -4065,6 +4272,7 @@ __device__ inline void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;\n" ::: "memory");
 }
+
 // Two values as an A register pair and, for fp16, their lo parts.
 template <typename T> __device__ inline void pack_parts(uint32_t& hi, uint32_t& lo, float a, float b) {
     hi = pack2<T>(a, b);
@@ -4075,16 +4283,19 @@ template <typename T> __device__ inline void pack_parts(uint32_t& hi, uint32_t& 
         lo = 0u;
     }
 }
+
 __device__ inline float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
+
 // The pieces of one gradient evaluation (ais_gradient_wgmma, below) for a warp's 16 rows: the thread
 // holds rows g and g + 8 (half 0, 1) as described above.
 // fc3 in fp16 hi and lo parts in both paths (three products, ~fp32): near the posterior's mode grad
 // changes by its curvature (~100) times any error in z or W3 z, and bf16's 2^-9 moved it by 7% (fp16's
 // 2^-11 alone: 2.3%). The backward product through W3 is linear in dh: one product in bf16.
 typedef fp16 AisW3;
+
 // z as fc3's A fragments: latents 0..15 as a k16 step of hi parts and one of lo parts (three
 // products: lo hi, hi lo, hi hi), and the rest of all three products in one more k16 step, k24:
 //   K  0..7   z hi 16..19, 1, 1, 1, 0   times  W3 hi 16..19, the bias parts, 0
@@ -4107,6 +4318,7 @@ __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]
     }
     return f;
 }
+
 // fc3's parts as the wgmmas read them: 8 x 8 core matrices of 128 contiguous bytes, [unit / 8][k / 8][unit % 8][k % 8],
 // no swizzle, the 38,400 bytes of the rows [2][400][24] (AIS_W3_K) as the k16 steps take them: the hi part K = 32, [W3
 // hi | bias parts | 0 | W3 lo 16..19, W3 hi 16..19] (k24's B), the lo part K = 16. Forward (K-major, K = latents): a
@@ -4117,6 +4329,7 @@ struct AisW3Cores {
     AisW3 hi[HIDDEN_DIM / 8][4][8][8];
     AisW3 lo[HIDDEN_DIM / 8][2][8][8];
 };
+
 [[maybe_unused]] constexpr uint32_t AIS_W3_CORE_BYTES = 128, AIS_W3_HI_GROUP_BYTES = 4 * 128,
                                     AIS_W3_LO_GROUP_BYTES = 2 * 128; // used by sm_90a code only
 // The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from the block's first
@@ -4157,6 +4370,7 @@ __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_
         bce_share[half] = ENERGY ? quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1)) : 0.0f;
     }
 }
+
 // The epilogue (its energy only when asked) and its values as the backward's A fragments, fp32's with their lo parts:
 // k16 step s holds the block's columns 16s .. 16s + 15, the last step's K 8..15 zero (past the columns when 8 short).
 template <typename T, int N, int K_STEPS>
@@ -4174,6 +4388,7 @@ __device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const
         pack_parts<T>(ga[s][3], ga_lo[s][3], full ? logit[8 * s + 6] : 0.0f, full ? logit[8 * s + 7] : 0.0f);
     }
 }
+
 // The cluster's merge: wait until the other blocks have read this one's last shares, store this one's (dz, the BCE
 // share) in share[row], meet, and add all CLUSTER blocks' in rank order, so every block gets the same bits; the next
 // evaluation tells the others this block has read theirs (ais_release_shares). A lane reads, in each block, the values
@@ -4224,6 +4439,7 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
     }
     merges++;
 }
+
 // After a merge: tell the other blocks this one has read their shares (the `added` arrivals, which they wait for at
 // their next merge), its reads ordered before them by the full fence. Not at the merge's end but in the next
 // evaluation, once its forward products are issued, where the thread would wait for them: at the merge's end the fence
@@ -4233,6 +4449,7 @@ template <int CLUSTER> __device__ inline void ais_release_shares(AisMeet& meet, 
     fence_cluster(); // after reads of other blocks' shared memory
     arrive_at_other_blocks<CLUSTER>(smem_addr(&meet.added[threadIdx.x / 128]));
 }
+
 // The merge's barriers, before any block's first arrival (the cluster barrier holds those back).
 template <int CLUSTER> __device__ inline void ais_meet_init(AisMeet& meet) {
     if (threadIdx.x < 2) {
@@ -4242,6 +4459,7 @@ template <int CLUSTER> __device__ inline void ais_meet_init(AisMeet& meet) {
     }
     cluster_sync();
 }
+
 // Block `rank`'s column block of the logits: its first column (the last block starts at 784 - AIS_BN)
 // and, in skip, how many of its n8 blocks belong to the block before.
 template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* skip) {
@@ -4249,6 +4467,7 @@ template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* ski
     *skip = rank < CLUSTER - 1 ? 0 : (CLUSTER * BN - INPUT_DIM) / 8;
     return rank < CLUSTER - 1 ? (int)rank * BN : INPUT_DIM - BN;
 }
+
 // All of fc3's hi and lo parts, the rows [2][400][24], into the block's AisW3Cores, a unit's six 16-byte core rows: hi
 // K 0..23 and lo K 0..15 by cp.async, the hi part's last (W3 lo 16..19, W3 hi 16..19) from two 8-byte halves.
 __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais_w3) {
@@ -4267,6 +4486,7 @@ __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais
     }
     cp_async_commit();
 }
+
 // The chains of a cluster's tiles (ais_tile_rows: a warpgroup's 64 or the block's 128 chains, all C chains of each of
 // its images), run through all their T - 1 transitions on chip; `gradient(z, x_row, grad, bce, energy)` evaluates the
 // warp's 16 rows as ais_gradient_wgmma does (x_row: each row's pixels from the block's first column col0; bce only when
@@ -4430,6 +4650,7 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
         group_sync(); // the step sizes are the next tile's
     }
 }
+
 // The gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it; the mma.sync gradient is
 // dev/ais_gradient_v1.cu's). In bf16, the cluster of 4 blocks, column block of 200 logits, epilogue and merge of that
 // gradient; all four products move to the warpgroup (fc3 with hi and lo parts, three products, its backward with one):
@@ -4455,6 +4676,7 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
 static_assert((int)AIS_ROWS == (int)FUSED_AIS_CHAINS, "the interface's count of the chains a cluster holds");
 static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
+
 // fc4's column block as each path's wgmmas read it. bf16: K in 64-wide slices of 200 rows, the 128-byte swizzle TMA
 // writes (the decoder's tensor map). fp32: the hi and lo copies of 104 rows as 8 x 8 core matrices without swizzle,
 // [copy][column / 8][k / 8][column % 8][k % 8], K = 408 (the bias parts at 400..402): 169,728 bytes, where two copies
@@ -4474,6 +4696,7 @@ template <Precision P> struct AisWgmmaSmem {
     int accepted[AIS_ROWS];
     uint64_t loaded;
 };
+
 static_assert(offsetof(AisWgmmaSmem<PRECISION_BF16>, w3) == sizeof(AisFc4Swizzled) &&
                   offsetof(AisWgmmaSmem<PRECISION_FP32>, w3) == sizeof(AisFc4Cores),
               "the rows the backward's last k16 step reads past fc4 (times zero A) are fc3's: finite");
@@ -4490,6 +4713,7 @@ __device__ inline uint64_t smem_desc_128b_mn(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(1024 >> 4) << 16 | (uint64_t)(1024 >> 4) << 32 |
            (uint64_t)1 << 62;
 }
+
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers; B K-major (fc3's fp16 parts) or MN-major
 // (imm-trans-b = 1: the backward's fc4, bf16 or fp32's fp16 parts).
 template <typename T, bool MN_MAJOR>
@@ -4502,6 +4726,7 @@ __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4]
     else if constexpr (MN_MAJOR) WG_M64N64("f16", "1");
     else WG_M64N64("f16", "0");
 }
+
 // The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward products in a
 // turn (its first fc3 group just before) and its backward ones in the next (W3's last group just after), and runs its
 // epilogue and merge while the other issues (a turn for the forward or the backward alone gains nothing). Warpgroup 1
@@ -4511,14 +4736,17 @@ __device__ inline void ais_turn_pass() { named_bar_arrive(AIS_BAR_TURN + 1 - thr
 __device__ inline void ais_turns_first() {
     if (threadIdx.x >= 128) named_bar_arrive(AIS_BAR_TURN, 256);
 }
+
 __device__ inline void ais_turns_last() {
     if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256);
 }
+
 // wgmma descriptor of a 16-bit tile of 8 x 8 core matrices without swizzle (AisW3Cores; layout type 0): cores adjacent
 // along K `leading` bytes apart, along M or N `stride` bytes apart.
 __device__ inline uint64_t smem_desc_cores(uint32_t addr, uint32_t leading, uint32_t stride) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(leading >> 4) << 16 | (uint64_t)(stride >> 4) << 32;
 }
+
 // D[64 x N] (+)= A[64 x 16] B[16 x N] in fp16 for the narrow N: fc3's last group forward (N = 16, K-major); MN-major
 // (imm-trans-b = 1) the backward through fc3's hi part (N = 24: its core matrices read as [unit][latent]) and in fp32
 // through its lo part (16 and 8), and fp32's fc4 backward for the last group's 16 units.
@@ -4541,6 +4769,7 @@ __device__ inline void wgmma_f16_narrow_rs(float (&d)[N / 2], const uint32_t (&a
     else WGMMA_RS("m64n24k16.f32.f16.f16", WG_ACC10() ", %10, %11", "{%12, %13, %14, %15}, %16", "%17", "0", WG_D10(),
                   "+f"(d[10]), "+f"(d[11]));
 }
+
 // fp32's fc4 in ais_kernel: two fp16 copies of its 104 columns as core matrices (AisFc4Cores).
 __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&a)[4], uint64_t desc_b,
                                                bool accumulate) {
@@ -4548,6 +4777,7 @@ __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&
              ", %50, %51", "{%52, %53, %54, %55}, %56", "%57", "0", WG_D10(), WG_D10(1), WG_D10(2), WG_D10(3),
              WG_D10(4), "+f"(d[50]), "+f"(d[51]));
 }
+
 // fc3's ReLU mask in the wgmma path, 32 bits per 64 hidden units, read off fc4's A fragments: a register holds a pair
 // of ReLU'd bf16 values (fp32: their fp16 hi parts), and min.relu.s16x2 with 1 takes each half as a 16-bit integer to 1
 // (a positive value) or 0 (+0, or -0 as the negative -32768). Positive in bf16 is h > 0 to the bit: fc3's products of
@@ -4561,6 +4791,7 @@ __device__ inline uint32_t relu_pair_flags(uint32_t pair, int j) {
     asm("min.relu.s16x2 %0, %1, %2;\n" : "=r"(flags) : "r"(pair), "r"(0x00010001u));
     return flags << j;
 }
+
 // The AND mask of pair j for an fp16 pair: its flags moved to bits 15 and 31, the sign bits of bytes
 // 1 and 3, which prmt's selector 0xBB99 spreads over each 16-bit half.
 __device__ inline uint32_t relu_pair_keep(uint32_t mask, int j) {
@@ -4568,6 +4799,7 @@ __device__ inline uint32_t relu_pair_keep(uint32_t mask, int j) {
     asm("prmt.b32 %0, %1, 0, 0xBB99;\n" : "=r"(keep) : "r"(mask << (15 - j)));
     return keep;
 }
+
 // fc3's pre-activations of group q's hidden units (64, the last group's 16: N) for the warpgroup's 64
 // rows as one wgmma group, committed: the two corrections (lo hi, hi lo), hi hi, then k24, in the order
 // of the mma.sync gradient's (dev/ais_gradient_v1.cu), so the sums are its own to the bit. h: each
@@ -4584,6 +4816,7 @@ template <int N> __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_
     product(za.k24, hi + 2 * CORE, HI, true);
     wgmma_commit();
 }
+
 // BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as above); w4: the shared-memory address of
 // sm.w4; merges as in ais_merge. fp32's A lo parts sit beside its hi parts in registers.
 template <Precision P>
@@ -4761,6 +4994,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     }
     ais_merge<Q::AIS_CLUSTER>(sm.share, sm.meet, merges, dz, bce_share, grad, bce);
 }
+
 // The block's weights for ais_gradient_wgmma: fc4's column block col0 (bf16 by TMA; fp32's two
 // copies by cp.async into their cores), fc3's parts by cp.async.
 template <Precision P>
@@ -4790,6 +5024,7 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem<P>& sm, const CUtenso
     __syncthreads();
     if constexpr (P == PRECISION_BF16) mbar_wait(smem_addr(&sm.loaded), 0);
 }
+
 // ais_kernel (sm_90a: thread block clusters): a cluster of AIS_CLUSTER blocks (bf16: 4, fp32: 8) runs ais_chains. Block
 // r keeps column block r of fc4 resident (bf16: 200 logits, 175 KB in wgmma's swizzle layout; fp32: 104 in hi and lo
 // copies, 166 KB of core matrices) and all of fc3; each warpgroup evaluates its 64 chains' gradient over those columns
@@ -4834,6 +5069,7 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     }();
     return encode;
 }
+
 // TMA descriptor of a row-major [rows][cols] matrix of 16-bit values read in boxes of box_rows x 64 columns (one
 // 128-byte swizzle row; box_cols = 32: 64-byte rows, 64-byte swizzle). Reads past `rows` or `cols` return zeros. A host
 // struct: encoding allocates nothing, and the kernel takes it by value, so a captured CUDA graph keeps its copy.
@@ -4851,6 +5087,7 @@ static CUtensorMap tensor_map_16bit(const void* base, int rows, int cols, int bo
         fail("internal: cuTensorMapEncodeTiled failed (%d) for a %d x %d matrix", (int)r, rows, cols);
     return map;
 }
+
 // The encoder over io.M images in precision P: a block per SM of `sms`, whole groups of slices, at most a group a task.
 template <Precision P>
 static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int sms, cudaStream_t stream) {
@@ -4859,6 +5096,7 @@ static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int s
     encoder_wgmma_kernel<P><<<SLICES * copies, ENC_WG_GROUPS * 128, enc_wg_smem<P>(), stream>>>(w1_map, io);
     cudaCheck(cudaGetLastError());
 }
+
 // The decoder over io.rows z rows in precision P: groups of the column blocks, at most a block per SM of `sms` and a
 // group per 64-row tile. A programmatic dependent launch: the decoder loads its weights while the kernel before ends.
 template <Precision P>
@@ -4873,6 +5111,7 @@ static void decoder_launch(const DecoderIO& io, const CUtensorMap& w4_map, const
     cfg.blockDim = dim3(DEC_WG_THREADS), cfg.dynamicSmemBytes = dec_wg_smem<P>();
     cudaCheck(cudaLaunchKernelEx(&cfg, decoder_wgmma_kernel<P>, w4_map, w3_map, io));
 }
+
 template <Precision P> static int ais_smem() { return (int)sizeof(AisWgmmaSmem<P>) + 1024; } // + room to align
 template <Precision P>
 static cudaLaunchConfig_t ais_config(cudaLaunchAttribute* attr, int clusters, cudaStream_t stream) {
@@ -4883,9 +5122,11 @@ static cudaLaunchConfig_t ais_config(cudaLaunchAttribute* attr, int clusters, cu
     cfg.dynamicSmemBytes = ais_smem<P>(), cfg.stream = stream, cfg.attrs = attr, cfg.numAttrs = 1;
     return cfg;
 }
+
 template <Precision P> static size_t ais_state_bytes(int clusters) {
     return (size_t)clusters * Path<P>::AIS_CLUSTER * AIS_STATE_SLOTS * AIS_THREADS * sizeof(float);
 }
+
 // ais_kernel over io.n images in precision P: a grid of clusters of AIS_CLUSTER blocks, `clusters`
 // of them (the most the GPU runs at once, ais_max_clusters) or one per tile when there are fewer.
 // state: ais_state_bytes(clusters) of scratch, AIS_STATE_SLOTS floats a thread.
@@ -4899,6 +5140,7 @@ static void ais_launch(const AisIO& io, const void* fc4_wb, const CUtensorMap& w
     cudaCheck(cudaLaunchKernelEx(&cfg, ais_kernel<P>, static_cast<const T*>(fc4_wb), w4_map,
                                  static_cast<const fp16*>(ais_w3), state, io));
 }
+
 template <Precision P> static int ais_max_clusters() {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = ais_config<P>(&attr, 1, 0);
@@ -4906,6 +5148,7 @@ template <Precision P> static int ais_max_clusters() {
     cudaCheck(cudaOccupancyMaxActiveClusters(&clusters, ais_kernel<P>, &cfg));
     return clusters;
 }
+
 // More than the default 48 KB of dynamic shared memory for precision P's kernels, allowed once.
 template <Precision P> static void allow_shared_memory() {
     const cudaFuncAttribute max = cudaFuncAttributeMaxDynamicSharedMemorySize;
@@ -4913,6 +5156,7 @@ template <Precision P> static void allow_shared_memory() {
     cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, max, enc_wg_smem<P>()));
     cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, max, dec_wg_smem<P>()));
 }
+
 // Whether the code loaded for the current GPU has the fused kernels' bodies (an sm_90a build on an sm_90 GPU).
 static bool gpu_has_wgmma() {
     int *d_flag = NULL, flag = 0;
