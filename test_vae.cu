@@ -1784,14 +1784,14 @@ static void poison_activations(VAE* m) {
     poison(m->logits, B * INPUT_DIM * 4), poison(m->recon, B * INPUT_DIM * 4);
     poison(m->row_log_ratio, R * 4), poison(m->bce_parts, R * m->bce_parts_per_row * 4);
     if (!m->fused) { // the plain path's 16-bit or fp32 activations (0xffff is a bf16 NaN too)
-        const Plain* pl = &m->plain;
+        const Plain* pl = m->plain;
         poison(pl->x, B * INPUT_DIM * pl->type_size), poison(pl->h1, B * d.h1 * pl->type_size);
         poison(pl->z_input, R * z_width(m->precision, d.z) * pl->type_size), poison(pl->h3, R * d.h3 * pl->type_size);
         return;
     }
     const int z_k = m->precision == PRECISION_FP32 ? Path<PRECISION_FP32>::Z_K : Path<PRECISION_BF16>::Z_K;
-    poison(m->z_rows, R * z_k * 2); // 0xffff is a bf16 and an fp16 NaN too
-    poison(m->enc_partials, B * MAX_ENC_SLICES * MULV_DIM * 4);
+    poison(m->fused->z_rows, R * z_k * 2); // 0xffff is a bf16 and an fp16 NaN too
+    poison(m->fused->enc_partials, B * MAX_ENC_SLICES * MULV_DIM * 4);
 }
 
 static float* to_host(const float* d, size_t n) {
@@ -1818,8 +1818,10 @@ static void test_gpu_activations(VAE* m, const uint8_t* d_pixels, const DebugSta
         cudaCheck(cudaMemcpy(d_eps, dc->t32[T_EPS], (size_t)B * Z * 4, cudaMemcpyHostToDevice));
         poison_activations(m);
         poison(d_bce, B * 4), poison(d_kl, B * 4);
-        const ForwardOptions opt = {0, false, d_eps, true, true};
+        const ForwardOptions opt = {0, false, true};
+        m->probe.eps = d_eps, m->probe.keep_activations = true;
         vae_forward(m, d_pixels + (size_t)dc->first_image * INPUT_DIM, B, dc->first_image, &opt, d_bce, d_kl);
+        m->probe = Probe{};
         cudaCheck(cudaDeviceSynchronize());
         // the bf16 path keeps h1 and h3 on chip: mu, logvar and the logits show their errors
         float* h1 = bf16_path ? NULL : to_host(m->h1, (size_t)B * dims.h1);
@@ -1906,7 +1908,7 @@ static void gpu_losses(VAE* m, const uint8_t* d_pixels, int count, int batch, ui
     cudaCheck(cudaMalloc(&d_bce, (size_t)count * 4));
     cudaCheck(cudaMalloc(&d_kl, (size_t)count * 4));
     poison(d_bce, (size_t)count * 4), poison(d_kl, (size_t)count * 4);
-    const ForwardOptions opt = {seed, z_is_mu, NULL, false, false};
+    const ForwardOptions opt = {seed, z_is_mu, false};
     for (int first = 0; first < count; first += batch) {
         const int B = count - first < batch ? count - first : batch;
         vae_forward(m, d_pixels + (size_t)first * INPUT_DIM, B, first, &opt, d_bce + first, d_kl + first);
@@ -1955,8 +1957,10 @@ static void test_gpu_generator_keying(VAE* m, const uint8_t* d_pixels) {
     float *d_bce, *d_kl;
     cudaCheck(cudaMalloc(&d_bce, B * 4));
     cudaCheck(cudaMalloc(&d_kl, B * 4));
-    const ForwardOptions opt = {seed, false, NULL, false, true};
+    const ForwardOptions opt = {seed, false, false};
+    m->probe.keep_activations = true;
     vae_forward(m, d_pixels + (size_t)first * INPUT_DIM, B, first, &opt, d_bce, d_kl);
+    m->probe = Probe{};
     float* mulv = to_host(m->mulv, (size_t)B * 2 * LATENT_DIM);
     float* z = to_host(m->z, (size_t)B * LATENT_DIM);
     double worst = 0.0;
@@ -2003,7 +2007,7 @@ static EngineResults engine_results(VAE* m, const uint8_t* d_pixels, int count) 
     float* d_loss;
     cudaCheck(cudaMalloc(&d_loss, 2 * COMPARE_RECON * sizeof(float)));
     poison_activations(m);
-    const ForwardOptions opt = {0, true, NULL, true, false}; // recon.ppm's: z = mu
+    const ForwardOptions opt = {0, true, true}; // recon.ppm's: z = mu
     vae_forward(m, d_pixels, COMPARE_RECON, 0, &opt, d_loss, d_loss + COMPARE_RECON);
     cudaCheck(cudaMemcpy(r.recon, m->recon, sizeof(r.recon), cudaMemcpyDeviceToHost));
     cudaCheck(cudaFree(d_loss));
@@ -2216,7 +2220,9 @@ static void gpu_iwae(VAE* m, const uint8_t* d_pixels, int first, int n, int K, u
     float* d_log_px;
     cudaCheck(cudaMalloc(&d_log_px, (size_t)n * 4));
     poison(d_log_px, (size_t)n * 4);
-    vae_iwae(m, d_pixels + (size_t)first * INPUT_DIM, n, first, K, seed, d_eps, d_log_px);
+    m->probe.eps = d_eps;
+    vae_iwae(m, d_pixels + (size_t)first * INPUT_DIM, n, first, K, seed, d_log_px);
+    m->probe = Probe{};
     cudaCheck(cudaMemcpy(log_px, d_log_px, (size_t)n * 4, cudaMemcpyDeviceToHost));
     cudaCheck(cudaFree(d_log_px));
 }
@@ -2253,8 +2259,10 @@ static void test_gpu_iwae(VAE* m, const HostWeights* w, const uint8_t* d_pixels,
     float *d_bce, *d_kl;
     cudaCheck(cudaMalloc(&d_bce, B * 4));
     cudaCheck(cudaMalloc(&d_kl, B * 4));
-    const ForwardOptions opt = {seed, false, NULL, false, true};
+    const ForwardOptions opt = {seed, false, false};
+    m->probe.keep_activations = true;
     vae_forward(m, d_pixels + (size_t)first * INPUT_DIM, B, first, &opt, d_bce, d_kl);
+    m->probe = Probe{};
     float* bce = to_host(d_bce, B);
     float* mulv = to_host(m->mulv, (size_t)B * 2 * LATENT_DIM);
     float* z = to_host(m->z, (size_t)B * LATENT_DIM);
@@ -2412,11 +2420,14 @@ static AisOut gpu_ais(VAE* m, const uint8_t* d_pixels, int first, int n, const A
     AisIO io = {};
     io.pixels = d_pixels + (size_t)first * INPUT_DIM, io.z_start = d_z_start, io.beta = d_beta, io.n = n;
     io.chains = spec.chains, io.T = spec.T, io.leapfrog = spec.leapfrog, io.first_image = (uint32_t)first;
-    io.seed = spec.seed, io.reverse = spec.z_start != NULL, io.adapt = spec.adapt, io.step0 = spec.step;
-    io.log_w = d_log_w, io.accepted = d_accepted, io.z_out = d_f, io.grad0 = d_f + rows * LATENT_DIM;
-    io.bce0 = d_f + 2 * rows * LATENT_DIM, io.delta_h = io.bce0 + rows, io.step_out = io.delta_h + rows;
-    io.p_start = d_p_start, io.proposal = io.step_out + 3 * n;
+    io.seed = spec.seed, io.reverse = spec.z_start != NULL, io.step0 = spec.step;
+    io.log_w = d_log_w, io.accepted = d_accepted;
+    Probe& probe = m->probe; // the run's hooks: vae_ais copies them into io
+    probe.fixed_step = !spec.adapt, probe.z_out = d_f, probe.grad0 = d_f + rows * LATENT_DIM;
+    probe.bce0 = d_f + 2 * rows * LATENT_DIM, probe.delta_h = probe.bce0 + rows, io.step_out = probe.delta_h + rows;
+    probe.p_start = d_p_start, probe.proposal = io.step_out + 3 * n;
     vae_ais(m, io, spec.from_prior);
+    m->probe = Probe{};
     launch(ais_estimate_kernel, n, 128, 128, m->stream, d_log_px, io.step_out + n, io.step_out + 2 * n, d_log_w,
            d_accepted, n, spec.chains, spec.T - 1, io.reverse);
     cudaCheck(cudaStreamSynchronize(m->stream));
@@ -2488,14 +2499,14 @@ static void vae_score(VAE* m, const float* z, int rows, const uint8_t* pixels, f
         const int n = rows - first < m->decoder_rows ? rows - first : m->decoder_rows;
         const float* z_pass = z + (size_t)first * LATENT_DIM;
         if (!m->fused) {
-            plain_set_z(&m->plain, z_pass, n, m->stream);
-            plain_decode(&m->plain, pixels, n, n, bce + first, NULL, false, m->stream);
+            plain_set_z(m->plain, z_pass, n, m->stream);
+            plain_decode(m->plain, pixels, n, n, bce + first, NULL, false, m->stream);
             continue;
         }
         if (m->precision == PRECISION_FP32)
-            launch(z_rows_kernel<PRECISION_FP32>, n, 128, 128, m->stream, m->z_rows, z_pass, n);
-        else launch(z_rows_kernel<PRECISION_BF16>, n, 128, 128, m->stream, m->z_rows, z_pass, n);
-        vae_decoder(m, pixels, n, n, bce + first, NULL, NULL);
+            launch(z_rows_kernel<PRECISION_FP32>, n, 128, 128, m->stream, m->fused->z_rows, z_pass, n);
+        else launch(z_rows_kernel<PRECISION_BF16>, n, 128, 128, m->stream, m->fused->z_rows, z_pass, n);
+        fused_decoder(m->fused, pixels, n, n, bce + first, NULL, NULL);
     }
 }
 
@@ -3076,7 +3087,7 @@ int main(int argc, char** argv) {
             if (quick) skip(what[3], "--quick");
             else test_gpu_test_set(&m, &weights, &images, d_pixels, images.count);
             test_gpu_iwae(&m, &weights, d_pixels, &iwae, quick ? 0 : images.count);
-            if (!m.fused || m.ais_clusters > 0) test_gpu_ais(&m, &weights, &images, d_pixels, quick);
+            if (!m.fused || m.fused->ais_clusters > 0) test_gpu_ais(&m, &weights, &images, d_pixels, quick);
             else skip("GPU AIS", "this GPU and build have no sm_90a code (AIS's fused kernel runs on Hopper)");
             vae_free(&m);
             if (engine == 1 && engine_runs[0])

@@ -95,11 +95,12 @@ inline void production_ais_gradient(const VAE* m, const AisGradientArgs& a) {
     AisIO io = {};
     io.pixels = a.pixels, io.mulv = d_mulv, io.z_start = a.z, io.beta = d_beta, io.n = a.rows, io.chains = 1;
     io.T = 1, io.leapfrog = 1, io.step0 = AIS_STEP_START, io.log_w = d_log_w, io.accepted = d_accepted;
-    io.step_out = d_step, io.grad0 = a.grad, io.bce0 = a.bce;
+    io.step_out = d_step, io.probe.fixed_step = true, io.probe.grad0 = a.grad, io.probe.bce0 = a.bce;
+    const Fused* f = m->fused;
     if (m->precision == PRECISION_FP32)
-        ais_launch<PRECISION_FP32>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, 0);
+        ais_launch<PRECISION_FP32>(io, f->fc4_wb, f->w4_map, f->ais_w3, f->ais_state, f->ais_clusters, 0);
     else
-        ais_launch<PRECISION_BF16>(io, m->fc4_wb, m->w4_map, m->ais_w3, m->ais_state, m->ais_clusters, 0);
+        ais_launch<PRECISION_BF16>(io, f->fc4_wb, f->w4_map, f->ais_w3, f->ais_state, f->ais_clusters, 0);
     cudaCheck(cudaGetLastError()), cudaCheck(cudaDeviceSynchronize());
     void* buffers[] = {d_beta, d_log_w, d_accepted, d_mulv, d_step};
     for (void* p : buffers) cudaCheck(cudaFree(p));
@@ -333,9 +334,9 @@ inline bool run_ais_chain_driver(const std::vector<Variant<AisIO>>& variants, VA
     auto io_for = [&](int n, int T) {
         AisIO io = {};
         io.pixels = d_pixels, io.mulv = d_mulv, io.beta = d_beta, io.n = n, io.chains = d.C, io.T = T;
-        io.leapfrog = d.L, io.seed = seed, io.adapt = false, io.step0 = step, io.log_w = d_log_w;
-        io.accepted = d_accepted, io.step_out = d_step, io.z_out = d_z, io.proposal = d_proposal;
-        io.delta_h = d_delta_h;
+        io.leapfrog = d.L, io.seed = seed, io.probe.fixed_step = true, io.step0 = step, io.log_w = d_log_w;
+        io.accepted = d_accepted, io.step_out = d_step, io.probe.z_out = d_z, io.probe.proposal = d_proposal;
+        io.probe.delta_h = d_delta_h;
         return io;
     };
     const bool fp32 = p == PRECISION_FP32;

@@ -246,7 +246,8 @@ template <Precision P> static int v1_clusters() {
 template <Precision P> static bool study(const HostWeights* w, const Images* images) {
     VAE m;
     vae_init(&m, w, 1, P, KERNELS_FUSED);
-    if (m.ais_clusters == 0)
+    const Fused* f = m.fused;
+    if (f->ais_clusters == 0)
         fail("no sm_90a code for this GPU: build with make -C dev ais_gradient_v1 on a Hopper GPU");
     const int clusters = v1_clusters<P>();
     printf("%s: clusters of %d blocks, %zu bytes of shared memory a block, %d clusters at once\n", PRECISION_NAMES[P],
@@ -257,8 +258,8 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
         cudaLaunchAttribute attr;
         cudaLaunchConfig_t cfg = ais_config<P>(&attr, clusters < tiles ? clusters : tiles, 0);
         cfg.dynamicSmemBytes = sizeof(AisSmem<P>);
-        cudaCheck(cudaLaunchKernelEx(&cfg, gradient_v1_kernel<P>, static_cast<const T*>(m.fc4_wb),
-                                     static_cast<const fp16*>(m.ais_w3), a));
+        cudaCheck(cudaLaunchKernelEx(&cfg, gradient_v1_kernel<P>, static_cast<const T*>(f->fc4_wb),
+                                     static_cast<const fp16*>(f->ais_w3), a));
     };
     // bf16: fc4's operands in bf16 (2^-9 each) leave a few 1e-3 (the worklog's third AIS row); fp32 ~1e-6
     const double tol = P == PRECISION_BF16 ? 2e-2 : 1e-5;

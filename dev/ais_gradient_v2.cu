@@ -94,7 +94,8 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
     typedef typename Path<P>::T T;
     VAE m;
     vae_init(&m, w, images->count, P, KERNELS_FUSED);
-    if (m.ais_clusters == 0)
+    const Fused* f = m.fused;
+    if (f->ais_clusters == 0)
         fail("no sm_90a code for this GPU: build with make -C dev ais_gradient_v2 on a Hopper GPU");
     const int smem = ais_smem<P>();
     cudaCheck(cudaFuncSetAttribute(gradient_v2_kernel<P>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -103,13 +104,13 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
     int clusters = 0;
     cudaCheck(cudaOccupancyMaxActiveClusters(&clusters, gradient_v2_kernel<P>, &probe));
     printf("%s: clusters of %d blocks, %d bytes of shared memory a block, %d clusters at once (%d for ais_kernel)\n",
-           PRECISION_NAMES[P], Path<P>::AIS_CLUSTER, smem, clusters, m.ais_clusters);
+           PRECISION_NAMES[P], Path<P>::AIS_CLUSTER, smem, clusters, f->ais_clusters);
     auto launch_v2 = [&](const vae::AisGradientArgs& a) {
         const int tiles = ceil_div(a.rows, AIS_ROWS);
         cudaLaunchAttribute attr2;
         const cudaLaunchConfig_t cfg = ais_config<P>(&attr2, clusters < tiles ? clusters : tiles, 0);
-        cudaCheck(cudaLaunchKernelEx(&cfg, gradient_v2_kernel<P>, static_cast<const T*>(m.fc4_wb), m.w4_map,
-                                     static_cast<const fp16*>(m.ais_w3), a));
+        cudaCheck(cudaLaunchKernelEx(&cfg, gradient_v2_kernel<P>, static_cast<const T*>(f->fc4_wb), f->w4_map,
+                                     static_cast<const fp16*>(f->ais_w3), a));
     };
     // bf16: the same bf16 operands as v1 (fc4's, a few 1e-3 from float64); fp32: ~1e-6
     const double tol = P == PRECISION_BF16 ? 2e-2 : 1e-5;
@@ -117,13 +118,13 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
                                            w, images, clusters * AIS_ROWS, tol);
     // the whole transition (dev/ais_hmc_v1.cu's transition check and time) on ais_kernel itself
     auto production = [&](const AisIO& io) {
-        ais_launch<P>(io, m.fc4_wb, m.w4_map, m.ais_w3, m.ais_state, m.ais_clusters, 0);
+        ais_launch<P>(io, f->fc4_wb, f->w4_map, f->ais_w3, f->ais_state, f->ais_clusters, 0);
     };
     std::vector<double> beta(5);
     ais_schedule(beta.data(), 4);
     const vae::AisChainDriver transition = {"transition", 4, 16, 10, beta, {1, 7, 37}, true};
     ok = vae::run_ais_chain_driver({{"v2 ais_kernel", production}}, &m, w, images, transition,
-                                   m.ais_clusters * ais_cluster_images(16)) && ok;
+                                   fused_ais_images(f, 16)) && ok;
     vae_free(&m);
     return ok;
 }

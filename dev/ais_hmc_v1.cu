@@ -72,9 +72,10 @@ static void write_reference_csv(const HostWeights* w, const Images* images, cons
 template <Precision P> static bool study(const HostWeights* w, const Images* images) {
     VAE m;
     vae_init(&m, w, images->count, P, KERNELS_FUSED);
-    if (m.ais_clusters == 0) fail("no sm_90a code for this GPU: build with make -C dev ais_hmc_v1 on a Hopper GPU");
+    const Fused* f = m.fused;
+    if (f->ais_clusters == 0) fail("no sm_90a code for this GPU: build with make -C dev ais_hmc_v1 on a Hopper GPU");
     auto production = [&](const AisIO& io) {
-        ais_launch<P>(io, m.fc4_wb, m.w4_map, m.ais_w3, m.ais_state, m.ais_clusters, 0);
+        ais_launch<P>(io, f->fc4_wb, f->w4_map, f->ais_w3, f->ais_state, f->ais_clusters, 0);
     };
     const vae::AisChainDriver leapfrog = {"leapfrog step", 2, 1, 10, {0.0, 1.0, 1.0}, {1, 7, 37, 1023}, false};
     std::vector<double> beta(5);
@@ -82,7 +83,7 @@ template <Precision P> static bool study(const HostWeights* w, const Images* ima
     const vae::AisChainDriver transition = {"transition", 4, 16, 10, beta, {1, 7, 37}, true};
     bool ok = true;
     for (const vae::AisChainDriver& d : {leapfrog, transition}) {
-        const int images_timed = std::min(m.ais_clusters * ais_cluster_images(d.C), images->count);
+        const int images_timed = std::min(fused_ais_images(f, d.C), images->count);
         ok = vae::run_ais_chain_driver({{"v1 ais_kernel", production}}, &m, w, images, d, images_timed) && ok;
     }
     vae_free(&m);

@@ -119,15 +119,15 @@ __global__ void __launch_bounds__(DEC_MMA_WARPS * 32, 1)
 
 // decoder_mma_kernel over io.rows z rows (bf16), as vae.cu's decoder_launch does the wgmma kernel: blocks
 // in groups of the column blocks, at most one per SM and no more than there are 16-row tasks.
-static void decoder_mma(VAE* m, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits) {
+static void decoder_mma(Fused* f, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits) {
     typedef Path<PRECISION_BF16> Q;
-    const DecoderIO io = {m->z_rows, pixels, rows, rows_per_image, bce, m->bce_parts, m->dec_tickets, logits, NULL,
+    const DecoderIO io = {f->z_rows, pixels, rows, rows_per_image, bce, f->bce_parts, f->dec_tickets, logits, NULL,
                           NULL};
     const int copies_needed = ceil_div(rows, TASK_ROWS);
-    const int copies = m->sms / Q::DEC_COL_BLOCKS < copies_needed ? m->sms / Q::DEC_COL_BLOCKS : copies_needed;
+    const int copies = f->sms / Q::DEC_COL_BLOCKS < copies_needed ? f->sms / Q::DEC_COL_BLOCKS : copies_needed;
     decoder_mma_kernel<PRECISION_BF16><<<Q::DEC_COL_BLOCKS * copies, DEC_MMA_WARPS * 32,
-                                         sizeof(DecoderMmaSmem<PRECISION_BF16>), m->stream>>>(
-        static_cast<const bf16*>(m->fc4_wb), static_cast<const bf16*>(m->fc3_wb), io);
+                                         sizeof(DecoderMmaSmem<PRECISION_BF16>), f->stream>>>(
+        static_cast<const bf16*>(f->fc4_wb), static_cast<const bf16*>(f->fc3_wb), io);
     cudaCheck(cudaGetLastError());
 }
 
@@ -177,7 +177,7 @@ int main() {
     cudaCheck(cudaFuncSetAttribute(decoder_mma_kernel<PRECISION_BF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)sizeof(DecoderMmaSmem<PRECISION_BF16>)));
     printf("decoders: mma.sync (%zu bytes of shared memory a block) and wgmma (%d bytes); %d SMs\n",
-           sizeof(DecoderMmaSmem<PRECISION_BF16>), dec_wg_smem<PRECISION_BF16>(), m.sms);
+           sizeof(DecoderMmaSmem<PRECISION_BF16>), dec_wg_smem<PRECISION_BF16>(), m.fused->sms);
 
     // z: N(0,1) draws, latent 4q..4q+3 of row r from one Philox call; z rows as vae_decode makes them
     std::vector<float> z((size_t)MAX_ROWS * LATENT_DIM);
@@ -191,7 +191,7 @@ int main() {
     uint8_t* d_pixels;
     cudaCheck(cudaMalloc(&d_z, z.size() * sizeof(float)));
     cudaCheck(cudaMemcpy(d_z, z.data(), z.size() * sizeof(float), cudaMemcpyHostToDevice));
-    launch(z_rows_kernel<PRECISION_BF16>, MAX_ROWS, 128, 128, m.stream, m.z_rows, d_z, (int)MAX_ROWS);
+    launch(z_rows_kernel<PRECISION_BF16>, MAX_ROWS, 128, 128, m.stream, m.fused->z_rows, d_z, (int)MAX_ROWS);
     cudaCheck(cudaGetLastError());
     cudaCheck(cudaMalloc(&d_pixels, (size_t)MAX_IMAGES * INPUT_DIM));
     cudaCheck(cudaMemcpy(d_pixels, images.pixels, (size_t)MAX_IMAGES * INPUT_DIM, cudaMemcpyHostToDevice));
@@ -209,14 +209,14 @@ int main() {
         for (int d = 0; d < decoders; d++) {
             // the ELBO's pass: pixels in, per-row BCE out, no logits
             poison(d_bce, (MAX_ROWS + 1) * sizeof(float));
-            if (d == 1) vae_decoder(&m, d_pixels, rows, 1, d_bce, NULL, NULL);
-            else decoder_mma(&m, d_pixels, rows, 1, d_bce, NULL);
+            if (d == 1) fused_decoder(m.fused, d_pixels, rows, 1, d_bce, NULL, NULL);
+            else decoder_mma(m.fused, d_pixels, rows, 1, d_bce, NULL);
             cudaCheck(cudaStreamSynchronize(m.stream));
             cudaCheck(cudaMemcpy(bce[d].data(), d_bce, (rows + 1) * sizeof(float), cudaMemcpyDeviceToHost));
             // the pictures' pass: no pixels, logits out
             poison(d_logits, (size_t)(MAX_CHECK + 1) * INPUT_DIM * sizeof(float));
-            if (d == 1) vae_decoder(&m, NULL, rows, 1, NULL, d_logits, NULL);
-            else decoder_mma(&m, NULL, rows, 1, NULL, d_logits);
+            if (d == 1) fused_decoder(m.fused, NULL, rows, 1, NULL, d_logits, NULL);
+            else decoder_mma(m.fused, NULL, rows, 1, NULL, d_logits);
             cudaCheck(cudaStreamSynchronize(m.stream));
             cudaCheck(cudaMemcpy(logits.data(), d_logits, (size_t)(rows + 1) * INPUT_DIM * sizeof(float),
                                  cudaMemcpyDeviceToHost));
@@ -251,8 +251,8 @@ int main() {
         for (int rows : TIME_ROWS) {
             const int rows_per_image = rows <= MAX_IMAGES ? 1 : rows / MAX_IMAGES;
             auto pass = [&] {
-                if (d == 1) vae_decoder(&m, d_pixels, rows, rows_per_image, d_bce, NULL, NULL);
-                else decoder_mma(&m, d_pixels, rows, rows_per_image, d_bce, NULL);
+                if (d == 1) fused_decoder(m.fused, d_pixels, rows, rows_per_image, d_bce, NULL, NULL);
+                else decoder_mma(m.fused, d_pixels, rows, rows_per_image, d_bce, NULL);
             };
             const float hot = benchmark_us(pass, 200, 10, false), cold = benchmark_us(pass);
             const double flop = 2.0 * rows * ((double)LATENT_DIM * HIDDEN_DIM + (double)HIDDEN_DIM * INPUT_DIM);

@@ -109,14 +109,14 @@ __global__ void __launch_bounds__(ENC_WARPS * 32, 1)
 
 // encoder_mma_kernel over B images (bf16), as vae.cu's encoder_launch does the wgmma kernel: whole groups
 // of the slices, at most one block per SM and no more than there are 16-image tasks.
-static void encoder_mma(VAE* m, EncoderIO io) {
+static void encoder_mma(Fused* f, EncoderIO io) {
     typedef Path<PRECISION_BF16> Q;
-    io.partials = m->enc_partials, io.tickets = m->enc_tickets, io.enc_w = m->enc_w16;
-    io.fc1_b = m->tensor[FC1_B], io.enc_b = m->tensor[FC21_B];
+    io.partials = f->enc_partials, io.tickets = f->enc_tickets, io.enc_w = f->enc_w16;
+    io.fc1_b = f->fc1_b, io.enc_b = f->enc_b;
     const int tasks = ceil_div(io.M, TASK_ROWS);
-    const int copies = m->sms / Q::ENC_SLICES < tasks ? m->sms / Q::ENC_SLICES : tasks;
+    const int copies = f->sms / Q::ENC_SLICES < tasks ? f->sms / Q::ENC_SLICES : tasks;
     encoder_mma_kernel<PRECISION_BF16><<<Q::ENC_SLICES * copies, ENC_WARPS * 32, sizeof(EncoderSmem<PRECISION_BF16>),
-                                         m->stream>>>(static_cast<const bf16*>(m->fc1_wp), io);
+                                         f->stream>>>(static_cast<const bf16*>(f->fc1_wp), io);
     cudaCheck(cudaGetLastError());
 }
 
@@ -461,25 +461,25 @@ int main() {
                                    (int)sizeof(EncoderSmem<PRECISION_BF16>)));
     printf("v1: %d threads, %zu bytes of shared memory a block; mma.sync: %d threads, %zu bytes; production "
            "(wgmma): %d blocks of %d threads, %d bytes\n", EncoderTileV1::THREADS, sizeof(EncoderSmemV1),
-           ENC_WARPS * 32, sizeof(EncoderSmem<PRECISION_BF16>), m.sms, ENC_WG_GROUPS * 128,
+           ENC_WARPS * 32, sizeof(EncoderSmem<PRECISION_BF16>), m.fused->sms, ENC_WG_GROUPS * 128,
            enc_wg_smem<PRECISION_BF16>());
 
     // z rows, KL and (when mulv is given) [mu | logvar] of B images; eps from the generator unless z = mu
     auto run_v1 = [&](int B, float* mulv, bool z_is_mu) {
         encoder_v1_bf16(z_rows_v1, d_kl, mulv, partials_v1, tickets_v1, d_pixels, fc1_w16, m.tensor[FC1_B],
-                        static_cast<const bf16*>(m.enc_w16), m.tensor[FC21_B], B, 42, z_is_mu, m.stream);
+                        static_cast<const bf16*>(m.fused->enc_w16), m.tensor[FC21_B], B, 42, z_is_mu, m.stream);
     };
     auto run_mma = [&](int B, float* mulv, bool z_is_mu) {
         EncoderIO io = {};
-        io.z_rows = m.z_rows, io.kl = d_kl, io.mulv_out = mulv, io.pixels = d_pixels, io.M = B, io.seed = 42;
+        io.z_rows = m.fused->z_rows, io.kl = d_kl, io.mulv_out = mulv, io.pixels = d_pixels, io.M = B, io.seed = 42;
         io.z_is_mu = z_is_mu;
-        encoder_mma(&m, io);
+        encoder_mma(m.fused, io);
     };
     auto run_production = [&](int B, float* mulv, bool z_is_mu) {
         EncoderIO io = {};
-        io.z_rows = m.z_rows, io.kl = d_kl, io.mulv_out = mulv, io.pixels = d_pixels, io.M = B, io.seed = 42;
+        io.z_rows = m.fused->z_rows, io.kl = d_kl, io.mulv_out = mulv, io.pixels = d_pixels, io.M = B, io.seed = 42;
         io.z_is_mu = z_is_mu;
-        vae_encoder(&m, io);
+        fused_encoder(m.fused, io);
     };
 
     // Validation: z = mu (no noise), so KL is a function of mu and logvar alone.

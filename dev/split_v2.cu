@@ -64,8 +64,10 @@ int main() {
                 poison(m.mulv, (size_t)MAX_B * MULV_DIM * 4), poison(m.logits, (size_t)MAX_B * INPUT_DIM * 4);
                 poison(d_losses, 2 * MAX_B * sizeof(float));
                 if (m.h1) poison(m.h1, (size_t)MAX_B * HIDDEN_DIM * 4), poison(m.h3, (size_t)MAX_B * HIDDEN_DIM * 4);
-                const ForwardOptions opt = {0, true, NULL, false, true};
+                const ForwardOptions opt = {0, true, false};
+                m.probe.keep_activations = true;
                 vae_forward(&m, d_pixels, B, 0, &opt, d_losses, d_losses + MAX_B);
+                m.probe = Probe{};
                 cudaCheck(cudaStreamSynchronize(m.stream));
                 const float* outs[NUM_ACTS] = {m.h1, m.mulv, m.mulv, m.h3, m.logits, d_losses, d_losses + MAX_B};
                 const size_t widths[NUM_ACTS] = {HIDDEN_DIM, LATENT_DIM, LATENT_DIM, HIDDEN_DIM, INPUT_DIM, 1, 1};
@@ -113,7 +115,7 @@ int main() {
            "| batch | vae.cu fp32 | vae.cu bf16 | cuBLASLt fp32 layers | fp32 vs cuBLAS fp32 | fp32 vs bf16 path |\n"
            "|---:|---:|---:|---:|---:|---:|\n");
     for (int B : TIME_B) {
-        const ForwardOptions opt = {0, true, NULL, false, false};
+        const ForwardOptions opt = {0, true, false};
         auto forward = [&](VAE* m) { vae_forward(m, d_pixels, B, 0, &opt, d_losses, d_losses + MAX_B); };
         const float us32 = benchmark_us([&] { forward(&fp32); }, 200, 10, false);
         const float us16 = benchmark_us([&] { forward(&bf16_model); }, 200, 10, false);
