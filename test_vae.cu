@@ -1383,7 +1383,7 @@ static void test_cli(int num_images, const Images* images) {
           "--kernels fused on an sm_86 GPU is one line naming --kernels plain; --kernels plain runs plain on Hopper");
     check(!pick_engine(KERNELS_AUTO, PUBLISHED_DIMS, 9, 0, 200000, true, &fused, &err) || !fused,
           "a Hopper GPU that gave a block less than the fused kernels' %zu bytes would run the plain path",
-          fused_smem_bytes());
+          (size_t)FUSED_SMEM_BYTES);
     const ModelDims other = {512, 2, 512};
     check(pick_engine(KERNELS_AUTO, other, 9, 0, 232448, true, &fused, &err) && !fused &&
               !pick_engine(KERNELS_FUSED, other, 9, 0, 232448, true, &fused, &err) &&

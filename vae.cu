@@ -13,13 +13,13 @@ Build and run (make vae also prepares data/ when it is missing):
     make vae && ./vae                 evaluate the MNIST test set, write three images
     ./vae -h                          all options
 
-Two engines run the model. The plain path, which a reader meets first, runs every mode on any GPU from
-sm_75 (T4) on: the four layers are cuBLASLt matmuls and a few short kernels do the rest. The fused
-kernels are Hopper's fast path (wgmma, TMA, thread-block clusters), picked at start where they run
-(--kernels). The file reads top to bottom: utilities, the model's shapes, random numbers, the plain
-path (its kernels, then the model on cuBLASLt), the fused kernels and their launchers, the model's glue
-(which engine, one interface for both), file formats, image output, and (unless TESTING is defined,
-as test_vae.cu does) the CLI, whose modes spread their images over the GPUs --devices names.
+Two engines run the model. The plain path, which a reader meets first, runs every mode on any GPU from sm_75 (T4) on:
+the four layers are cuBLASLt matmuls and a few short kernels do the rest. The Hopper engine (wgmma, TMA, thread-block
+clusters) is picked at start where it runs (--kernels). The file reads top to bottom: utilities, the model's shapes,
+random numbers, the plain path (its kernels, AIS's steps written once, then the model on cuBLASLt), the model's
+interface (one VAE, either engine), file formats, image output, the command line's parser and, unless TESTING is
+defined (as test_vae.cu does), the rest of the program: its modes, spread over the GPUs --devices names, and main.
+Last, the appendix: the Hopper engine (its forward kernels, its AIS kernel, launchers, its state).
 */
 #include <cuda.h> // CUtensorMap and its enums only: the encoder comes through the runtime, no -lcuda
 #include <cudaTypedefs.h>
@@ -59,9 +59,7 @@ static bool set_error(Error* err, const char* fmt, ...) {
     return false;
 }
 
-// A run on several GPUs (--devices) drives each from a host thread of its own, which names its GPU here
-// ("GPU 1 (NVIDIA H100 80GB HBM3): "). A failure on any of them ends the whole run at once in one line, the
-// first failure's: quick_exit, because exit's handlers would tear CUDA down under the other threads.
+// Each GPU's thread names it here. The first failure ends the run in one line (quick_exit: exit would tear CUDA down).
 static thread_local char failing_gpu[320] = "";
 static std::atomic<bool> failed{false};
 [[noreturn]] static void fail(const char* fmt, ...) {
@@ -78,7 +76,6 @@ static std::atomic<bool> failed{false};
     quick_exit(EXIT_FAILURE);
 }
 
-// Every CUDA call is checked; a failure names the call site and exits.
 static void cuda_check(cudaError_t status, const char* file, int line) {
     if (status != cudaSuccess) fail("CUDA: %s at %s:%d", cudaGetErrorString(status), file, line);
 }
@@ -88,7 +85,6 @@ __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; 
 #ifndef VAE_PYTHON
 #define VAE_PYTHON "python3" // the Makefile passes the Python it found with numpy
 #endif
-// data/'s files come from 'make data', which finds that Python; a user's own weights file from their checkpoint
 #define PREPARE_HINT "HINT: run 'make data'"
 #define CHECKPOINT_HINT                                                                                                \
     "HINT: convert a PyTorch checkpoint of the VAE: " VAE_PYTHON " prepare_weights.py --checkpoint FILE"
@@ -99,9 +95,7 @@ __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; 
 static int32_t read_le32(const uint8_t* p) { return (int32_t)(p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24); }
 static uint32_t read_be32(const uint8_t* p) { return (uint32_t)p[0] << 24 | p[1] << 16 | p[2] << 8 | p[3]; }
 
-// An idx file as MNIST ships it, gzipped, inflated in memory: to at most the size its idx header promises (a magic
-// whose low byte counts the dimensions, the dimensions as big-endian int32, then their product in bytes) and one byte
-// more, so a stream that would expand further (a gzip bomb) is refused there, not at the 1 GiB any input may take.
+// A gzipped idx file, inflated to at most its header's promised size + 1: a gzip bomb is refused there, not at 1 GiB.
 static bool gunzip_idx(const char* path, const uint8_t* in, size_t in_size, uint8_t** out, size_t* out_size,
                        Error* err) {
     z_stream zs = {};
@@ -117,8 +111,7 @@ static bool gunzip_idx(const char* path, const uint8_t* in, size_t in_size, uint
     for (int d = 0; idx && d < dims; d++)
         promise = std::min((d == 0 ? 1 : promise) * read_be32(head + 4 + 4 * d), MAX_FILE_BYTES);
     if (idx) promise = std::min(promise + 4 + 4 * dims, MAX_FILE_BYTES);
-    // deflate packs at most ~1032:1, so a short stream cannot honestly fill a larger promise: no buffer beyond that;
-    // and never less than the bytes already inflated (a header whose dimensions multiply to less)
+    // deflate packs at most ~1032:1: no buffer beyond what the stream can fill, nor below what is inflated
     promise = std::max<unsigned long long>(std::min(promise, 1032ull * in_size + 64), head_size);
     *out = (uint8_t*)malloc(promise + 1);
     if (*out == NULL) return inflateEnd(&zs), set_error(err, "%s: out of host memory for %llu bytes", path, promise);
@@ -138,8 +131,6 @@ static bool gunzip_idx(const char* path, const uint8_t* in, size_t in_size, uint
                      path, why);
 }
 
-// Reads a whole regular file into a malloc'd buffer, inflated when its name ends in .gz. `missing_hint` ends the
-// message for a file that is not there (the program's own data files are made by 'make data'; a user's image is not).
 static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err,
                       const char* missing_hint = PREPARE_HINT) {
     struct stat st;
@@ -168,17 +159,12 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
     return ok;
 }
 
-// Output files are written under a temporary name beside their final one and renamed into place together once the run
-// has succeeded (outputs_commit), so a run that fails - no GPU, a bad input found late, a full disk - leaves every
-// existing file as it was and creates nothing. An exit before the commit (fail(), cudaCheck) removes the temporary
-// files, and the output folders this run made, from an atexit (and at_quick_exit) handler.
-enum { MAX_OUTPUTS = 8, MAX_PATH = 4096 };
+enum { MAX_OUTPUTS = 8, MAX_PATH = 4096 }; // outputs go to temporary names, renamed when the run succeeds
 static struct { char final_path[MAX_PATH], temp_path[MAX_PATH + 8], what[128]; } pending_outputs[MAX_OUTPUTS];
 static int num_pending_outputs = 0;
 
-// The output folder while nothing is committed, and how many of its last path components this run made (mkdir -p).
 static char created_dir[MAX_PATH] = "";
-static int created_levels = 0;
+static int created_levels = 0; // how many of created_dir's last components this run made (mkdir -p)
 static void outputs_discard() {
     for (int i = 0; i < num_pending_outputs; i++) remove(pending_outputs[i].temp_path);
     num_pending_outputs = 0;
@@ -196,7 +182,6 @@ static void discard_outputs_at_exit() {
     if (!registered) registered = atexit(outputs_discard) == 0 && at_quick_exit(outputs_discard) == 0;
 }
 
-// Makes the output folder and its missing parents, as mkdir -p does; an exit before the commit removes them again.
 static bool output_dir_make(const char* dir, Error* err) {
     discard_outputs_at_exit();
     snprintf(created_dir, sizeof(created_dir), "%s", dir);
@@ -213,8 +198,6 @@ static bool output_dir_make(const char* dir, Error* err) {
     }
 }
 
-// A new temporary file beside `path` (path.XXXXXX, with the mode fopen would give), or NULL with
-// errno set. Its contents reach `path` at outputs_commit(); `what` describes it there.
 static FILE* output_open(const char* path, const char* what) {
     discard_outputs_at_exit();
     if (num_pending_outputs == MAX_OUTPUTS || strlen(path) >= MAX_PATH) {
@@ -235,7 +218,6 @@ static FILE* output_open(const char* path, const char* what) {
     return f;
 }
 
-// Moves every file written since the last commit into place; names each on `report` (NULL: quiet).
 static bool outputs_commit(Error* err, FILE* report) {
     for (int i = 0; i < num_pending_outputs; i++) {
         if (rename(pending_outputs[i].temp_path, pending_outputs[i].final_path) != 0)
@@ -249,9 +231,7 @@ static bool outputs_commit(Error* err, FILE* report) {
 }
 
 // ---- the model's shapes, and its weights as the file formats section reads them -------------------------------------
-// The family of PyTorch's VAE example: x (784) -> fc1 -> H1 (ReLU) -> fc21, fc22 -> Z each; z -> fc3 -> H3 (ReLU) ->
-// fc4 -> 784 logits. The published model is 784-400-20-400, the size the fused kernels are built for (HIDDEN_DIM,
-// LATENT_DIM); the plain path takes the sizes of the weights file (ModelDims) at run time.
+// PyTorch's VAE example, 784-H1-Z-H3; the fused kernels are built for the published 784-400-20-400 alone.
 enum { INPUT_DIM = 784, HIDDEN_DIM = 400, LATENT_DIM = 20, IMAGE_SIDE = 28, MULV_DIM = 2 * LATENT_DIM };
 enum { MAX_HIDDEN = 4096, MAX_LATENT = 64 }; // the bounds of H1, H3 and Z, as prepare_weights.py --checkpoint's
 typedef struct { int h1, z, h3; } ModelDims;
@@ -263,8 +243,7 @@ static bool is_published(ModelDims d) {
 typedef enum { PRECISION_FP32, PRECISION_BF16 } Precision; // both run the tensor-core kernels (Path, below)
 enum { HEADER_INTS = 256, WEIGHTS_MAGIC = 0x31454156 /* "VAE1" */, WEIGHTS_VERSION = 2, DTYPE_FLOAT32 = 1 };
 
-// The tensors in file order, PyTorch layout (weight[out][in], bias[out]).
-enum { FC1_W, FC1_B, FC21_W, FC21_B, FC22_W, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B, NUM_TENSORS };
+enum { FC1_W, FC1_B, FC21_W, FC21_B, FC22_W, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B, NUM_TENSORS }; // in file order
 static size_t tensor_size(ModelDims d, int t) {
     const size_t sizes[NUM_TENSORS] = {(size_t)d.h1 * INPUT_DIM, (size_t)d.h1, (size_t)d.z * d.h1, (size_t)d.z,
                                        (size_t)d.z * d.h1,       (size_t)d.z,  (size_t)d.h3 * d.z, (size_t)d.h3,
@@ -281,15 +260,13 @@ typedef struct {
     ModelDims dims;
 } HostWeights;
 
-// How one forward pass draws z and what it writes besides the losses.
 typedef struct {
     uint64_t seed;
     bool z_is_mu;    // z = mu (no noise): the deterministic reconstruction
     bool want_recon; // also write recon = sigmoid(logits)
 } ForwardOptions;
 
-// The tests' hooks, in one place (VAE::probe, handed to either engine): noise given instead of drawn, and what a run
-// keeps besides its results. Zero in the program. Device arrays, a row per image or, in AIS, per chain.
+// The tests' hooks (VAE::probe; zero in the program), device arrays a row per image or chain: noise given, what's kept.
 typedef struct {
     const float* eps;            // [rows][Z]: the forward pass's or --iwae's noise, or NULL: the generator's
     bool keep_activations;       // the forward pass also writes mulv, z and logits (fp32: h1 and h3)
@@ -300,8 +277,7 @@ typedef struct {
 } Probe;
 
 // ---- random numbers -------------------------------------------------------------------------------------------------
-// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"), counter-based: the noise for (image,
-// latent) is a pure function of its coordinates: no state crosses batches, and no result depends on the batch size.
+// Philox4x32-10 (Salmon et al. 2011), counter-based: a draw is a pure function of its keys, whatever the batch.
 __host__ __device__ inline uint32_t mulhi32(uint32_t a, uint32_t b) {
 #ifdef __CUDA_ARCH__
     return __umulhi(a, b);
@@ -321,10 +297,8 @@ __host__ __device__ inline uint4 philox4x32(uint4 c, uint2 k) {
     return c;
 }
 
-// Streams keep the noise of different uses apart.
 enum { STREAM_POSTERIOR = 0, STREAM_PRIOR = 1, STREAM_MOMENTUM = 2, STREAM_ACCEPT = 3, STREAM_SIMULATE = 4 };
 
-// Two independent N(0,1) draws from two 32-bit random words (Box-Muller: radius times cosine and sine of one angle).
 __host__ __device__ inline float2 box_muller(uint32_t word1, uint32_t word2) {
     const float u1 = ((word1 >> 8) + 1) * (1.0f / 16777216.0f); // (0, 1]: log stays finite
     const float u2 = (word2 >> 8) * (1.0f / 16777216.0f);       // [0, 1)
@@ -338,14 +312,12 @@ __host__ __device__ inline float2 box_muller(uint32_t word1, uint32_t word2) {
     return make_float2(radius * cosine, radius * sine);
 }
 
-// Philox's four words keyed by (seed, stream, image, row, counter): row is a sample or a chain; the counter a latent
-// group, or AIS's transition and latent pair (momentum_counter), so no draw depends on the batch.
+// Keyed by (seed, stream, image, row: a sample or chain, counter: a latent group, or momentum_counter's).
 __host__ __device__ inline uint4 philox_keyed(uint64_t seed, uint32_t stream, uint32_t image, uint32_t row,
                                               uint32_t counter) {
     return philox4x32(make_uint4(counter, image, row, stream), make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
 }
 
-// Four N(0,1) draws (two Box-Muller pairs): latents 4q .. 4q+3 of group q (of a Z not a multiple of 4, some unused).
 __host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
                                             uint32_t group) {
     const uint4 r = philox_keyed(seed, stream, image, sample, group);
@@ -353,7 +325,6 @@ __host__ __device__ inline float4 gaussian4(uint64_t seed, uint32_t stream, uint
     return make_float4(a.x, a.y, b.x, b.y);
 }
 
-// One draw: latent j of (seed, stream, image, sample).
 __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32_t image, uint32_t sample,
                                           uint32_t latent) {
     const float4 g = gaussian4(seed, stream, image, sample, latent / 4);
@@ -361,7 +332,6 @@ __host__ __device__ inline float gaussian(uint64_t seed, uint32_t stream, uint32
     return i == 0 ? g.x : i == 1 ? g.y : i == 2 ? g.z : g.w;
 }
 
-// Two N(0, 1) draws (a pair of latents), and one uniform in (0, 1] below, keyed as philox_keyed.
 __host__ __device__ inline float2 gaussian_pair(uint64_t seed, uint32_t stream, uint32_t image, uint32_t chain,
                                                 uint32_t counter) {
     const uint4 r = philox_keyed(seed, stream, image, chain, counter);
@@ -377,14 +347,9 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
 }
 
 // ---- the plain path, part 1: the short kernels for what cuBLAS does not do ------------------------------------------
-//
-// The plain path runs every mode on any GPU from sm_75 on: the four Linear layers are cuBLASLt matmuls (part 2, below),
-// and these kernels do the rest: one thread a row, element or four elements (a warp a row for the decoder's output).
-// Its activations live in memory, row-major [row][feature] as in PyTorch, in the path's type T:
-//   fp32  T = float, and cuBLAS computes in true fp32 (CUBLAS_COMPUTE_32F, no TF32)
-//   bf16  T = bf16 for the matmuls' inputs (8 significant bits; AIS's backward: fp16, see Backward), fp32 accumulation,
-//         and fp32 wherever a value is summed or compared: mu and logvar, the logits, the losses, the AIS chains
-// A row of either engine is a pure function of its image and its keyed noise, whatever the batch.
+// Every mode on any GPU from sm_75 on: cuBLASLt's matmuls (part 2) and these kernels, a thread a row or four elements.
+// Activations are row-major [row][feature] in T: float (cuBLAS in true fp32, no TF32), or bf16 for the matmuls' inputs
+// with fp32 wherever a value is summed or compared. A row is a pure function of its image and noise, in any batch.
 
 // z_j = mu_j + eps_j exp(logvar_j / 2), and its term 1 + logvar_j - mu_j^2 - exp(logvar_j) of KL = -1/2 sum_j term_j.
 __device__ inline float latent_z(float mu, float logvar, float eps, float* kl_term) {
@@ -392,8 +357,6 @@ __device__ inline float latent_z(float mu, float logvar, float eps, float* kl_te
     return mu + eps * expf(0.5f * logvar);
 }
 
-// eps of latents 4q .. 4q+3 (of nz) of sample `sample` of an image: from `eps_row` when given (tests feed PyTorch's),
-// else from the counter-based generator keyed by the image's global index; zero for z = mu.
 __device__ inline float4 posterior_eps(const float* eps_row, int q, int nz, uint32_t image, uint32_t sample,
                                        uint64_t seed, bool z_is_mu) {
     if (z_is_mu) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -403,9 +366,7 @@ __device__ inline float4 posterior_eps(const float* eps_row, int q, int nz, uint
     return make_float4(e[0], e[1], e[2], e[3]);
 }
 
-// Latents on the straight line between two images' means: row r of the decoder's batch is step r % steps of pair r /
-// steps, z = (1 - t) mu_a + t mu_b with t = step / (steps - 1). The pairs index rows of mulv ([mu | logvar] per image);
-// rows count from first_row, so a long list of pairs is decoded in passes with no host work between. A thread a latent.
+// Latents on the line between two images' means: row r (from first_row) is step r % steps of pair r / steps.
 __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* pairs, long long first_row, int rows,
                                       int steps, int nz) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -420,7 +381,6 @@ __global__ void interp_latents_kernel(float* z, const float* mulv, const int2* p
 typedef __nv_bfloat16 bf16;
 typedef __half fp16;
 
-// Stores and loads in the path's type: the same names for float and bf16.
 __device__ inline void store_as(float* p, float v) { *p = v; }
 __device__ inline void store_as(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ inline void store_as(fp16* p, float v) { *p = __float2half_rn(v); }
@@ -428,36 +388,22 @@ __device__ inline float as_float(float v) { return v; }
 __device__ inline float as_float(bf16 v) { return __bfloat162float(v); }
 __device__ inline float as_float(fp16 v) { return __half2float(v); }
 
-// Four consecutive values as one 4-, 8- or 16-byte access (the elementwise kernels' loads and stores).
-template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
+template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; }; // one 4-, 8- or 16-byte access
 
-// fc3's input and weights, with the bias in K: the input row ends its latents with ones and fc3's rows hold the bias
-// there, so the product adds it (the epilogue only takes the ReLU). Blocks of z_pad(Z) (24 for Z = 20) keep
-// fp32's rows, and bf16's where z_pad is a multiple of 8 (Z = 20's), on a 16-byte boundary (cuBLAS's fast kernels
-// want that; other sizes get the kernels the heuristic picks for their leading dimension):
+// fc3's bias rides in K (ones in z's row); bf16 in hi and lo parts (dev/NOTES.md, 'fc3 in parts (plain path)'):
 //   fp32  [z | 1 | 0 0 0]                       against  [W3 | b3 | 0 0 0]
 //   bf16  [zh | 1 1 1 | 0] [zl | 0] [zh | 0]    against  [W3h | b3's three parts | 0] [W3h | 0] [W3l | 0]
-// with hi = bf16(v) and lo = bf16(v - hi) (bf16_part): one bf16 matmul of K = 72 (Z = 20) adds zh W3h + zl W3h +
-// zh W3l + b3, W3 z + b3 to ~16 significant bits (zl W3l, 2^-16 of it, is dropped), as the fused kernels' fc3 does in
-// fp16 parts. z moves smoothly along an AIS trajectory and the energy's gradient must follow it: with z and W3 in bf16
-// alone the gradient was 2.4e-2 of its scale from float64 (test_vae's tolerance: 2e-2).
 __host__ __device__ constexpr int z_pad(int nz) { return (nz + 3 + 3) / 4 * 4; } // z, three ones, whole fours
 template <typename T> __host__ __device__ constexpr int z_parts() { return std::is_same<T, bf16>::value ? 3 : 1; }
 __host__ __device__ constexpr int z_width(Precision p, int nz) { return z_pad(nz) * (p == PRECISION_BF16 ? 3 : 1); }
 
-// A row's latents live in registers, in arrays of a compile-time length ZMAX of which the first nz are used: loops over
-// them run to ZMAX, unrolled, and skip j >= nz (a loop to a run-time bound would index them in local memory). ZMAX =
-// LATENT_DIM is the published model's instance, where nz is that constant too (latents()): its loops have no tests
-// left, and sample_kernel keeps 48 registers rather than 125 for bf16. Every other Z runs the MAX_LATENT instance.
+// A row's latents in registers, arrays of compile-time length ZMAX, the first nz used (LATENT_DIM's loops: no tests).
 template <int ZMAX> __host__ __device__ constexpr int latents(int nz) { return ZMAX == LATENT_DIM ? LATENT_DIM : nz; }
 
-// AIS's loops over a chain's latents: unrolled in the published model's instance, where that keeps the arrays in
-// registers, and not in the MAX_LATENT one, whose arrays spill anyway (unrolling them there costs only build time). The
-// loops that the published instance compiles differently this way keep #pragma unroll.
+// AIS's loops over latents: unrolled in the published instance (arrays in registers), not in MAX_LATENT's (they spill).
 #define VAE_PRAGMA(...) _Pragma(#__VA_ARGS__)
 #define UNROLL_LATENTS(trips) VAE_PRAGMA(unroll(ZMAX == LATENT_DIM ? (trips) : 1))
-// Part p of v in the 16-bit type T: 0 its T value, 1 that of what it leaves, 2 of what both leave (each remainder is
-// exact in fp32). bf16's parts here; the fused kernels' parts in their T (Path).
+// Part p of v in the 16-bit type T: 0 its T value, 1 that of what it leaves, 2 of what both leave (remainders exact).
 template <typename T> __device__ inline T split_part(float v, int p) {
     T part;
     for (int q = 0; q < p; q++) store_as(&part, v), v -= as_float(part);
@@ -467,7 +413,6 @@ template <typename T> __device__ inline T split_part(float v, int p) {
 
 __device__ inline float bf16_part(float v, int p) { return as_float(split_part<bf16>(v, p)); }
 
-// fc3's input row of nz latents z, as above: each block of z_pad(nz) stored four values at a time.
 template <typename T, int ZMAX> __device__ inline void store_z_input(T* row, const float (&z)[ZMAX], int nz) {
     constexpr int PARTS = z_parts<T>();
     const int pad = z_pad(nz);
@@ -487,7 +432,7 @@ template <typename T, int ZMAX> __device__ inline void store_z_input(T* row, con
     }
 }
 
-// fc3's rows as above, [H3][z_width], from W3 [H3][nz] and b3 (fp32).
+// fc3's rows [H3][z_width] as above: [W3 | b3 | 0] in T, or bf16's blocks of parts.
 template <typename T>
 __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const float* __restrict__ b3, int h3, int nz) {
     const int pad = z_pad(nz), width = pad * z_parts<T>(), i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -500,15 +445,11 @@ __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const f
     store_as(&dst[i], v);
 }
 
-// The type of AIS's backward pass (sigmoid - x, dh, and their copies of W4 and W3): T, but fp16 for bf16, as the fused
-// kernels': sigmoid - x lies in [-1, 1] and dh well inside fp16's range, so its 11 significant bits cost nothing over
-// bf16's 8, and the gradient (W3^T dh, terms of both signs) lands 2.3e-3 of its scale from float64 (tolerance 2e-2).
-template <typename T> struct Backward { typedef T type; };
-template <> struct Backward<bf16> { typedef fp16 type; };
+template <typename T> struct Backward { typedef T type; }; // AIS's backward's type
+template <> struct Backward<bf16> { typedef fp16 type; }; // 11 bits: the gradient 2.3e-3 of its scale off float64
 static_assert(sizeof(Backward<bf16>::type) == sizeof(bf16), "the backward's buffers are sized in T");
 
-// The pixels as fc1's input: bytes 0..255 as T, exact in both types; fc1's alpha = 1/255 scales them. Four pixels a
-// thread (n is a multiple of four, rows of 784): a byte a thread took 22 us for 10,000 images, 4x the bytes' time.
+// The pixels, exact in T, as fc1's input (its alpha = 1/255 scales them), four a thread (one a thread: 4x the time).
 template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t* pixels, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (4 * i >= n) return;
@@ -518,9 +459,8 @@ template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t
     reinterpret_cast<Four<T>*>(x)[i] = v;
 }
 
-// Both engines' z, KL and log p(z) - log q(z|x) of sample `sample` of an image (mulv_row: [mu | logvar]): z = mu +
-// sigma eps, eps keyed by (seed, image, sample) (sample 0: the ELBO's draw), and log p(z) - log q(z|x) = sum_j 1/2
-// (eps_j^2 + logvar_j - z_j^2) (the log(2 pi) cancel), summed over j in order.
+// Both engines' z = mu + sigma eps of sample `sample` of an image (sample 0: the ELBO's draw), its KL, and log p(z) -
+// log q(z|x) = sum_j (eps_j^2 + logvar_j - z_j^2) / 2 (the log(2 pi) cancel), summed over j in order.
 template <int ZMAX>
 __device__ inline void sample_latents(float (&z)[ZMAX], int nz, float* kl, float* log_ratio, const float* mulv_row,
                                       const float* eps_row, uint32_t image, uint32_t sample, uint64_t seed,
@@ -543,8 +483,7 @@ __device__ inline void sample_latents(float (&z)[ZMAX], int nz, float* kl, float
     *kl = -0.5f * kl_sum, *log_ratio = 0.5f * ratio;
 }
 
-// fc3's inputs for `rows` decoder rows from the images' [mu | logvar]: row r is sample r % K of image r / K (K = 1 for
-// the ELBO, --iwae's K importance samples otherwise). kl, log_ratio and z_out NULL: not wanted. One thread a row.
+// fc3's inputs, row r sample r % K of image r / K (the ELBO: K = 1). kl, log_ratio, z_out NULL: not wanted.
 template <typename T, int ZMAX>
 __global__ void sample_kernel(T* z_input, float* z_out, float* kl, float* log_ratio, const float* __restrict__ mulv,
                               const float* __restrict__ eps_in, int rows, int nz, int K, uint32_t first_image,
@@ -563,7 +502,7 @@ __global__ void sample_kernel(T* z_input, float* z_out, float* kl, float* log_ra
     if (log_ratio) log_ratio[r] = ratio;
 }
 
-// fc3's inputs from latents given in fp32 (prior samples, interpolations, the tests' z). One thread a row.
+// fc3's inputs from latents given in fp32 (prior samples, interpolations, the tests' z).
 template <typename T, int ZMAX>
 __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows, int nz) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
@@ -575,15 +514,8 @@ __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows
     store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), row, nz);
 }
 
-// What the decoder's logits give, per row r scored against image r / rows_per_image (NULL: not wanted):
-//   bce       BCE(x, sigmoid(l)) summed over the 784 pixels, as softplus(l) - x l = max(l, 0) - x l +
-//             log(1 + exp(-|l|)): no log of a rounded sigmoid, finite for any l
-//   recon     sigmoid(l)
-//   residual  sigmoid(l) - x in R: d BCE / d logits, the start of AIS's backward pass
-// x = byte / 255; the logits in L (fp32, or T for --iwae and AIS's gradient-only evaluations). One exp a logit serves
-// all three (this kernel is most of an --iwae pass): e = exp(-|l|) gives log(1 + e) and sigmoid(l) = 1 / (1 + e) for l
-// >= 0, e / (1 + e) below (only where wanted). One warp a row, four pixels a lane at a time: lane i takes groups i, i +
-// 32, ... of the 196, then a fixed shuffle tree adds the 32 sums, so a row's BCE has the same bits in any batch.
+// Row r's logits l against image r / rows_per_image: bce = sum max(l, 0) - x l + log(1 + e^-|l|), recon = sigmoid(l),
+// residual = sigmoid(l) - x (AIS's backward's start). A warp a row, its lanes' sums in a fixed shuffle tree.
 template <typename R, typename L = float>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
@@ -619,8 +551,7 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
     if (bce && x_row && lane == 0) bce[r] = sum;
 }
 
-// The ReLU's backward: the gradient w.r.t. a hidden layer's input is zero where its output h is. Four values a thread
-// (the last thread the one to three left where n is not a multiple of four).
+// The ReLU's backward: grad is zero where the layer's output h is. Four values a thread.
 template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, const H* __restrict__ h, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (4 * i >= n) return;
@@ -636,8 +567,7 @@ template <typename G, typename H> __global__ void relu_backward_kernel(G* grad, 
     reinterpret_cast<Four<G>*>(grad)[i] = g;
 }
 
-// The plain path's weights, once at load: rows x cols of W (fp32, PyTorch's W[out][in]) as T in rows of `pitch`,
-// zeros past `cols` (fc3's backward copy: [W3 | 0]).
+// W[rows][cols] (fp32) as T in rows of `pitch`, zeros past cols (fc3's backward copy: [W3 | 0]).
 template <typename T>
 __global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int rows, int cols, int pitch) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -646,15 +576,8 @@ __global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int ro
     store_as(&dst[i], c < cols ? w[(size_t)r * cols + c] : 0.0f);
 }
 
-// The importance-weighted log-likelihood (--iwae K; Burda et al., "Importance Weighted Autoencoders"):
-//   log p(x) ~ logsumexp_k [log p(x|z_k) + log p(z_k) - log q(z_k|x)] - log K, z_k ~ q(z|x)
-// The K samples of an image are K decoder rows (sample_kernel); log p(x|z) = -BCE. Per image, log w_k = log_ratio_k -
-// BCE_k (BCE_k as `parts` partial sums added in order: the fused decoder's column blocks; 1 on the plain path),
-// combined by a running (max, sum of exp) so no exp overflows. An image's samples go in chunks of LSE_CHUNK, a block
-// each, so that a pass of one image at K = 159,856 (--ais-iwae) fills the GPU with 157 blocks instead of one: thread t
-// takes k = t, t + 256, ... of its chunk, then the warps merge by a shuffle tree and the 8 warp results in order. One
-// chunk (K <= 1,024) is the image's result; more leave their (max, sum) in `partials`, and iwae_merge_kernel merges
-// them in chunk order. The chunks depend on K alone, so an image's bits do not depend on the images beside it.
+// --iwae K (Burda et al.): log p(x) ~ logsumexp_k [log_ratio_k - BCE_k] - log K as a running (max, sum of exp), an
+// image's rows in chunks of LSE_CHUNK, a block each (K = 159,856: 157 blocks), merged in order by iwae_merge_kernel.
 __device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
     const float top = fmaxf(m, m2);
     if (top == -INFINITY) return; // both empty
@@ -689,7 +612,7 @@ __global__ void __launch_bounds__(LSE_THREADS)
     else partials[blockIdx.x] = make_float2(m, s);
 }
 
-// One thread an image: its chunks' (max, sum) merged in chunk order.
+// An image's chunks' (max, sum) merged in chunk order, a thread an image.
 __global__ void iwae_merge_kernel(float* __restrict__ log_px, const float2* __restrict__ partials, int images, int K) {
     const int image = blockIdx.x * blockDim.x + threadIdx.x, chunks = ceil_div(K, LSE_CHUNK);
     if (image >= images) return;
@@ -702,25 +625,17 @@ __global__ void iwae_merge_kernel(float* __restrict__ log_px, const float2* __re
 }
 
 // ---- the plain path, part 1 (continued): annealed importance sampling (--ais T, --bdmc N) ---------------------------
-//
-// AIS (Neal 2001; for decoder-based models Wu et al., ICLR 2017) moves C chains per image from p0 = q(z|x) (or the
-// prior N(0, I)) towards the posterior through f_b(z) = p0(z)^(1-b) p(x, z)^b, 0 = b_0 < b_1 < ... < b_T = 1. A chain
-// carries a float64 log weight
-//   log w = sum_t (b_t - b_{t-1}) [log p(x, z_{t-1}) - log p0(z_{t-1})],   log p(x) ~ logsumexp_chains log w - log C
-// Between two weights z moves by one HMC transition that leaves f_b invariant: momentum p ~ N(0, I), L leapfrog steps
-// on U_b(z) = -log f_b(z), a Metropolis test on H = U_b + |p|^2 / 2 (without it AIS is biased). The work: the gradient
-// of log p(x|z) = -BCE(x, logits(z)), the decoder's backward pass:
+// AIS (Neal 2001; Wu et al., ICLR 2017) moves C chains per image from p0 = q(z|x) (or N(0, I)) to the posterior through
+// f_b = p0^(1-b) p(x, z)^b, 0 = b_0 < ... < b_T = 1, each with a float64 weight (log p(x) ~ logsumexp log w - log C)
+//   log w = sum_t (b_t - b_{t-1}) [log p(x, z_{t-1}) - log p0(z_{t-1})]
+// and an HMC transition between weights: p ~ N(0, I), L leapfrog steps on U_b = -log f_b, a Metropolis test on
+// H = U_b + |p|^2 / 2 (float32: H ~ 100, differences ~1e-5), each step the decoder's backward pass (1.29 MFLOP):
 //   grad_z BCE = W3^T (mask . (W4^T (sigmoid(logits) - x)))        mask = fc3's ReLU
-// 1.29 MFLOP per evaluation of the published model (four 20x400 or 400x784 products), L evaluations per transition.
-// BDMC (Grosse et al. 2015) runs the same chains backwards from an exact posterior sample: its weights bound log p(x)
-// from above as the forward ones do from below. Both engines draw a chain's start, momenta and Metropolis uniforms
-// keyed by (seed, image, chain, transition), keep the energies in float32 (H ~ 100: the Metropolis test sees
-// differences of ~1e-5 nats) and the weights in float64, and adapt each image's step size from its chains' acceptance.
+// BDMC (Grosse et al. 2015) runs the chains backwards from an exact posterior sample: an upper bound.
 constexpr float AIS_STEP_START = 0.05f, AIS_STEP_MIN = 1e-4f, AIS_STEP_MAX = 0.5f, AIS_TARGET_ACCEPT = 0.65f;
 static double ais_flops_per_eval(ModelDims d) { return 4.0 * ((double)d.z * d.h3 + (double)d.h3 * INPUT_DIM); }
 
-// What one AIS run over n images reads and writes. Row r is chain r % C of image r / C.
-struct AisIO {
+struct AisIO { // what an AIS run over n images reads and writes; row r is chain r % C of image r / C
     const uint8_t* pixels; // [n][784]
     const float* mulv;     // [n][2 Z]: p0 = N(mu, exp(logvar)): q(z|x), or zeros for the prior
     const float* z_start;  // [n][Z]: where every chain of an image starts (BDMC's reverse run), or NULL: z ~ p0
@@ -736,24 +651,19 @@ struct AisIO {
     Probe probe;           // the model's
 };
 
-// AIS's steps, written once: the plain path's kernels (a chain a thread) and the fused kernel (six latents of two
-// chains a thread) call these, so both engines run one algorithm on the same bits. A chain is chain `chain` of image
-// `image` of the run; s is the step of the schedule, 1..T.
+// AIS's steps, written once: the plain path's kernels and the fused kernel call these, so both run one algorithm.
 
-// The target of transition s: f_b with b = beta at s (the reverse run's from the other end).
 __host__ __device__ inline float ais_target(const AisIO& io, int s) {
     return (float)io.beta[io.reverse ? io.T - s : s];
 }
 
-// The log weight's term at step s: (b_s - b_{s-1}) [log p(x, z) - log p0(z)], with -(b_s - b_{s-1}) in reverse.
+// (b_s - b_{s-1}) [log p(x, z) - log p0(z)]; the reverse run's from the other end, negated.
 __host__ __device__ inline double ais_weight_term(const AisIO& io, int s, float lpxz, float lp0) {
     const int at = io.reverse ? io.T + 1 - s : s;
     const double d_beta = io.beta[at] - io.beta[at - 1];
     return (io.reverse ? -d_beta : d_beta) * (double)(lpxz - lp0);
 }
 
-// Latent j of a chain's start: z_start's (BDMC's reverse run), or a draw from p0 keyed like the ELBO's eps, chain as
-// sample.
 __device__ inline float ais_start_z(const AisIO& io, int image, int chain, int j, int nz, float mu, float logvar) {
     float kl_term;
     return io.z_start ? io.z_start[(size_t)image * nz + j]
@@ -761,12 +671,10 @@ __device__ inline float ais_start_z(const AisIO& io, int image, int chain, int j
                                  &kl_term);
 }
 
-// Latents j, j + 1 of transition s's momentum p ~ N(0, I).
 __host__ __device__ inline float2 ais_momentum(const AisIO& io, int image, int chain, int s, int j, int nz) {
     return gaussian_pair(io.seed, STREAM_MOMENTUM, io.first_image + image, chain, momentum_counter(s, j, nz));
 }
 
-// One latent's share of |z|^2 and of sum (z - mu)^2 / var, the sums log p(x, z) and log p0(z) need.
 __host__ __device__ inline void ais_density_terms(float z, float mu, float inv_var, float* sq, float* mahal) {
     const float d = z - mu;
     *sq = fmaf(z, z, *sq), *mahal = fmaf(d * d, inv_var, *mahal);
@@ -778,39 +686,31 @@ __host__ __device__ inline void ais_log_densities(float bce, float sq, float mah
     *lpxz = -bce - 0.5f * sq, *lp0 = -0.5f * (mahal + logvar_sum);
 }
 
-// H = U_b(z) + |p|^2 / 2, U_b = -b log p(x, z) - (1 - b) log p0(z).
+// H = U_b(z) + |p|^2 / 2, U_b = -b log p(x, z) - (1 - b) log p0(z); a kick is p - scaled_step dU_b/dz.
 __host__ __device__ inline float ais_energy(float beta, float lpxz, float lp0, float kinetic) {
     return -beta * lpxz - (1.0f - beta) * lp0 + 0.5f * kinetic;
 }
 
-// A kick of one latent: p - scaled_step * dU_b/dz, at z with grad BCE (fc3's backward's).
 __host__ __device__ inline float ais_kick(float p, float z, float grad_bce, float mu, float inv_var, float beta,
                                           float scaled_step) {
     const float grad_u = beta * (grad_bce + z) + (1.0f - beta) * (z - mu) * inv_var;
     return fmaf(-scaled_step, grad_u, p);
 }
 
-// A drift of one latent: z + step * p.
 __host__ __device__ inline float ais_drift(float z, float p, float step) { return fmaf(step, p, z); }
 
-// Transition s's Metropolis test: accept with probability min(1, e^(H0 - H1)); false for a non-finite proposal.
+// Accepted with probability min(1, e^(H0 - H1)); never for a non-finite proposal.
 __host__ __device__ inline bool ais_accept(const AisIO& io, int image, int chain, int s, float h0, float h1) {
     return logf(uniform_open0(io.seed, STREAM_ACCEPT, io.first_image + image, chain, s)) < h0 - h1;
 }
 
-// An image's next step size from `taken` of its C chains accepted in a transition: 2% up above the target rate, 2%
-// down below it, within [AIS_STEP_MIN, AIS_STEP_MAX].
 __host__ __device__ inline float ais_adapted_step(const AisIO& io, float step, int taken, int C) {
     const float rate = (float)taken / C;
     if (io.probe.fixed_step) return step;
     return fminf(fmaxf(step * (rate > AIS_TARGET_ACCEPT ? 1.02f : 0.98f), AIS_STEP_MIN), AIS_STEP_MAX);
 }
 
-// The plain path's chains, in memory between its kernels: per row z, p, the gradient of BCE (fc3's backward writes it,
-// row-major and z_pad(nz) wide), the BCE, and the transition's start (z, grad, BCE, H) that a rejected proposal returns
-// to. z, p and the start are stored latent by latent, [nz][rows], so that a warp's 32 rows of one latent are 128
-// adjacent bytes (row by row, a thread's 80 bytes would not coalesce). Each kernel below is one step of the transition
-// for every row at once, one thread a row, its latents in arrays of ZMAX.
+// The plain path's chains; z, p and the start latent by latent, [nz][rows]: a warp's rows of a latent are 128 bytes.
 enum { PLAIN_AIS_ROWS = 1 << 16 }; // chains a set holds: ~650 MB in fp32 for H3 = 400, ~2.8 GB for 4,096
 struct AisChains {
     float *z, *p, *z0, *grad0; // [nz][PLAIN_AIS_ROWS]
@@ -838,8 +738,7 @@ struct AisChains {
     }
 };
 
-// A chain's view of its image: p0's mean, inverse variance and sum of log variances (unused latents: 0, 1: no terms).
-template <int ZMAX> struct AisPrior {
+template <int ZMAX> struct AisPrior { // p0's mean, 1 / variance, sum of log variances (unused: 0, 1, no terms)
     float mu[ZMAX], inv_var[ZMAX], logvar_sum;
     __device__ AisPrior(const float* mulv_row, int nz) {
         logvar_sum = 0.0f;
@@ -862,7 +761,6 @@ template <int ZMAX> struct AisPrior {
     }
 };
 
-// z += eps p, stored, and as fc3's input for the next gradient evaluation.
 template <typename T, int ZMAX>
 __device__ inline void drift_chain(const AisChains& c, T* z_input, size_t r, float (&z)[ZMAX], const float (&p)[ZMAX],
                                    float step) {
@@ -872,8 +770,7 @@ __device__ inline void drift_chain(const AisChains& c, T* z_input, size_t r, flo
     store_z_input(z_input + r * z_pad(latents<ZMAX>(c.nz)) * z_parts<T>(), z, latents<ZMAX>(c.nz));
 }
 
-// The chains' start: z ~ p0 (keyed like the ELBO's eps, chain c as sample c) or the given z_start; no weight yet,
-// nothing accepted, each image at the first step size.
+// The chains' start: z ~ p0 (or z_start), no weight yet, nothing accepted, each image at the first step size.
 template <typename T, int ZMAX> __global__ void ais_start_kernel(AisIO io, AisChains c, T* z_input) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
@@ -888,8 +785,7 @@ template <typename T, int ZMAX> __global__ void ais_start_kernel(AisIO io, AisCh
     if (chain == 0) io.step_out[image] = io.step0;
 }
 
-// Step s = 1..T of the schedule, at the chain's z (the last transition's end): its term of the log weight; then, but at
-// s = T (the chain's results), the next transition's start: momentum p, H0, the start kept, half a kick, a drift.
+// Step s's term of the log weight; then, before s = T, transition s's start: p, H0, half a kick, a drift.
 template <typename T, int ZMAX> __global__ void ais_begin_kernel(AisIO io, AisChains c, T* z_input, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
@@ -947,7 +843,7 @@ template <typename T, int ZMAX> __global__ void ais_leapfrog_kernel(AisIO io, Ai
     drift_chain(c, z_input, r, z, p, step);
 }
 
-// A transition's end: the last half kick, H1, and the Metropolis test; a rejected proposal returns to the start.
+// The last half kick, H1, and the Metropolis test; a rejected proposal returns to the start.
 template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
@@ -979,7 +875,7 @@ template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s)
     io.accepted[r] += accept, c.took[r] = accept;
 }
 
-// Each image's step size from its C chains' acceptance in this transition, counted in chain order.
+// Each image's step size from its chains' acceptance in this transition, counted in chain order.
 __global__ void ais_adapt_kernel(AisIO io, AisChains c) {
     const int image = blockIdx.x * blockDim.x + threadIdx.x;
     if (image >= io.n) return;
@@ -988,9 +884,7 @@ __global__ void ais_adapt_kernel(AisIO io, AisChains c) {
     io.step_out[image] = ais_adapted_step(io, io.step_out[image], taken, io.chains);
 }
 
-// Per image, from its C chains in order, in float64: log p(x) ~ logsumexp log w - log C (for the reverse run, whose
-// weights ais_begin_kernel accumulates with -d_beta, the upper bound -(logsumexp log w - log C)), the effective sample
-// size (sum w)^2 / sum w^2 of the weights, and the acceptance rate over the transitions.
+// Per image, its chains in order, in float64: log p(x) (negated in reverse: the upper bound), ESS and acceptance.
 __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restrict__ ess,
                                     float* __restrict__ acceptance, const double* __restrict__ log_w,
                                     const int* __restrict__ accepted, int n, int C, int transitions, bool reverse) {
@@ -1012,26 +906,17 @@ __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restri
 }
 
 // ---- the plain path, part 2: the model on cuBLASLt ------------------------------------------------------------------
-//
-// Each Linear layer is one cuBLASLt matmul with the bias, and the ReLU where there is one, in its epilogue. PyTorch
-// keeps a layer as W[out][in] and a batch as X[rows][in], both row-major; cuBLAS is column-major. A row-major [r][c]
-// matrix is, byte for byte, the column-major c x r matrix: its transpose. The forward Y = X W^T + b, column-major, is
-//   Y^T (out x rows) = W (out x in) X^T (in x rows)     m = out, n = rows, k = in
-// W's bytes read column-major are the in x out matrix W^T, turned back into W by op T (CUBLAS_OP_T); X's are X^T as
-// they are (CUBLAS_OP_N), and Y^T written column-major is Y row-major: no copy or transpose anywhere. The backward
-// through a layer, dX = dY W (AIS's gradient w.r.t. z), is
-//   dX^T (in x rows) = W^T (in x out: W's bytes as they are, CUBLAS_OP_N) dY^T (out x rows)
-//                                                       m = in, n = rows, k = out
-// Reproducible results: each product uses one algorithm, picked once by cuBLASLt's heuristic and kept for every batch
-// size, with no workspace and no split-K reduction scheme allowed: cuBLASLt's default pick can change with the batch,
-// and at larger K split K over blocks, adding the parts in another order (bits that then depend on the batch size).
-// With one algorithm without split-K, a row's sums are the same whatever the batch.
+// Each Linear layer is one cuBLASLt matmul, its bias and ReLU in the epilogue. Row-major W[out][in] and X[rows][in]
+// read column-major are W^T and X^T, so the forward Y = X W^T + b and the backward dX = dY W (AIS's gradient) are
+//   Y^T (out x rows) = W (out x in: op T) X^T (in x rows: op N)              m = out, n = rows, k = in
+//   dX^T (in x rows) = W^T (in x out: W's bytes, op N) dY^T (out x rows)     m = in, n = rows, k = out
+// and Y^T column-major is Y row-major: no copy or transpose. Each product keeps one algorithm, picked once with no
+// workspace or split-K (cuBLASLt's default changes with the batch and splits K): no row's bits depend on the batch.
 static void cublas_check(cublasStatus_t status, const char* file, int line) {
     if (status != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: %s at %s:%d", cublasLtGetStatusString(status), file, line);
 }
 
 #define cublasCheck(call) cublas_check((call), __FILE__, __LINE__)
-// One product of the plain path: a layer's weights W (row-major, `pitch` values a row), its epilogue and algorithm.
 typedef struct {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t w_layout;
@@ -1048,7 +933,6 @@ static cublasLtMatrixLayout_t gemm_layout(cudaDataType_t type, int rows, int col
     return layout;
 }
 
-// What every pick asks of an algorithm: no workspace and no split-K.
 static cublasLtMatmulPreference_t gemm_preference() {
     cublasLtMatmulPreference_t pref;
     cublasCheck(cublasLtMatmulPreferenceCreate(&pref));
@@ -1061,9 +945,7 @@ static cublasLtMatmulPreference_t gemm_preference() {
     return pref;
 }
 
-// A product over W[out][in] (pitch values a row, pitch >= in): forward Y[rows][out] = alpha X W^T (+ bias) (ReLU), or
-// with `backward` dX[rows][in] = dY[rows][out] W. The inputs in in_type, Y and the bias (NULL: none) in out_type, as
-// cuBLASLt reads it. Its algorithm is the heuristic's first for pick_rows rows.
+// Y = alpha X W^T (+ bias) (ReLU), or backward dX = dY W; the algorithm the heuristic's first for pick_rows rows.
 static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int pitch, bool backward, bool relu,
                       const void* bias, cudaDataType_t in_type, cudaDataType_t out_type, float alpha, int pick_rows) {
     Gemm g = {};
@@ -1078,7 +960,6 @@ static Gemm gemm_init(cublasLtHandle_t lt, const void* w, int out, int in, int p
     cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
     if (bias)
         cublasCheck(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    // W's bytes, column-major: `in` rows, `out` columns, `pitch` apart
     g.w_layout = gemm_layout(in_type, in, out, pitch);
     cublasLtMatrixLayout_t x = gemm_layout(in_type, g.k, pick_rows, g.k);
     cublasLtMatrixLayout_t y = gemm_layout(out_type, g.m, pick_rows, g.m);
@@ -1105,7 +986,6 @@ static void gemm_free(Gemm* g) {
     memset(g, 0, sizeof(*g));
 }
 
-// y[rows][m] = the product of x[rows][k], in the algorithm picked for it, on `stream`.
 static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int rows, cudaStream_t stream) {
     cublasLtMatrixLayout_t x_layout = gemm_layout(g.in_type, g.k, rows, g.k);
     cublasLtMatrixLayout_t y_layout = gemm_layout(g.out_type, g.m, rows, g.m);
@@ -1115,18 +995,13 @@ static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int
     cublasCheck(cublasLtMatrixLayoutDestroy(x_layout)), cublasCheck(cublasLtMatrixLayoutDestroy(y_layout));
 }
 
-// One set of AIS buffers for up to PLAIN_AIS_ROWS chains: their own z input, h3 and logits, the backward's residual
-// (sigmoid - x) and dh, the chains, and its stream. AIS runs two sets at once, each on its stream, so that one set's
-// memory-bound kernels fill the SMs beside the other set's matmuls.
-typedef struct {
+typedef struct { // AIS's buffers: two sets, one's short kernels beside the other's matmuls
     void *z_input, *h3, *residual, *dh;
     float* logits;
     AisChains chains;
     cudaStream_t stream;
 } AisWork;
 
-// The plain path's model of any size (dims): its weights in the path's type T, its products, and its activations (T, or
-// fp32 where marked) for up to max_batch images and `rows` decoder rows (rows >= max_batch: --iwae's samples).
 typedef struct {
     ModelDims dims;
     Precision precision;
@@ -1134,8 +1009,7 @@ typedef struct {
     size_t type_size;
     int max_batch, rows;
     cublasLtHandle_t lt;
-    void* weights;         // W1, b1, W2, fc3's [W3 | b3], W4 in T; b2, b4 in fp32 (an fp32 output's bias);
-                           // AIS's backward copies of W4 and W3 in Backward<T>
+    void* weights;         // W1, b1, W2, [W3 | b3], W4 in T; b2, b4 in fp32; AIS's backward's W4 and W3 in Backward<T>
     Gemm fc1, fc2, fc3, fc4, fc4_t; // fc4_t: fc4 with its logits in T, where only the BCE or gradient reads them
     void *x, *h1;          // [max_batch][784], [max_batch][H1]
     float *mulv, *z, *recon; // fp32 [max_batch][2 Z] ([mu | logvar]), [max_batch][Z], [max_batch][784]
@@ -1146,8 +1020,7 @@ typedef struct {
     cudaEvent_t fork, join;
 } Plain;
 
-// What to do when a GPU's memory runs out: the fix the run's mode has (set_out_of_memory_hint).
-static char out_of_memory_hint[192] = "use a smaller batch";
+static char out_of_memory_hint[192] = "use a smaller batch"; // the fix the run's mode has (set_out_of_memory_hint)
 static void* device_alloc(size_t bytes, const char* what) {
     void* p = NULL;
     cudaError_t status = cudaMalloc(&p, bytes);
@@ -1157,8 +1030,6 @@ static void* device_alloc(size_t bytes, const char* what) {
     return p;
 }
 
-// The small kernels: `items` rows (or elements), `per_block` of them to a block of `threads` threads (one a thread, or
-// one a warp), on `stream`; the launch is checked.
 template <typename... Params, typename... Args>
 static void launch(void (*kernel)(Params...), long long items, int per_block, int threads, cudaStream_t stream,
                    Args... args) {
@@ -1166,8 +1037,7 @@ static void launch(void (*kernel)(Params...), long long items, int per_block, in
     cudaCheck(cudaGetLastError());
 }
 
-// The weights (fp32 on the device, PyTorch's layout; fc22's rows follow fc21's: t[FC21_W] is one [2Z][H1] layer) in
-// the path's types, each at a 256-byte boundary, and the products of the four layers and of AIS's backward pass.
+// The weights in the path's types (fc22's rows follow fc21's: one [2Z][H1] layer), and the products.
 template <typename T> static void plain_init_weights(Plain* pl, const float* const* t, cudaStream_t stream) {
     typedef typename Backward<T>::type B;
     const int H1 = pl->dims.h1, Z = pl->dims.z, H3 = pl->dims.h3, MULV = 2 * Z, pad = z_pad(Z), zk = pad * z_parts<T>();
@@ -1186,18 +1056,13 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
     uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights");
     pl->weights = base;
     const cudaDataType_t f32 = CUDA_R_32F, type = pl->type, back = pl->backward_type;
-    // tensor t[k] (rows x cols) at offset `at` in the type of u, rows `pitch` apart (plain_weights_kernel)
     auto convert = [&](auto u, size_t at, int k, int rows, int cols, int pitch) {
         typedef decltype(u) U;
         launch(plain_weights_kernel<U>, (long long)rows * pitch, 256, 256, stream, (U*)(base + at), t[k], rows, cols,
                pitch);
         return (const void*)(base + at);
     };
-    // The batch each algorithm is picked for (dev/gemm_pick_v1 and v2 time the candidates). fp32 runs on the SIMT cores
-    // (TF32 is off), where the pick for 4,096 rows (128 x 128 tiles) leaves 100 of 132 SMs idle at 1,024. The products
-    // that run only on long passes (AIS runs parts of 40,000 rows at n = 10,000) are picked for 65,536 rows in bf16; in
-    // fp32, fc4_t (--iwae and AIS) for 4,096 and the backward ones for 2,048, whose pick runs fc4's backward 10% faster
-    // at 80,000 rows than the 4,096 pick (H100).
+    // the batch each algorithm is picked for (dev/NOTES.md, 'algorithm picks (plain path)')
     const int pick = type == f32 ? 1024 : 4096, long_pick = type == f32 ? 4096 : 65536;
     const int backward_pick = type == f32 ? 2048 : long_pick;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
@@ -1219,7 +1084,6 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
                                  back, f32, 1.0f, backward_pick);
 }
 
-// The plain model for up to max_batch images a forward pass and `rows` decoder rows a pass.
 static Plain* plain_init(const float* const* tensors, ModelDims dims, Precision precision, int max_batch, int rows,
                          cudaStream_t stream) {
     Plain* pl = (Plain*)calloc(1, sizeof(Plain));
@@ -1263,7 +1127,6 @@ static void plain_free(Plain* pl) {
     free(pl);
 }
 
-// The encoder: [mu | logvar] of B images (device uint8 pixels) into pl->mulv, and h1.
 static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t stream) {
     const long long n = (long long)B * INPUT_DIM;
     if (pl->precision == PRECISION_BF16)
@@ -1273,8 +1136,7 @@ static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t s
     gemm(pl->lt, pl->fc2, pl->mulv, pl->h1, B, stream);
 }
 
-// Calls f(T(), ZMAX) for the plain path's type T and its latents' array length ZMAX (a std::integral_constant): the
-// place where the precision and Z, known at run time, pick the kernels' template instances.
+// f(T(), ZMAX) (a std::integral_constant): where the run-time precision and Z pick the kernels' template instances.
 template <typename F> static void with_type_and_zmax(const Plain* pl, F f) {
     const std::integral_constant<int, LATENT_DIM> published;
     const std::integral_constant<int, MAX_LATENT> largest;
@@ -1283,8 +1145,7 @@ template <typename F> static void with_type_and_zmax(const Plain* pl, F f) {
     else small ? f(0.0f, published) : f(0.0f, largest);
 }
 
-// fc3's inputs for `rows` rows of K samples of images (sample_kernel; mulv: their [mu | logvar]). Blocks of 64 rows:
-// the ELBO's 10,000 rows in blocks of 128 kept 53 of 132 SMs idle.
+// Blocks of 64 rows: 128 would leave 53 of 132 SMs idle at the ELBO's 10,000.
 static void plain_sample(Plain* pl, int rows, int K, const float* mulv, const float* eps, uint32_t first_image,
                          uint64_t seed, bool z_is_mu, float* z_out, float* kl, float* log_ratio, cudaStream_t stream) {
     with_type_and_zmax(pl, [&](auto t, auto zmax) {
@@ -1294,7 +1155,6 @@ static void plain_sample(Plain* pl, int rows, int K, const float* mulv, const fl
     });
 }
 
-// fc3's inputs from latents given in fp32 ([rows][Z] on the device).
 static void plain_set_z(Plain* pl, const float* z, int rows, cudaStream_t stream) {
     with_type_and_zmax(pl, [&](auto t, auto zmax) {
         typedef decltype(t) T;
@@ -1302,10 +1162,7 @@ static void plain_set_z(Plain* pl, const float* z, int rows, cudaStream_t stream
     });
 }
 
-// The decoder over `rows` rows of pl->z_input: logits, then each row's BCE against image r /
-// rows_per_image into bce (with pixels), recon when given. With t_logits (--iwae's passes, and bf16's ELBO where no
-// one reads the logits) fc4_t writes them in T: in bf16 half the bytes of the pass's largest buffer (3,136 a row in
-// fp32), which the BCE reads back; fp32 passes it only for --iwae, whose long passes fc4_t is picked for.
+// t_logits (--iwae, bf16's ELBO where no one reads them): fc4_t writes the logits in T, in bf16 half the bytes.
 static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* recon,
                          bool t_logits, cudaStream_t stream) {
     gemm(pl->lt, pl->fc3, pl->h3, pl->z_input, rows, stream);
@@ -1317,7 +1174,6 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
            pixels, rows, rows_per_image);
 }
 
-// The forward pass and loss of B images: per-image BCE and KL into bce[B] and kl[B].
 static void plain_forward(Plain* pl, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
                           const Probe& probe, float* bce, float* kl, cudaStream_t stream) {
     const bool keep = probe.keep_activations;
@@ -1328,19 +1184,13 @@ static void plain_forward(Plain* pl, const uint8_t* pixels, int B, uint32_t firs
     plain_decode(pl, pixels, B, 1, bce, opt->want_recon ? pl->recon : NULL, t_logits, stream);
 }
 
-// --iwae's pass over `rows` rows, sample r % K of image r / K (mulv: the images' [mu | logvar]): each row's log ratio
-// and BCE.
 static void plain_iwae_pass(Plain* pl, const uint8_t* pixels, const float* mulv, const float* eps, int rows, int K,
                             uint32_t first_image, uint64_t seed, cudaStream_t stream) {
     plain_sample(pl, rows, K, mulv, eps, first_image, seed, false, NULL, NULL, pl->log_ratio, stream);
     plain_decode(pl, pixels, rows, K, pl->bce, NULL, true, stream);
 }
 
-// AIS: one gradient evaluation for `rows` chains at w.z_input, a row's pixels those of image r / C: the decoder
-// forward, then its backward pass w.r.t. z (the formula in part 1's AIS header) into chains.grad, and the BCE into
-// chains.bce when `energy` (a trajectory's start and end). The L - 1 evaluations between a trajectory's ends need only
-// the gradient: their logits are in T, which halves the bytes of bf16's logits (40,000 rows x 784: 125 MB in fp32).
-// Each point's gradient is the same function of z either way along the trajectory, so the leapfrog stays reversible.
+// AIS's gradient at w.z_input into chains.grad, and the BCE at a trajectory's ends (`energy`); between, logits in T.
 template <typename T>
 static void plain_ais_gradient(Plain* pl, const AisIO& io, const AisWork& w, int rows, bool energy) {
     typedef typename Backward<T>::type B;
@@ -1357,9 +1207,7 @@ static void plain_ais_gradient(Plain* pl, const AisIO& io, const AisWork& w, int
     gemm(pl->lt, pl->fc3_backward, w.chains.grad, w.dh, rows, w.stream);
 }
 
-// Step s of an AIS run over io.n * C chains in one set of buffers, a kernel for each part of a transition over every
-// chain (part 1), the gradient between them. s = 0: the chains' start and their first gradient; s = 1 .. T - 1: the
-// weight's term at step s, then transition s; s = T: the last term.
+// Step s: 0 the chains' start and first gradient; 1 .. T - 1 the weight's term, then transition s; T the last term.
 template <typename T, int ZMAX> static void plain_ais_step(Plain* pl, const AisIO& io, const AisWork& w, int s) {
     const int rows = io.n * io.chains;
     T* z_input = (T*)w.z_input;
@@ -1377,7 +1225,6 @@ template <typename T, int ZMAX> static void plain_ais_step(Plain* pl, const AisI
     launch(ais_adapt_kernel, io.n, 128, 128, w.stream, io, w.chains);
 }
 
-// The same run on n of io's images, from image `first`, for nz latents.
 static AisIO ais_slice(AisIO io, int first, int n, int nz) {
     const size_t rows = (size_t)first * io.chains;
     io.n = n, io.first_image += (uint32_t)first;
@@ -1393,7 +1240,6 @@ static AisIO ais_slice(AisIO io, int first, int n, int nz) {
     return io;
 }
 
-// The first AIS run's: both sets of buffers, the second set's stream and the events that join it to the caller's.
 static void plain_ais_alloc(Plain* pl) {
     const size_t R = PLAIN_AIS_ROWS, t = pl->type_size, Z = pl->dims.z, H3 = pl->dims.h3;
     const int zk = z_width(pl->precision, pl->dims.z);
@@ -1414,9 +1260,7 @@ static void plain_ais_alloc(Plain* pl) {
     for (cudaEvent_t* e : {&pl->fork, &pl->join}) cudaCheck(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
 }
 
-// AIS on the plain path over io.n images (io.mulv filled in), in parts of even size, at most PLAIN_AIS_ROWS chains
-// each: two parts at a time, one in each set of buffers on its stream, step by step, so that both streams always have
-// work queued. A chain's results do not depend on which part or stream it ran in.
+// AIS in parts of at most PLAIN_AIS_ROWS chains, two at a time on the two streams, so both always have work queued.
 static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
     if (pl->fork == NULL) plain_ais_alloc(pl);
     pl->ais[0].stream = stream;
@@ -1441,12 +1285,9 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
 // ---- the model's interface: one model, either engine ----------------------------------------------------------------
 static const char* PRECISION_NAMES[] = {"fp32", "bf16"};
 
-// Which engine runs the model: the plain path (cuBLASLt, every GPU) or the fused kernels (Hopper's wgmma, TMA and
-// clusters, where this binary has sm_90a code for the GPU); auto picks the fused ones wherever they run.
-typedef enum { KERNELS_AUTO, KERNELS_PLAIN, KERNELS_FUSED } Kernels;
+typedef enum { KERNELS_AUTO, KERNELS_PLAIN, KERNELS_FUSED } Kernels; // the engine; auto: fused wherever it runs
 static const char* KERNELS_NAMES[] = {"auto", "plain", "fused"};
 
-// The model on one GPU: its weights, the engine that runs it, and views of that engine's buffers.
 struct Fused; // the Hopper engine's state: the appendix after main
 typedef struct {
     ModelDims dims;
@@ -1457,18 +1298,14 @@ typedef struct {
     const float* tensor[NUM_TENSORS]; // file order; fc22's rows and bias follow fc21's: one layer yields [mu | logvar]
     Plain* plain;                     // the engine: exactly one of the two
     Fused* fused;
-    // fp32 activations for up to max_batch images, [image][feature] (h1, h3: fp32 runs only)
-    float *h1, *mulv, *z, *h3, *logits, *recon;
-    // per decoder row (decoder_rows; --iwae's K an image): log p(z) - log q(z|x), and its BCE in column blocks' parts
-    int decoder_rows, bce_parts_per_row;
+    float *h1, *mulv, *z, *h3, *logits, *recon; // fp32, [max_batch][...] (h1, h3: fp32 runs only)
+    int decoder_rows, bce_parts_per_row; // per decoder row: log p(z) - log q(z|x), BCE in column blocks' parts
     float *row_log_ratio, *bce_parts;
     float2* lse_partials; // the logsumexp's (max, sum) per chunk of LSE_CHUNK rows: 2 decoder_rows / LSE_CHUNK at most
     Probe probe;          // the tests' hooks, zero in the program
 } VAE;
 
-// The Hopper engine's entry points (defined in the appendix). fused_init makes its state and points m's views at it.
-static size_t fused_smem_bytes();
-static bool gpu_has_wgmma();
+// The Hopper engine's entry points (the appendix). fused_init makes its state and points m's views at it.
 static Fused* fused_init(VAE* m);
 static void fused_free(Fused* f);
 static void fused_encode(Fused* f, const uint8_t* pixels, int B);
@@ -1478,23 +1315,39 @@ static void fused_forward(Fused* f, const uint8_t* pixels, int B, uint32_t first
 static void fused_iwae_pass(Fused* f, const uint8_t* pixels, const float* mulv, const float* eps, int rows, int K,
                             uint32_t first_image, uint64_t seed);
 static int fused_ais_images(const Fused* f, int C);
-enum { FUSED_AIS_CHAINS = 128 }; // the most chains an image the fused AIS kernel holds (its AIS_ROWS)
 static void fused_ais(Fused* f, const AisIO& io);
+enum { FUSED_AIS_CHAINS = 128 };     // the most chains an image the fused AIS kernel holds (its AIS_ROWS)
+enum { FUSED_SMEM_BYTES = 231976 }; // the most shared memory a fused block asks for (ais_kernel's in bf16)
 
-// Whether `kernels` can serve a model of size dims: the fused kernels are built for the published size only.
+// 1 where the code loaded for this GPU is sm_90a's: the host picks the engine from what runs, not what could.
+__global__ void has_wgmma_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    *out = 1;
+#else
+    *out = 0;
+#endif
+}
+
+static bool gpu_has_wgmma() {
+    int *d_flag = NULL, flag = 0;
+    cudaCheck(cudaMalloc(&d_flag, sizeof(int)));
+    launch(has_wgmma_kernel, 1, 1, 1, 0, d_flag);
+    cudaCheck(cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaFree(d_flag));
+    return flag == 1;
+}
+
 static bool kernels_fit(Kernels kernels, ModelDims dims, Error* err) {
     if (kernels != KERNELS_FUSED || is_published(dims)) return true;
     return set_error(err, "--kernels fused: the fused kernels are built for the 784-400-20-400 model; this one is "
                      "784-%d-%d-%d. HINT: --kernels plain (or auto) runs every size", dims.h1, dims.z, dims.h3);
 }
 
-// The engine for a model of size dims on a GPU of compute capability major.minor with smem_optin bytes of shared memory
-// a block, fused_code: whether this binary has the fused kernels' sm_90a code. `kernels` as asked, auto the fused
-// kernels where they can run, else the plain path; false, with the reason, where asked-for fused kernels cannot run.
+// The engine (auto: fused where it can run); false, with the reason, where asked-for fused kernels cannot run.
 static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, size_t smem_optin, bool fused_code,
                         bool* fused, Error* err) {
     if (!kernels_fit(kernels, dims, err)) return false;
-    const bool can = fused_code && major == 9 && smem_optin >= fused_smem_bytes() && is_published(dims);
+    const bool can = fused_code && major == 9 && smem_optin >= FUSED_SMEM_BYTES && is_published(dims);
     if (kernels == KERNELS_FUSED && !can)
         return set_error(err, "--kernels fused: the fused kernels need an sm_90 GPU (H100, H200) and a binary with "
                          "sm_90a code; this is sm_%d%d%s. HINT: --kernels plain (or auto) runs every mode on any GPU",
@@ -1510,7 +1363,6 @@ static int gpu_attribute(cudaDeviceAttr attribute) {
     return value;
 }
 
-// Whether the fused kernels run for `kernels` on this GPU and a model of size dims (auto: whether they can).
 static bool use_fused(Kernels kernels, ModelDims dims) {
     const int major = gpu_attribute(cudaDevAttrComputeCapabilityMajor);
     const int minor = gpu_attribute(cudaDevAttrComputeCapabilityMinor);
@@ -1522,13 +1374,9 @@ static bool use_fused(Kernels kernels, ModelDims dims) {
     return fused;
 }
 
-// The plain path's decoder rows a pass at most (unless max_batch is more): its activations take ~5 KB a row in fp32 for
-// H3 = 400 (fc3's input, h3, the logits), ~20 KB for 4,096.
-enum { PLAIN_DECODER_ROWS = 1 << 18 };
+enum { PLAIN_DECODER_ROWS = 1 << 18 }; // the plain path's rows a pass: ~5 KB each in fp32 (H3 = 400), ~20 KB (4,096)
 
-// max_batch: images a forward pass, and --iwae's most samples per image. decoder_rows: rows a --iwae decoder pass (at
-// least max_batch). A fused row costs at most 172 bytes (fp32's z row, BCE parts, log ratio) and no activations, so its
-// passes run far longer; the plain path keeps a row's h3 and logits: at most PLAIN_DECODER_ROWS (or max_batch).
+// max_batch: images a forward pass; decoder_rows: a --iwae pass's rows (a fused row costs at most 172 bytes).
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
                      int decoder_rows = 0) {
     memset(m, 0, sizeof(*m));
@@ -1565,29 +1413,24 @@ static void vae_free(VAE* m) {
     memset(m, 0, sizeof(*m));
 }
 
-// mulv = [mu | logvar] of B images (device uint8 pixels), in the model's precision.
+// vae_encode gives m->mulv, vae_decode m->recon, vae_forward BCE and KL: on m->stream, allocating and copying nothing.
 static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
     if (m->fused) return fused_encode(m->fused, pixels, B);
     plain_encode(m->plain, pixels, B, m->stream);
 }
 
-// recon = the decoder's images of B latents given in fp32 (a device pointer), in the model's precision.
 static void vae_decode(VAE* m, const float* z, int B) {
     if (m->fused) return fused_decode(m->fused, z, B);
     plain_set_z(m->plain, z, B, m->stream);
     plain_decode(m->plain, NULL, B, 1, NULL, m->recon, false, m->stream);
 }
 
-// Decodes rows first_row .. first_row + rows - 1 of the interpolations between pairs of images (row r: step r % steps
-// of pair r / steps; the pairs index the images' [mu | logvar] rows in m->mulv) into m->recon.
 static void vae_decode_interpolations(VAE* m, const int2* d_pairs, long long first_row, int rows, int steps) {
     launch(interp_latents_kernel, (long long)rows * m->dims.z, 256, 256, m->stream, m->z, m->mulv, d_pairs, first_row,
            rows, steps, m->dims.z);
     vae_decode(m, m->z, rows);
 }
 
-// The whole forward pass and loss of images first_image .. first_image+B-1 (device uint8 pixels), in the model's
-// precision: per-image BCE and KL into device bce[B], kl[B]. Asynchronous on m->stream; nothing is allocated or copied.
 static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
                         float* bce, float* kl) {
     if (B < 1 || B > m->max_batch) fail("internal: batch %d outside 1..%d", B, m->max_batch);
@@ -1597,9 +1440,7 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
 
 static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
 
-// Importance-weighted log p(x) of n images from first_image (device uint8 pixels), K samples each, into device
-// log_px[n], in the model's precision: the encoder once per image, the n x K decoder rows in passes of as many images
-// as m->decoder_rows hold, each pass's rows scored by the engine, then their logsumexp. Asynchronous.
+// IWAE's log p(x), K samples an image: the n x K rows in passes of as many images as decoder_rows hold.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      float* log_px) {
     if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
@@ -1625,16 +1466,14 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
     }
 }
 
-// The AIS schedule b_0 .. b_T: Wu et al.'s sigmoid schedule, s(t) = sigmoid(4 (2t / T - 1)) scaled
-// to b_0 = 0, b_T = 1 (dense at both ends, where f_b changes fastest per step).
+// Wu et al.'s sigmoid schedule, scaled to 0 .. 1: dense at both ends, where f_b changes fastest.
 static void ais_schedule(double* beta, int T) {
     const double s0 = 1.0 / (1.0 + exp(4.0)), s1 = 1.0 / (1.0 + exp(-4.0));
     for (int t = 0; t <= T; t++) beta[t] = (1.0 / (1.0 + exp(-4.0 * (2.0 * t / T - 1.0))) - s0) / (s1 - s0);
     beta[0] = 0.0, beta[T] = 1.0;
 }
 
-// Images one vae_ais call takes at a time (at most max_batch): a round of the fused kernel's clusters (none without
-// sm_90a code), or two sets of the plain path's PLAIN_AIS_ROWS chains.
+// Images one vae_ais call takes: a round of the fused kernel's clusters, or two sets of the plain path's chains.
 static int vae_ais_round(const VAE* m, int C) {
     const int round = m->fused ? fused_ais_images(m->fused, C) : 2 * (PLAIN_AIS_ROWS / C);
     return round < m->max_batch ? round : m->max_batch;
@@ -1646,8 +1485,7 @@ static void require_ais(const VAE* m) {
              "H100 or H200 with a binary built for sm_90a (make vae does that there)");
 }
 
-// AIS over io.n images (at most m->max_batch) in the model's precision: p0 = q(z|x) from the encoder, or N(0, I) when
-// from_prior; the caller fills in the rest of io (the schedule, the outputs, the reverse run's z_start). Asynchronous.
+// AIS over io.n images from p0 = q(z|x) (the encoder's) or N(0, I); the caller fills in the rest of io.
 static void vae_ais(VAE* m, AisIO io, bool from_prior) {
     require_ais(m);
     if (io.n < 1 || io.n > m->max_batch) fail("internal: %d AIS images outside 1..%d", io.n, m->max_batch);
@@ -1659,7 +1497,6 @@ static void vae_ais(VAE* m, AisIO io, bool from_prior) {
 }
 
 // ---- file formats: the weights file written by prepare_weights.py, MNIST idx files, PGM images ----------------------
-// A malloc'd copy of `count` values at src into *out, or the error (`name` names the file).
 template <typename T> static bool host_copy(T** out, const void* src, size_t count, const char* name, Error* err) {
     *out = (T*)malloc(count * sizeof(T));
     if (*out == NULL) return set_error(err, "%s: out of host memory", name);
@@ -1667,7 +1504,6 @@ template <typename T> static bool host_copy(T** out, const void* src, size_t cou
     return true;
 }
 
-// Validates a weights file held in memory and copies its tensors out. `name` is used in messages.
 static bool parse_weights(const uint8_t* buf, size_t size, const char* name, HostWeights* w, Error* err) {
     const size_t header_bytes = HEADER_INTS * sizeof(int32_t);
     if (size < header_bytes)
@@ -1680,8 +1516,7 @@ static bool parse_weights(const uint8_t* buf, size_t size, const char* name, Hos
     if (version != WEIGHTS_VERSION)
         return set_error(err, "%s: version %d, this program reads version %d. " WEIGHTS_HINT, name, version,
                          WEIGHTS_VERSION);
-    // the sizes: input, fc1's hidden units, the latents, fc3's hidden units (header[8])
-    const int32_t in = read_le32(buf + 8);
+    const int32_t in = read_le32(buf + 8); // the sizes; fc3's units at header[8]
     const ModelDims dims = {read_le32(buf + 12), read_le32(buf + 16), read_le32(buf + 32)};
     if (in != INPUT_DIM || dims.h1 < 1 || dims.h1 > MAX_HIDDEN || dims.z < 1 || dims.z > MAX_LATENT || dims.h3 < 1 ||
         dims.h3 > MAX_HIDDEN)
@@ -1752,13 +1587,9 @@ static bool parse_idx_labels(const uint8_t* buf, size_t size, const char* name, 
     return host_copy(&out->labels, buf + 8, count, name, err);
 }
 
-// Netpbm greymap, the simplest format to save a drawn digit in: "P5" (binary) or "P2" (ASCII), then width, height and
-// maxval (1..65535) as decimal numbers separated by whitespace, where '#' starts a comment to the end of its line; then
-// width x height samples, row by row: in P5 after exactly one whitespace byte, one byte each (two, big-endian, when
-// maxval > 255); in P2 as decimal numbers. Samples are rescaled to 0..255, rounded, as MNIST's uint8 pixels.
+// Netpbm greymap, P5 (bytes; two, big-endian, above maxval 255) or P2 (decimal), '#' comments; rescaled to 0..255.
 #define PGM_HINT \
     "HINT: convert it with ImageMagick: convert DIGIT.png -colorspace Gray -resize '28x28!' -depth 8 digit.pgm"
-// The next header number at *pos, after whitespace and comments; at most `max`.
 static bool pgm_number(const uint8_t* buf, size_t size, size_t* pos, uint32_t max, uint32_t* out) {
     size_t p = *pos;
     while (p < size && (isspace(buf[p]) || buf[p] == '#'))
@@ -1813,7 +1644,6 @@ static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images*
     return host_copy(&out->pixels, pixels, INPUT_DIM, name, err);
 }
 
-// Reads a whole file and hands it to one of the parsers above, which never touch the disk.
 template <typename T>
 static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, const char*, T*, Error*), T* out,
                       Error* err, const char* missing_hint = PREPARE_HINT) {
@@ -1826,8 +1656,7 @@ static bool load_file(const char* path, bool (*parse)(const uint8_t*, size_t, co
 }
 
 // ---- image output ---------------------------------------------------------------------------------------------------
-// Writes tiles (each 28x28 floats in [0,1]) as a rows x cols grid into a binary PPM (P6), white digits on black, tiles
-// separated by a 1-pixel grey border. The file reaches `path` at outputs_commit(); `what` describes it there.
+// Tiles (28x28 floats in [0,1]) as a rows x cols grid in a binary PPM, white on black, with 1-pixel grey borders.
 static bool write_ppm_grid(const char* path, const char* what, const float* tiles, int rows, int cols, Error* err) {
     const int cell = IMAGE_SIDE + 1, width = cols * cell + 1, height = rows * cell + 1;
     uint8_t* rgb = (uint8_t*)malloc((size_t)width * height * 3);
@@ -1857,8 +1686,7 @@ static bool write_ppm_grid(const char* path, const char* what, const float* tile
 #ifndef VAE_GIT_COMMIT // the Makefile passes the checkout's commit
 #define VAE_GIT_COMMIT "unknown"
 #endif
-// The GPUs vae.cu runs on: the plain path (cuBLASLt and kernels that need no more than 48 KB of shared
-// memory) from sm_75 on (T4, RTX 20xx and later); bf16 needs sm_80's bf16 tensor cores.
+// The plain path runs from sm_75 on (its kernels take at most 48 KB of shared memory); bf16 needs sm_80's tensor cores.
 static bool gpu_supported(const char* name, int major, int minor, Precision precision, Error* err) {
     if (major * 10 + minor < 75)
         return set_error(err, "%s has compute capability %d.%d; vae.cu needs 7.5 or newer (T4, RTX 20xx and later). "
@@ -1869,8 +1697,6 @@ static bool gpu_supported(const char* name, int major, int minor, Precision prec
     return true;
 }
 
-// The refusal where CUDA finds no GPU (`status` from cudaGetDeviceCount, the driver's and this build's runtime's CUDA
-// versions as 1000 major + 10 minor; driver 0: no driver installed), in words a user can act on.
 static bool no_gpu_error(cudaError_t status, int driver, int runtime, Error* err) {
     const char* lead = "no CUDA device available";
     if (driver == 0)
@@ -1888,7 +1714,6 @@ static bool no_gpu_error(cudaError_t status, int driver, int runtime, Error* err
 typedef enum { MODE_ELBO, MODE_IWAE, MODE_BENCH, MODE_INTERP, MODE_AIS, MODE_BDMC } Mode;
 static const char* MODE_NAMES[] = {"elbo", "iwae", "bench", "interp", "ais", "bdmc"};
 
-// device_alloc's hint for the run's mode: the ELBO's batch is -b; the other modes' buffers have a fixed size.
 static void set_out_of_memory_hint(Mode mode, int batch) {
     const char* fixed_size = "this mode's buffers have a fixed size: free the GPU's memory (nvidia-smi lists the "
                              "processes that hold it) or choose another GPU with --devices";
@@ -1897,7 +1722,6 @@ static void set_out_of_memory_hint(Mode mode, int batch) {
                   mode == MODE_BENCH ? "pass smaller --bench-batches" : fixed_size);
 }
 
-// Every option: long name, short letter (0: none), whether it takes a value.
 enum Option {
     OPT_WEIGHTS, OPT_DATA, OPT_IMAGE, OPT_INVERT, OPT_COUNT, OPT_BATCH, OPT_SEED, OPT_ZMU, OPT_PRECISION, OPT_OUT,
     OPT_CSV, OPT_QUIET, OPT_IWAE, OPT_BENCH, OPT_BENCH_BATCHES, OPT_INTERP, OPT_AIS, OPT_CHAINS, OPT_LEAPFROG,
@@ -1909,7 +1733,6 @@ static const struct {
     char letter;
     bool takes_value;
 } OPTIONS[NUM_OPTIONS] = {
-
     {"weights", 'w', true}, {"data", 'd', true},         {"image", 0, true},          {"invert", 0, false},
     {"count", 'n', true},   {"batch-size", 'b', true},   {"seed", 's', true},         {"zmu", 0, false},
     {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
@@ -1920,8 +1743,7 @@ static const struct {
 };
 
 #define OPT_BIT(o) (1u << (o))
-// The options each mode reads; any other one given with it is refused rather than ignored. O(X) is OPT_X's bit; every
-// mode reads the weights, --precision, --devices and -q (and --kernels: parse_args).
+// The options each mode reads; any other given with it is refused, not ignored (--kernels: every mode, in parse_args).
 #define O(name) OPT_BIT(OPT_##name)
 constexpr unsigned COMMON = O(WEIGHTS) | O(PRECISION) | O(DEVICES) | O(QUIET);
 constexpr unsigned IMAGES = O(DATA) | O(IMAGE) | O(INVERT) | O(COUNT);
@@ -1930,7 +1752,6 @@ static const unsigned MODE_OPTIONS[] = {
     COMMON | IMAGES | O(BATCH) | O(SEED) | O(ZMU) | O(OUT) | O(CSV) | O(SHARD), // elbo: the evaluation, images, CSV
     // iwae: sizes its own passes (no -b), writes no images (no -o), samples z (no --zmu)
     COMMON | IMAGES | O(SEED) | O(CSV) | O(IWAE) | O(SHARD),
-    // bench: times the test set's first images; prints its table, writes nothing
     COMMON | O(DATA) | O(COUNT) | O(SEED) | O(ZMU) | O(BENCH) | O(BENCH_BATCHES),
     COMMON | O(DATA) | O(OUT) | O(INTERP), // interp: decodes latent means (no noise), writes interp.ppm
     // ais: the chains sample their own z (no --zmu) in launches it sizes (no -b), writes no images
@@ -2039,9 +1860,7 @@ static bool parse_number(const char* flag, const char* text, unsigned long long 
 
 enum { MAX_BATCH = 1 << 20 }; // 1M images of activations is ~7 GB: a sane upper bound
 enum { MAX_SHARDS = 100000 };  // --shard's N as parsed; main refuses an N above the number of images
-// The program joins paths into 4096-byte buffers (-d + "/t10k-images-idx3-ubyte", -o +
-// "/samples.ppm"); a longer argument would be cut silently and name another file.
-enum { MAX_PATH_ARG = 4000 };
+enum { MAX_PATH_ARG = 4000 }; // paths are joined in 4096-byte buffers: a longer one would be cut and name another file
 enum { IWAE_ROWS = 1 << 16 };  // --iwae's largest K, and the images its encoder takes at once
 enum { IWAE_PASS_ROWS = 1 << 21 }; // rows per decoder pass (at most 172 bytes each: z row, BCE parts, log ratio)
 enum { INTERP_MAX_IMAGES = 1000, INTERP_STEPS = 11 }; // t = 0, 0.1, ..., 1
@@ -2059,7 +1878,6 @@ static bool parse_int(const char* flag, const char* text, int min, int max, int*
     return parse_number(flag, text, min, max, &v, err) ? (*out = (int)v, true) : false;
 }
 
-// value as one of `names`: its index into *out, or the error that lists them.
 template <typename E, int N>
 static bool parse_choice(const char* flag, const char* value, const char* const (&names)[N], E* out, Error* err) {
     char list[64] = "";
@@ -2070,8 +1888,6 @@ static bool parse_choice(const char* flag, const char* value, const char* const 
     return set_error(err, "%s needs %s, got '%s'. HINT: vae -h lists the options", flag, list, value);
 }
 
-// A list of at most max_count whole numbers in min..max, `separator` between them, into out[] and *count; `what` names
-// them in the message for a malformed list (an item empty, over 23 characters or not digits, or too many).
 static bool parse_int_list(const char* flag, const char* value, char separator, int min, int max, int* out,
                            int max_count, int* count, const char* what, Error* err) {
     const char separators[2] = {separator, '\0'};
@@ -2091,7 +1907,6 @@ static bool parse_int_list(const char* flag, const char* value, char separator, 
     }
 }
 
-// One option and its value (NULL for flags) into cfg.
 static bool apply_option(Config* cfg, int o, const char* flag, const char* value, Error* err) {
     switch (o) {
     case OPT_WEIGHTS: return parse_path(flag, value, &cfg->weights_path, err);
@@ -2156,7 +1971,6 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     memset(cfg, 0, sizeof(*cfg));
     cfg->weights_path = "data/vae_weights.bin", cfg->data_dir = "data", cfg->out_dir = "out", cfg->batch = 4096;
     cfg->chains = 16, cfg->leapfrog = 10;
-    // An option as a flag: "--name", or "-l" where it has a letter and is not asked for in long form.
     auto spell = [](int o, bool long_form, char (&flag)[24]) {
         if (long_form || OPTIONS[o].letter == 0) snprintf(flag, sizeof(flag), "--%s", OPTIONS[o].name);
         else snprintf(flag, sizeof(flag), "-%c", OPTIONS[o].letter);
@@ -2164,8 +1978,7 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     for (int o = 0; o < NUM_OPTIONS; o++) spell(o, false, cfg->flag[o]); // for options the command line did not spell
     for (int b : {1024, 2048, 4096, 10000}) cfg->bench_batches[cfg->num_bench_batches++] = b;
 
-    // getopt_long's tables from OPTIONS: long options answer LONG_CODE + their index, short ones their letter. '+'
-    // stops at the first word that is not an option (refused below); ':' reports a missing value as ':', not '?'.
+    // getopt_long's tables: long options answer LONG_CODE + o; '+' stops at a non-option, ':' reports a missing value.
     enum { LONG_CODE = 1000 };
     struct option long_options[NUM_OPTIONS + 1] = {};
     char short_options[3 * NUM_OPTIONS + 3] = "+:", *end = short_options + 2;
@@ -2175,8 +1988,6 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
         if (OPTIONS[o].letter != 0) *end++ = OPTIONS[o].letter;
         if (OPTIONS[o].letter != 0 && OPTIONS[o].takes_value) *end++ = ':';
     }
-    // The option a getopt code stands for (-1: none), spelled into flag as the user did (argv[optind - 1] holds
-    // the word that named it, unless a short option was one of several in one word).
     auto option_of = [&](int code, char (&flag)[24]) {
         for (int o = 0; o < NUM_OPTIONS; o++)
             if (code == LONG_CODE + o || (OPTIONS[o].letter != 0 && code == OPTIONS[o].letter))
@@ -2190,8 +2001,7 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
             return set_error(err, "unknown option '-%c'. HINT: vae -h lists the options", optopt);
         if (code == '?' && optopt == 0)
             return set_error(err, "unknown option '%s'. HINT: vae -h lists the options", argv[optind - 1]);
-        // a known option; with ':' (its value missing) or '?' (given a value it takes none of) it is in optopt
-        char flag[24];
+        char flag[24]; // a known option; with ':' (value missing) or '?' (a value it takes none of) in optopt
         const int known = code == ':' || code == '?' ? optopt : code, o = option_of(known, flag);
         if (o < 0) return set_error(err, "internal: getopt code %d", known);
         if (code == ':') return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
@@ -2207,8 +2017,7 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
                          "(-w, -d, --image ...)", argv[optind]);
     if (cfg->help || cfg->version) return true;
 
-    // one mode, and only the options it reads
-    const int modes[] = {OPT_IWAE, OPT_BENCH, OPT_INTERP, OPT_AIS};
+    const int modes[] = {OPT_IWAE, OPT_BENCH, OPT_INTERP, OPT_AIS}; // one mode, and only the options it reads
     for (int a : modes)
         for (int b : modes)
             if (a < b && (cfg->given & OPT_BIT(a)) && (cfg->given & OPT_BIT(b)))
@@ -2234,8 +2043,7 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
     for (int o = 0; o < NUM_OPTIONS; o++)
         if ((cfg->given & OPT_BIT(o)) && !((MODE_OPTIONS[cfg->mode] | OPT_BIT(OPT_KERNELS)) & OPT_BIT(o)))
             return set_error(err, "%s does not apply to %s. HINT: drop %s", cfg->flag[o], mode_flag, cfg->flag[o]);
-    // --image replaces the test set, which -d and -n choose from
-    if (cfg->invert && cfg->num_image_files == 0)
+    if (cfg->invert && cfg->num_image_files == 0) // --image replaces the test set, which -d and -n choose from
         return set_error(err, "%s applies to --image files. HINT: add --image FILE or drop %s", cfg->flag[OPT_INVERT],
                          cfg->flag[OPT_INVERT]);
     for (int o : {OPT_DATA, OPT_COUNT, OPT_SHARD})
@@ -2249,9 +2057,7 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
 }
 
 #ifndef TESTING
-// Informational lines (the start-up table, progress, 'wrote ...') go to the console unless -q;
-// results always do. The console is stdout, or stderr when the CSV takes stdout (--csv -).
-static FILE* console = stdout;
+static FILE* console = stdout; // stderr when --csv - takes stdout; informational lines unless -q
 static bool quiet = false;
 static void say(const char* fmt, ...) {
     if (quiet) return;
@@ -2283,7 +2089,6 @@ static void print_version() {
 #endif
 }
 
-// The folder a new file at `path` would go into, for the checks below.
 static void parent_folder(const char* path, char folder[MAX_PATH]) {
     snprintf(folder, MAX_PATH, "%s", path);
     char* slash = strrchr(folder, '/');
@@ -2297,9 +2102,7 @@ static bool writable_folder(const char* folder) {
     return stat(folder, &st) == 0 && S_ISDIR(st.st_mode) && access(folder, W_OK) == 0;
 }
 
-// Outputs are checked before any work and written only at its end: the folder -o names must be a writable folder or
-// one that can be made with its missing parents, as mkdir -p does (they are made only when the outputs are written); a
-// --csv file must not be a folder, and its folder must be writable.
+// Outputs are checked before any work: -o a writable folder or one mkdir -p can make, --csv a writable file.
 static void check_output_dir(const char* flag, const char* dir) {
     struct stat st;
     char existing[MAX_PATH]; // the folder itself, else its nearest ancestor that exists
@@ -2334,7 +2137,6 @@ static void check_output_file(const char* flag, const char* path) {
              is_folder ? "a folder" : "its folder is missing or not writable");
 }
 
-// The start-up table: one "| key | value |" row each.
 static void print_separator() { say("+-----------+------------------------------------------------+\n"); }
 static void print_row(const char* key, const char* fmt, ...) {
     char value[256];
@@ -2345,13 +2147,11 @@ static void print_row(const char* key, const char* fmt, ...) {
     say("| %-9s | %-46s |\n", key, value);
 }
 
-// The engine the run asks for: --kernels, but AIS's --chains above FUSED_AIS_CHAINS run on the plain path.
 static Kernels run_kernels(const Config* cfg) {
     const bool ais = cfg->mode == MODE_AIS || cfg->mode == MODE_BDMC;
     return ais && cfg->chains > FUSED_AIS_CHAINS ? KERNELS_PLAIN : cfg->kernels;
 }
 
-// Which engine runs a model of size dims (fused: use_fused's answer), and why, for the start-up table.
 static void print_kernels_row(const Config* cfg, ModelDims dims, bool fused) {
     if (fused)
         print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
@@ -2364,13 +2164,11 @@ static void print_kernels_row(const Config* cfg, ModelDims dims, bool fused) {
 
 static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
 
-// The first image of each digit 0..9 among the first count (or -1), for the interpolation rows.
 static void first_of_each_digit(const Labels* labels, int count, int first[10]) {
     for (int d = 0; d < 10; d++) first[d] = -1;
     for (int i = count - 1; i >= 0 && labels->labels != NULL; i--) first[labels->labels[i]] = i;
 }
 
-// tiles as the picture `name` in the -o folder (write_ppm_grid), the folder made first if it is missing.
 static void write_grid(const Config* cfg, const char* name, const char* what, const float* tiles, int rows, int cols) {
     char path[MAX_PATH];
     Error err;
@@ -2379,7 +2177,6 @@ static void write_grid(const Config* cfg, const char* name, const char* what, co
         fail("%s", err.msg);
 }
 
-// The three picture files: reconstructions, prior samples, latent interpolations.
 enum { RECON_COLS = 16, SAMPLE_SIDE = 8, IMAGE_TILES_MAX = 10 * INTERP_STEPS };
 static_assert(SAMPLE_SIDE * SAMPLE_SIDE <= IMAGE_TILES_MAX && 2 * RECON_COLS <= IMAGE_TILES_MAX, "image batches fit");
 static void write_images(VAE* m, const Images* images, const Labels* labels, int count, const uint8_t* d_pixels,
@@ -2391,8 +2188,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     cudaCheck(cudaMalloc(&d_z, (IMAGE_TILES_MAX * Z + 2 * RECON_COLS) * sizeof(float)));
     d_loss = d_z + IMAGE_TILES_MAX * Z;
 
-    // recon.ppm: the first images over their reconstructions
-    const int n_recon = count < RECON_COLS ? count : RECON_COLS;
+    const int n_recon = count < RECON_COLS ? count : RECON_COLS; // recon.ppm: images over reconstructions
     const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, true};
     vae_forward(m, d_pixels, n_recon, 0, &opt, d_loss, d_loss + RECON_COLS);
     for (int i = 0; i < RECON_COLS * INPUT_DIM; i++)
@@ -2404,8 +2200,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
                                                 : "top: test images, bottom: reconstructions";
     write_grid(cfg, "recon.ppm", what, tiles, 2, RECON_COLS);
 
-    // samples.ppm: decodes of z ~ N(0, I)
-    const int n_samples = SAMPLE_SIDE * SAMPLE_SIDE;
+    const int n_samples = SAMPLE_SIDE * SAMPLE_SIDE; // samples.ppm: decodes of z ~ N(0, I)
     for (int s = 0; s < n_samples; s++)
         for (int j = 0; j < Z; j++) z[s * Z + j] = gaussian(cfg->seed, STREAM_PRIOR, s, 0, j);
     cudaCheck(cudaMemcpy(d_z, z, (size_t)n_samples * Z * sizeof(float), cudaMemcpyHostToDevice));
@@ -2413,8 +2208,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
     cudaCheck(cudaMemcpy(tiles, m->recon, (size_t)n_samples * INPUT_DIM * sizeof(float), cudaMemcpyDeviceToHost));
     write_grid(cfg, "samples.ppm", "decodes of z ~ N(0, I)", tiles, SAMPLE_SIDE, SAMPLE_SIDE);
 
-    // interp.ppm: row d walks the latent mean of a test 'd' to that of a 'd+1'
-    int first[10], rows = 0;
+    int first[10], rows = 0; // interp.ppm: row d walks the latent mean of a test 'd' to that of a 'd+1'
     int2 pairs[10];
     first_of_each_digit(labels, count, first);
     uint8_t* d_pair_pixels; // the images of the pairs, gathered into one batch
@@ -2446,12 +2240,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
 }
 
 // ---- many GPUs (--devices) ------------------------------------------------------------------------------------------
-// A run on several GPUs gives each a host thread, its own model and stream, and a copy of the images. The GPUs take
-// slices of the images from one shared counter, each as many as it asks for (whole passes of its own engine), so a
-// faster GPU takes more slices and all of them finish within about a slice of each other, whatever their speeds, with
-// no model of them. No image's results depend on the slice it ran in: the generator is keyed by the image's global
-// index, and every reduction is in a fixed order within the image. Each slice's results go to their place in the
-// host's arrays, so the CSV, the means and the pictures are a one-GPU run's, byte for byte.
+// Each GPU takes slices of the work from one counter; keyed noise and fixed-order sums keep the one-GPU run's bytes.
 typedef struct {
     int device, sm, sms; // the CUDA device number, its compute capability (90: 9.0) and SMs
     bool fused;          // the engine this run takes on it: fused or plain (use_fused)
@@ -2463,7 +2252,6 @@ typedef struct {
 
 typedef struct { int count; Gpu* gpu; } Gpus;
 
-// work(g) for every GPU g of the run, each on a thread of its own with its GPU current (the first on this thread).
 template <typename Work> static void on_each_gpu(Gpus* gs, Work work) {
     auto drive = [&](Gpu* g) {
         if (gs->count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
@@ -2481,9 +2269,7 @@ static void vae_free_all(Gpus* gs) {
     on_each_gpu(gs, [](Gpu* g) { vae_free(&g->m); });
 }
 
-// What the GPUs of a run share: the images (or decodes) that none has taken yet, and the wall time of the timed part,
-// from when the last GPU is ready (its modules loaded and its buffers made) to when the last one is done.
-struct Slices {
+struct Slices { // the work no GPU has taken yet; the time from the last GPU ready to the last done
     std::atomic<int> next{0};
     const int count, gpus;
     std::mutex lock;
@@ -2491,7 +2277,6 @@ struct Slices {
     int ready = 0;
     double start_ms = 0.0, end_ms = 0.0;
     Slices(int n, const Gpus* gs) : count(n), gpus(gs->count) {}
-    // The next `want` of them (or the rest) as first .. first + *n - 1; false once none are left.
     bool take(int want, int* first, int* n) {
         *first = next.fetch_add(want);
         *n = std::min(want, count - *first);
@@ -2512,10 +2297,7 @@ struct Slices {
     double ms() const { return end_ms - start_ms; }
 };
 
-// The one loop that spreads a mode's work over the run's GPUs: body(g, slices) runs on each GPU's thread, makes its
-// buffers, runs an untimed warm-up (module loading stays out of the time) and calls slices(size, run); that waits for
-// every GPU to be ready, then calls run(first, n) for each slice of `count` items this GPU takes from the shared
-// counter until none are left. Returns the wall time from the last GPU ready to the last one done.
+// The one loop over the GPUs: body makes a GPU's buffers and warms up, then slices(size, run) runs the slices it takes.
 template <typename Body> static double over_slices(Gpus* gs, int count, Body body) {
     Slices slices(count, gs);
     on_each_gpu(gs, [&](Gpu* g) {
@@ -2530,9 +2312,7 @@ template <typename Body> static double over_slices(Gpus* gs, int count, Body bod
     return slices.ms();
 }
 
-// Progress of a long run on stderr, unless -q: a bar redrawn in place on a terminal, a line every 10% otherwise (logs
-// stay readable). Every GPU adds what it finished.
-struct Progress {
+struct Progress { // on stderr unless -q: a bar on a terminal, else a line every 10%
     std::mutex lock;
     const char* what;
     const long long total;
@@ -2556,8 +2336,7 @@ struct Progress {
     }
 };
 
-// The run's GPUs: --devices' (every GPU, or the list; GPU 0 by default), the first alone for --bench, each checked:
-// this binary has code for it, and it has what --precision needs.
+// --devices' GPUs (GPU 0 by default; the first alone for --bench), each checked for this binary's code and --precision.
 static Gpus open_gpus(const Config* cfg, ModelDims dims) {
     int available = 0, devices[MAX_DEVICES], count = 0;
     const cudaError_t status = cudaGetDeviceCount(&available);
@@ -2605,13 +2384,9 @@ static Gpus open_gpus(const Config* cfg, ModelDims dims) {
     return gs;
 }
 
-// What produced a run's results, for the CSV's first line; `images` says where the images came from. A --shard run
-// evaluates images first .. first + count - 1 of them: the generator's keys, the CSV's indices and the labels use
-// those global indices, so the shards' rows are those of one run over all of them.
+// A --shard run's images are first .. first + count - 1 of all: the noise, indices and labels use those global indices.
 typedef struct { const char* images; int count; const Labels* labels; int first; } Inputs;
 
-// Per-image results as CSV after one '#' line naming what produced them; "-" is stdout. `columns`
-// names the float columns after index and label, `values` holds them.
 static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
                       std::initializer_list<const float*> values) {
     const bool to_stdout = !strcmp(cfg->csv_path, "-");
@@ -2635,7 +2410,6 @@ static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
     if (!ok) fail("--csv %s: write failed (%s). HINT: check the disk", cfg->csv_path, strerror(errno));
 }
 
-// The time on `stream` from construction (or restart()) to elapsed_ms(), which waits for it.
 struct Timer {
     cudaStream_t stream;
     cudaEvent_t start, stop;
@@ -2652,8 +2426,7 @@ struct Timer {
     }
 };
 
-// Per-image BCE and KL of `count` images (image0 the first one's global index) to the host, on every GPU, in slices of
-// whole batches of `batch` (about 8 slices a GPU); returns the time in ms.
+// Per-image BCE and KL to the host, on every GPU in slices of whole batches (about 8 a GPU); returns the time in ms.
 static double evaluate(Gpus* gs, int count, int image0, int batch, const Config* cfg, float* bce, float* kl) {
     const ForwardOptions opt = {cfg->seed, cfg->z_is_mu, false};
     const int slice = batch * ceil_div(ceil_div(count, 8 * gs->count), batch);
@@ -2680,7 +2453,6 @@ static double mean_of(const float* v, int n) {
     return sum / n;
 }
 
-// Prints `label`, the mean NLL of `count` images' log p(x) and its standard error; returns the mean log p(x).
 template <typename V> static double print_mean_nll(const char* label, const V* log_px, int count) {
     double sum = 0.0, sum_sq = 0.0;
     for (int i = 0; i < count; i++) sum += log_px[i], sum_sq += (double)log_px[i] * log_px[i];
@@ -2691,14 +2463,12 @@ template <typename V> static double print_mean_nll(const char* label, const V* l
     return mean;
 }
 
-// " on 2 GPUs" after a time where the run used several.
 static const char* on_gpus(const Gpus* gs) {
     static char text[32];
     snprintf(text, sizeof(text), gs->count > 1 ? " on %d GPUs" : "", gs->count);
     return text;
 }
 
-// The default run: mean BCE, KL and loss; per image for --image files; CSV; the three pictures (the first GPU's).
 static void run_elbo(const HostWeights* w, const Images* images, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int count = in->count, batch = cfg->batch < count ? cfg->batch : count;
     on_each_gpu(gs, [&](Gpu* g) { // the pictures take batches of up to 110
@@ -2728,9 +2498,7 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
     free(bce), vae_free_all(gs);
 }
 
-// log p(x) of `count` images (image0 the first one's global index) by IWAE with K samples, to the host, on every GPU in
-// slices of whole decoder passes, ~2% of the images each, or a GPU's share where that is less (progress, unless NULL,
-// between them); returns the time in ms.
+// IWAE's log p(x) to the host, on every GPU in slices of whole decoder passes, ~2% of the images each.
 static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg, Progress* progress, float* log_px) {
     return over_slices(gs, count, [&](Gpu* g, auto slices) {
         VAE* m = &g->m;
@@ -2748,7 +2516,6 @@ static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg
     });
 }
 
-// --iwae K: log p(x) of every evaluated image, K importance samples each, beside its ELBO.
 static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int K = cfg->iwae_k, count = in->count;
     on_each_gpu(gs, [&](Gpu* g) { vae_init(&g->m, w, IWAE_ROWS, cfg->precision, cfg->kernels, IWAE_PASS_ROWS); });
@@ -2772,8 +2539,6 @@ static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Con
     free(results), vae_free_all(gs);
 }
 
-// The device buffers of AIS over n images of C chains: the schedule, per chain its log weight and acceptances, per
-// image the step size and the estimates.
 typedef struct { double *beta, *log_w, *log_px; int* accepted; float *step, *ess, *acceptance; } AisBuffers;
 static AisBuffers ais_buffers(int n, const Config* cfg) {
     const size_t rows = (size_t)n * cfg->chains;
@@ -2798,9 +2563,7 @@ static void ais_buffers_free(AisBuffers* b) {
 }
 
 typedef struct { double* log_px; float *step, *ess, *acceptance; } AisResults; // host arrays of n each
-// AIS over n images (image0 the first one's global index), forward, or reverse from the host's z_start [n][Z], on every
-// GPU in slices of whole rounds (fused: ~2% of the images each; plain: launches of even size, as many a GPU), progress
-// between them; each image's estimates to `out`. Returns the time in ms.
+// AIS forward, or reverse from the host's z_start, on every GPU in slices of whole rounds; the estimates to `out`.
 static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const float* z_start, const char* what,
                       AisResults out) {
     Progress progress(what, n);
@@ -2848,7 +2611,6 @@ static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decode
     require_ais(m);
 }
 
-// --ais T: each image's log p(x) by AIS, beside the ELBO, and with --ais-iwae IWAE with as many decoder evaluations.
 static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int count = in->count, C = cfg->chains, T = cfg->ais_t, L = cfg->leapfrog;
     const long long evals_per_image = (long long)C * (1 + (long long)(T - 1) * L); // gradient evaluations
@@ -2901,9 +2663,7 @@ static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Conf
     free(log_px), free(results), vae_free_all(gs);
 }
 
-// --bdmc N --ais T: N images simulated from the model (z ~ N(0, I) keyed by the image, x ~
-// Bernoulli(sigmoid(logits)), binary), AIS forward from p0 (a stochastic lower bound of log p(x))
-// and reverse from the true z (an upper bound); their gap is how far AIS at this T is from exact.
+// Images simulated from the model: AIS forward (a lower bound) and reverse from the true z (an upper one) on log p(x).
 static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
     const int n = cfg->bdmc_n, Z = w->dims.z;
     on_each_gpu(gs, [&](Gpu* g) { ais_init(&g->m, w, cfg, 0); });
@@ -2959,17 +2719,13 @@ static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
     free(z), free(pixels), free(bounds), free(estimates), vae_free_all(gs);
 }
 
-// --bench: one whole forward+loss (sampled z) per batch size and precision, captured once as a CUDA graph and replayed:
-// 20 replays warm up; latency is the median of 200 replays, each from an idle GPU between two events (what one request
-// waits for), throughput the time of 200 back-to-back replays between two events over 200 (what a full queue sustains).
-// dev/bench_pytorch.py times PyTorch's modes by the same two definitions.
+// Graph replays: latency the median one from an idle GPU, throughput 200 back to back / 200 (as dev/bench_pytorch.py).
 static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Config* cfg) {
     enum { WARMUP = 20, REPS = 200 };
     const ModelDims d = w->dims;
     const double flops_per_image = 2.0 * ((double)INPUT_DIM * d.h1 + 2.0 * d.h1 * d.z + (double)d.z * d.h3 +
                                           (double)d.h3 * INPUT_DIM);
-    // the floor: the matrix work at the dense bf16 rate an H200 sustains, or the bytes that must move
-    // (pixels in, two losses out, the weights once) at its memory bandwidth, whichever is longer
+    // the floor: the FLOPs at the dense bf16 rate an H200 sustains, or the bytes that must move at its bandwidth
     const double floor_flops = 770e12, floor_bytes_per_s = 4.2e12;
     const int max_batch = *std::max_element(cfg->bench_batches, cfg->bench_batches + cfg->num_bench_batches);
     float* d_losses = (float*)device_alloc((size_t)2 * max_batch * sizeof(float), "the losses");
@@ -2980,7 +2736,6 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
     printf("| kernels | precision | batch | latency us | throughput us | images/s | TFLOP/s | floor us | "
            "%% of floor |\n");
     printf("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
-    // both engines wherever both run, unless --kernels names one
     Kernels engines[2] = {cfg->kernels, KERNELS_FUSED};
     int num_engines = 1;
     if (cfg->kernels == KERNELS_AUTO) engines[0] = KERNELS_PLAIN, num_engines = use_fused(KERNELS_AUTO, d) ? 2 : 1;
@@ -3031,10 +2786,7 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
     cudaCheck(cudaFree(d_losses));
 }
 
-// --interp N: every pair of the first N images, INTERP_STEPS decodes each on the line between their latent means, first
-// in passes of as many decodes as the model holds (on every GPU), then one pair per call on the first GPU (a launch and
-// a wait for 11 decodes, the way an interactive loop would ask). Both decode on the device and leave the images there;
-// neither copies them back inside the timing.
+// Every pair of the first N images in long passes (every GPU), then a pair a call, as an interactive loop would ask.
 static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
     const int n = cfg->interp_n, num_pairs = n * (n - 1) / 2, decodes = num_pairs * INTERP_STEPS;
     const int pass_rows = IWAE_ROWS - IWAE_ROWS % INTERP_STEPS; // whole pairs per pass
@@ -3056,15 +2808,11 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
         vae_decode_interpolations(m, here, 0, INTERP_STEPS, INTERP_STEPS); // the warm-up
         slices(pass_rows, [&](int first, int rows) {
             vae_decode_interpolations(m, here, first, rows, INTERP_STEPS);
-            // done before this GPU takes more; one GPU queues its passes back to back (a wait after each of N = 1000's
-            // 84 passes costs ~5%)
-            if (gs->count > 1) cudaCheck(cudaStreamSynchronize(m->stream));
+            if (gs->count > 1) cudaCheck(cudaStreamSynchronize(m->stream)); // one GPU queues passes back to back
         });
     });
 
-    // the last pass again (untimed) on the first GPU, whose one-pair decodes below it is compared with: another GPU may
-    // have taken it, and GPUs of other kinds may run another engine
-    VAE* m = &gs->gpu[0].m;
+    VAE* m = &gs->gpu[0].m; // the last pass again here, for the check (another engine may have run it)
     const double rest_start = Slices::now_ms(); // the check and the picture, beside the two timed ways
     const int last_pass = (decodes - 1) / pass_rows * pass_rows, last_rows = decodes - last_pass;
     vae_decode_interpolations(m, d_pairs[0], last_pass, last_rows, INTERP_STEPS);
@@ -3107,7 +2855,6 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
     on_each_gpu(gs, [&](Gpu* g) { cudaCheck(cudaFree(d_pairs[g - gs->gpu])), vae_free(&g->m); });
 }
 
-// The idx file `name` in `dir`, or its gzipped copy (MNIST as shipped) where only that is there.
 static void idx_path(char path[MAX_PATH], const char* dir, const char* name) {
     struct stat st;
     snprintf(path, MAX_PATH, "%s/%s", dir, name);
@@ -3115,7 +2862,6 @@ static void idx_path(char path[MAX_PATH], const char* dir, const char* name) {
     if (stat(path, &st) != 0 && errno == ENOENT) snprintf(path, MAX_PATH, "%s/%s", dir, name); // neither: name it
 }
 
-// --image files: 28x28 greymaps, read in full and validated like every other input.
 static void load_image_files(const Config* cfg, Images* images) {
     images->count = cfg->num_image_files;
     images->pixels = (uint8_t*)malloc((size_t)images->count * INPUT_DIM);
@@ -3142,8 +2888,7 @@ int main(int argc, char** argv) {
     quiet = cfg.quiet;
     if (cfg.csv_path != NULL && !strcmp(cfg.csv_path, "-")) console = stderr;
 
-    // read and validate every input before touching the GPU
-    HostWeights weights = {};
+    HostWeights weights = {}; // every input read and validated before touching the GPU
     Images images = {};
     Labels labels = {}; // none: every label is -1
     char images_path[MAX_PATH], labels_path[MAX_PATH];
@@ -3155,8 +2900,7 @@ int main(int argc, char** argv) {
         load_image_files(&cfg, &images);
         snprintf(images_path, sizeof(images_path), "%d --image file%s", images.count, images.count > 1 ? "s" : "");
     } else if (cfg.mode != MODE_BDMC) { // --bdmc simulates its images: no test set
-        // -d names the user's folder: 'make data' makes data/ only
-        const bool own_data = cfg.given & OPT_BIT(OPT_DATA);
+        const bool own_data = cfg.given & OPT_BIT(OPT_DATA); // -d names the user's folder: 'make data' makes data/
         const char* data_hint = own_data ? "HINT: pass -d with the folder that holds t10k-images-idx3-ubyte or its .gz"
                                          : PREPARE_HINT;
         struct stat st;
@@ -3177,7 +2921,6 @@ int main(int argc, char** argv) {
         fail("%s %d: %s holds only %d images. HINT: pass %s %d or less", cfg.flag[OPT_COUNT], cfg.count, images_path,
              images.count, cfg.flag[OPT_COUNT], images.count);
     const int total = cfg.count > 0 ? cfg.count : images.count;
-    // --shard K/N: block K of N of the evaluated images, first .. first + count - 1
     const int first = cfg.num_shards > 0 ? (int)((long long)total * cfg.shard / cfg.num_shards) : 0;
     const int count = cfg.num_shards > 0 ? (int)((long long)total * (cfg.shard + 1) / cfg.num_shards) - first : total;
     if (cfg.num_shards > total)
@@ -3239,8 +2982,7 @@ int main(int argc, char** argv) {
                   cfg.leapfrog, cfg.ais_from_prior ? "the prior" : "q(z|x)");
     print_separator();
 
-    // the images stay on each GPU as uint8 for the whole run: no copies in the batch loop (--bdmc makes its own)
-    if (cfg.mode != MODE_BDMC)
+    if (cfg.mode != MODE_BDMC) // the images stay on each GPU as uint8 for the whole run
         on_each_gpu(&gpus, [&](Gpu* g) {
             g->pixels = (uint8_t*)device_alloc((size_t)count * INPUT_DIM, "the images");
             cudaCheck(cudaMemcpy(g->pixels, images.pixels + (size_t)first * INPUT_DIM, (size_t)count * INPUT_DIM,
@@ -3262,39 +3004,12 @@ int main(int argc, char** argv) {
 #endif // TESTING
 
 // ==== appendix: the Hopper engine ====================================================================================
-// f<P>, the instance of template f for the precision named at run time.
 #define BY_PRECISION(precision, f) ((precision) == PRECISION_FP32 ? f<PRECISION_FP32> : f<PRECISION_BF16>)
 
 // ---- kernels: the tensor cores, one encoder kernel and one decoder kernel, in either precision ----------------------
-//
-// The network in two launches per forward pass, 16-bit operands and fp32 accumulation:
-//   encoder          uint8 pixels -> fc1 + ReLU -> fc21/fc22 -> z (the generator) and KL. h1 never leaves the
-//                    registers; z leaves as a "z row" (16-bit, in the order the decoder's fragments load it)
-//   decoder          z rows -> fc3 + ReLU -> fc4 -> per-row BCE; logits and recon only when
-//                    asked for. h3 never leaves the registers, the logits never reach memory
-// Every mode runs these two: the ELBO (one z row per image), --iwae (K rows per image, from sample_z_kernel), the
-// pictures and --interp (rows of chosen latents, no pixels: recon). Both run on Hopper's wgmma + TMA
-// (encoder_wgmma_kernel, decoder_wgmma_kernel); the tests check them against float64 and against the plain path. The
-// same design on sm_80's mma.sync is dev/encoder_v1.cu's and dev/decoder_v1.cu's, timed beside these. Rows of z in,
-// per-row results out: a backward pass w.r.t. z fits the same shape (x - sigmoid(logits) formed in the epilogue).
-//
-// Both precisions run the same kernels (template parameter P); Path<P> holds what differs.
-//   bf16  each weight and activation is one bf16 (8 significant bits): one product per multiply
-//   fp32  each is two fp16 parts, hi = fp16(v) and lo = fp16(v - hi): 22 of fp32's 24 bits, and a product a w = ah wh +
-//         ah wl + al wh (al wl, 2^-22 of it, is dropped): three tensor-core products, the two small ones first, into
-//         the same fp32 accumulator. fp16 rather than bf16 parts because bf16 needs three parts (six products) for the
-//         same accuracy, and fp16 runs at bf16's rate. A lo part below fp16's normal range (6e-5) keeps an absolute
-//         precision of 3e-8: far below what sums of 20 to 800 terms of size ~1 can show. The pixels (0..255) are exact
-//         in fp16, so fc1 is two products: x wh + x wl. dev/split_v1.cu and dev/split_v2.cu measure the schemes; this
-//         one keeps every activation within 1e-5 of float64 (test_vae).
-// How the weights are laid out for it (weights_kernel, once at load):
-//   fc1      a slice's 80 rows are 80 hidden units (bf16) or 40 units' hi rows then their lo rows
-//            (fp32): the same m64n80 products, the two halves added in the epilogue
-//   fc21/22  each slice's columns: its units (bf16), or their hi parts then their lo parts
-//   fc3      K = [z | 1 1 1 | 0] against [W3 | bias parts | 0] (bf16); in fp32 K doubles to
-//            [zh | 1 1 1 | zl | zh | 0] against [W3h | bias parts | W3h | W3l | 0]: the three
-//            products are one longer product, the z row carries them
-//   fc4      [W4 | bias parts | 0] (bf16), and a second copy [W4l | 0] for fp32's corrections
+// A forward pass in two launches, 16-bit operands and fp32 sums: the encoder (pixels -> z rows, KL) and the decoder (z
+// rows -> per-row BCE), hidden layers and logits on chip. Path<P> holds what the precisions change: bf16 one product a
+// multiply, fp32 three on fp16 parts, within 1e-5 of float64 (dev/NOTES.md, 'the tensor-core kernels').
 template <Precision P> struct Path;
 template <> struct Path<PRECISION_BF16> {
     typedef bf16 T;
@@ -3316,7 +3031,6 @@ template <> struct Path<PRECISION_FP32> {
     static constexpr int AIS_CLUSTER = 8, AIS_BN = 104;   // 8 of 104 in two copies of cores (AisFc4Cores)
 };
 
-// Two values as the 16-bit pair of one mma operand register (lo in the low half): one instruction.
 template <typename T> __device__ inline uint32_t pack2(float lo, float hi);
 template <> __device__ inline uint32_t pack2<bf16>(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -3328,8 +3042,7 @@ template <> __device__ inline uint32_t pack2<fp16>(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// D += A (16x16, row-major) * B (16x8, column-major), bf16 or fp16 inputs, fp32 accumulators.
-// With g = lane / 4 and t = lane % 4, each register holds two consecutive k of one row:
+// D += A (16x16, row-major) B (16x8, column-major), fp32 D; with g = lane / 4, t = lane % 4, a register holds two k:
 //   a[0] = A[g][2t..]  a[1] = A[g+8][2t..]  a[2] = A[g][2t+8..]  a[3] = A[g+8][2t+8..]
 //   b[0] = B[2t..][g]  b[1] = B[2t+8..][g]       (B[k][n] = W[n][k]: rows of W are columns of B)
 //   d[0], d[1] = D[g][2t], D[g][2t+1]    d[2], d[3] = D[g+8][2t], D[g+8][2t+1]
@@ -3351,11 +3064,9 @@ __device__ inline void mma_parts(float* d, const uint32_t (&a_hi)[4], const uint
     mma_m16n8k16<T>(d, a_hi, b_hi);
 }
 
-// The shared-memory address of p, as the PTX instructions take it.
 __device__ inline uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
-// 16-byte asynchronous copy global -> shared (sm_80+). When !valid it writes 16 zero bytes and
-// reads nothing, so tiles hanging over the matrix edge hold zeros and the math needs no edge case.
+// 16 bytes global -> shared; !valid writes zeros and reads nothing, so tiles past a matrix's edge need no edge case.
 __device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
     const uint32_t dst = smem_addr(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
@@ -3366,9 +3077,6 @@ template <int PENDING> __device__ inline void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
-// A rows x cols block of 16-bit values (cols a multiple of 8) from global memory, row pitch src_pitch, into
-// shared memory with row pitch dst_pitch: 16-byte cp.async copies spread over the whole thread
-// block, committed as one group (the caller waits). How the kernels load their resident weights.
 template <typename T>
 __device__ inline void copy_block_async(T* dst, int dst_pitch, const T* __restrict__ src, int src_pitch, int rows,
                                        int cols) {
@@ -3379,10 +3087,7 @@ __device__ inline void copy_block_async(T* dst, int dst_pitch, const T* __restri
     cp_async_commit();
 }
 
-// The cross-block merge of the encoder and the decoder: each of `arrivals` blocks stores its share
-// of a 16-row task, then its warp calls this; the warp that arrives last gets true (on every lane),
-// with all the shares visible to it, and resets the ticket for the next launch. The merge itself
-// always adds the shares in a fixed order, so its result does not depend on who arrives last.
+// The last of `arrivals` warps to store a 16-row task's share gets true, every share visible, and resets the ticket.
 __device__ inline bool last_to_arrive(unsigned* ticket, unsigned arrivals) {
     __threadfence(); // this warp's shares are visible to the whole GPU before its ticket is
     __syncwarp();
@@ -3394,27 +3099,18 @@ __device__ inline bool last_to_arrive(unsigned* ticket, unsigned arrivals) {
     return true;
 }
 
-// Programmatic dependent launch (sm_90+): the decoder is launched while the encoder still runs
-// (each encoder block allows it as it starts), copies its weights into shared memory on the SMs
-// the encoder leaves free, and waits here for the encoder's grid to finish and its writes to be
-// visible before it reads a z row. Without the launch attribute (other GPUs) both are no-ops.
+// Programmatic dependent launch: the decoder loads its weights while the encoder runs, and waits here for its z rows.
 __device__ inline void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 __device__ inline void wait_for_prior_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
-// Two consecutive k of a 16-bit row in shared memory as one mma operand register.
 __device__ inline uint32_t pair_at(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// Byte b (0..3) of a word as an exact float: placed in the mantissa of 2^23 (0x4B000000) and
-// 2^23 subtracted, one byte permute and one add instead of an integer-to-float conversion.
+// Byte b of a word as an exact float: permuted into 2^23's mantissa, 2^23 subtracted (no integer conversion).
 __device__ inline float byte_as_float(uint32_t word, int b) {
     return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440 + b)) - 8388608.0f;
 }
 
-// The decoder's shapes. fc4's 784 logits are cut into column blocks of DEC_BN (bf16: 4 of 200, one m64n200 wgmma; the
-// last block starts at 784 - DEC_BN and leaves its first DEC_OVERLAP columns to the block before); fc3's 400 hidden
-// units are taken in chunks of 80 = 5 k16 steps of fc4. Both layers carry their bias in the K padding: 1 in z's K =
-// 20..22 and in an extra k16 step of fc4, where the weights hold the bias in three 16-bit parts (~fp32 exact): the
-// tensor cores add it, not the epilogue.
+// fc4's logits in column blocks of DEC_BN, the last from 784 - DEC_BN (its dec_overlap() left to the block before).
 enum {
     DEC_CHUNK = 80,
     DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK,
@@ -3435,19 +3131,17 @@ static_assert(3 * LATENT_DIM + BIAS_PARTS <= Path<PRECISION_FP32>::Z_K, "fp32's 
 static_assert(HIDDEN_DIM % DEC_CHUNK == 0 && DEC_CHUNK % 16 == 0, "chunks are whole k16 steps");
 static_assert(dec_overlap<PRECISION_BF16>() % 8 == 0 && dec_overlap<PRECISION_FP32>() % 8 == 0 &&
                   dec_overlap<PRECISION_FP32>() >= 0 && INPUT_DIM % 2 == 0, "the overlaps are whole n8 blocks");
-// The encoder's shapes (encoder_wgmma_kernel, below).
 enum {
     ENC_BN = 80,               // fc1's rows a block keeps: one slice (bf16: 80 units; fp32: 40 units' hi and lo)
     MAX_ENC_SLICES = Path<PRECISION_FP32>::ENC_SLICES,
     FC1_K = 832,               // 13 blocks of 64 pixels: 784 and zeros
-    ENC_PREFETCH = 2,          // pixel blocks loaded ahead of the one multiplied (1, 4 or 6: the same time on an H200)
+    ENC_PREFETCH = 2,          // pixel blocks loaded ahead of the one multiplied
 };
 
 static_assert(Path<PRECISION_BF16>::ENC_UNITS == ENC_BN && 2 * Path<PRECISION_FP32>::ENC_UNITS == ENC_BN &&
                   FC1_K % 64 == 0 && (int)FC1_K >= (int)INPUT_DIM && INPUT_DIM % 16 == 0,
               "a slice is 80 rows of fc1 in both paths; pixels come in 16-byte loads");
-// The weights in the kernels' layouts, once at load: element i of layer `layer` from the fp32
-// tensors (w[rows][cols], b), in the path's 16-bit type (the layouts: the section's header).
+// The weights in the kernels' 16-bit layouts, once at load: element i of `layer` (each layout at its branch).
 enum Layer { LAYER_FC1, LAYER_ENC, LAYER_FC3, LAYER_FC4, LAYER_AIS_FC3 };
 template <Precision P>
 __global__ void weights_kernel(typename Path<P>::T* __restrict__ dst, Layer layer, const float* __restrict__ w,
@@ -3499,10 +3193,8 @@ __device__ inline float fast_log2(float x) {
     return y;
 }
 
-// A z row: Z_K 16-bit values in pairs, in the order fc3's A fragments load them: uint4 4h + t holds what thread t of a
-// quad needs for k16 steps 2h and 2h + 1, the pairs at K = 32h + (2t, 2t+1), (8+2t, ..), (16+2t, ..), (24+2t, ..). K =
-// 0..19 are the latents, 20..22 hold 1 (times fc3's bias parts); fp32 follows with zl and zh (the header above), zeros
-// after. One or two 16-byte loads a row give a thread both rows (g, g + 8) of its fragments.
+// A z row in fc3's A fragment order: uint4 4h + t holds thread t's pairs for k16 steps 2h, 2h + 1, at K = 32h + (2t,
+// 2t+1), (8+2t, ..), (16+2t, ..), (24+2t, ..). K 0..19: z; 20..22: 1 (times the bias parts); fp32 then zl and zh.
 template <Precision P> __device__ inline void store_z_row(uint4* row, const float* z) {
     typedef typename Path<P>::T T;
     float k[Path<P>::Z_K];
@@ -3519,17 +3211,14 @@ template <Precision P> __device__ inline void store_z_row(uint4* row, const floa
         }
 }
 
-// z rows of B latents given in fp32 (prior samples, interpolations), one thread per row.
+// z rows of latents given in fp32 (prior samples, interpolations), a thread a row.
 template <Precision P> __global__ void z_rows_kernel(uint4* __restrict__ z_rows, const float* __restrict__ z, int B) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r < B) store_z_row<P>(z_rows + (size_t)r * Path<P>::Z_K / 8, z + (size_t)r * LATENT_DIM);
 }
 
-// ReLU of a warp's m16n8 accumulators (h[4j..4j+3] = n8 block j, rows g and g + 8), as the A fragments of the next
-// layer's k16 steps over them: that layout is already mma's A layout, a[s] = blocks 2s (k 2t..) and 2s + 1 (k 8 +
-// 2t..); steps past the accumulators are zeros. h1 -> fc21/fc22 in the encoder and h3 -> fc4 in both decoders go
-// through it without leaving the registers. bf16 rounds first and takes the ReLU on bf16 pairs (the same values, half
-// the instructions); fp16 gives the lo parts too.
+// ReLU of a warp's m16n8 accumulators (h[4j..4j+3] = n8 block j, rows g, g + 8) as the next layer's A fragments: a[s] =
+// blocks 2s (k 2t..) and 2s + 1 (k 8 + 2t..), so h1 and h3 stay in registers; fp16 adds the lo parts.
 template <typename T, int STEPS, int H>
 __device__ inline void relu_to_a(uint32_t (&hi)[STEPS][4], uint32_t (&lo)[STEPS][4], const float (&h)[H]) {
     for (int s = 0; s < STEPS; s++)
@@ -3550,8 +3239,6 @@ __device__ inline void relu_to_a(uint32_t (&hi)[STEPS][4], uint32_t (&lo)[STEPS]
         }
 }
 
-// The tests' view of h1 and h3: a warp's accumulators h (layout as above) with the ReLU, as rows
-// row16 + g and + 8 (those below `rows`), columns col0 + 8j + 2t and + 1, of out[rows][400].
 template <int H> __device__ inline void store_hidden(float* out, const float (&h)[H], int row16, int rows, int col0) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     for (int j = 0; j < H / 4; j++)
@@ -3561,7 +3248,6 @@ template <int H> __device__ inline void store_hidden(float* out, const float (&h
                     make_float2(fmaxf(h[4 * j + 2 * half], 0.0f), fmaxf(h[4 * j + 2 * half + 1], 0.0f));
 }
 
-// What an encoder pass reads and writes (both kernels, both paths).
 struct EncoderIO {
     uint4* z_rows;              // [M][Z_K / 8]
     float *kl, *mulv_out, *z_out, *h1; // [M], [M][40], [M][20], [M][400], or NULL
@@ -3578,9 +3264,7 @@ struct EncoderIO {
     bool z_is_mu;
 };
 
-// The 16-byte pixel loads of rows g and g + 8 of a warp's 16 (zeros past the rows and past pixel
-// 783), for pixel block u, and their widening into the A fragments of its 4 k16 steps.
-struct PixelRows {
+struct PixelRows { // rows g and g + 8's 16-byte pixel loads (zeros past the edges), and their A fragments
     const uint4 *top, *bottom;
     bool top_live, bottom_live;
     __device__ PixelRows(const uint8_t* pixels, int row16, int M) {
@@ -3605,8 +3289,7 @@ template <typename T> __device__ inline void pixel_fragments(uint32_t (&a)[4][4]
                 pack2<T>(byte_as_float(words[i % 2][j], (i / 2) * 2), byte_as_float(words[i % 2][j], (i / 2) * 2 + 1));
 }
 
-// Everything after fc1, for one warp's 16 images: h1 = ReLU(acc / 255 + b1) as A fragments, the slice's partial [mu |
-// logvar], the ticket, and for the last slice to arrive the merge, z and KL. z_s, kl_s: the warp's [16][20] scratch.
+// After fc1, a warp's 16 images: h1 as A fragments, the slice's partial [mu | logvar]; the last slice merges, z and KL.
 template <Precision P>
 __device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
                                       const typename Path<P>::T (*w_enc)[Path<P>::ENC_W_COLS + 8], int row16,
@@ -3674,7 +3357,6 @@ __device__ inline void encoder_finish(const float (&acc)[2 * ENC_BN / 4],
     __syncwarp(); // z_s is rewritten by this warp's next finishing task
 }
 
-// A block's [fc21 | fc22] columns for its slice, copied into shared memory (both kernels).
 template <Precision P>
 __device__ inline void copy_enc_weights(typename Path<P>::T (*dst)[Path<P>::ENC_W_COLS + 8], const EncoderIO& io,
                                         int slice) {
@@ -3698,10 +3380,7 @@ __device__ inline void load_z_fragments(uint32_t (&z_a)[STEPS][4], const uint4* 
     }
 }
 
-// What a decoder pass reads and writes. With pixels, row r is compared with image
-// r / rows_per_image (1 for the ELBO, K for --iwae) and its BCE lands in bce[r]; without, the
-// pass only decodes. logits and recon are written when given (tests, pictures).
-struct DecoderIO {
+struct DecoderIO { // row r against image r / rows_per_image (no pixels: decode only)
     const uint4* z_rows;   // [rows][Z_K / 8]
     const uint8_t* pixels; // [rows / rows_per_image][784] or NULL
     int rows, rows_per_image;
@@ -3712,12 +3391,8 @@ struct DecoderIO {
     float* h3;             // [rows][400] or NULL (tests)
 };
 
-// The decoder's epilogue (also dev/decoder_v1.cu's mma.sync kernel's), for one warp's 16 rows x DEC_BN logits of column
-// block cb, held in the m16n8 layout (logit[4j..4j+3] = n8 block j, rows g and g + 8). A row's BCE terms max(l, 0) - x
-// l + log(1 + e^-|l|) are summed as (1/2 - x) l + |l| / 2 + log(1 + e^-|l|) with one log per row and thread: the
-// factors 1 + e^-|l| (each in (1, 2]; 25 or 11 a thread) multiplied in two products, log2 taken once. The 4 lanes of a
-// quad share a row. Each row's share goes to parts[row][cb]; the column block that completes the 16 rows (a ticket per
-// 16 rows) adds the shares in block order, the same sum whichever block is last: bitwise reproducible, batch invariant.
+// A warp's 16 rows x DEC_BN logits (m16n8 layout): BCE = (1/2 - x) l + |l| / 2 + log(1 + e^-|l|), one log a row and
+// thread; the column block completing 16 rows (a ticket) adds their parts in block order: batch invariant.
 template <Precision P>
 __device__ inline void decoder_epilogue(const float (&logit)[Path<P>::DEC_BN / 2], int row16, int cb,
                                         const DecoderIO& io) {
@@ -3777,26 +3452,14 @@ template <typename T> __device__ inline uint32_t bias_ones(int t) {
 }
 
 // ---- kernels: the decoder on Hopper (wgmma, TMA, mbarriers; sm_90a) -------------------------------------------------
-//
-// mma.sync is a warp-wide 16x8x16 product: every one costs more instructions of ldmatrix and
-// address arithmetic, and the tensor cores wait on that issue slot. Hopper's own path:
-//   wgmma.mma_async   one instruction per warpgroup (4 warps) multiplies 64 x 200 x 16, B straight from shared memory
-//                     through a 64-bit descriptor, A (h3) from registers; it runs asynchronously, so fc3 of the next
-//                     chunk, the bf16 conversion and the other warpgroup's epilogue overlap it
-//   TMA               cp.async.bulk.tensor: one thread copies a block's weights global ->
-//                     shared in the swizzled layouts wgmma reads without bank conflicts
-//   mbarriers         the weights' arrival (and, in the wait, a trap instead of a hang)
-// A block owns one column block and keeps its slice of fc4 (179 KB) and all of fc3 (25 KB) in shared memory for the
-// whole pass, loaded once. Its two warpgroups take 64-row tiles in turns at the tensor cores, handing over by named
-// barriers: while one issues a tile's MMAs the other runs its epilogue (decoder_epilogue), so the BCE and the
-// matrix work overlap. One block per SM (205 KB of shared memory, ~235 registers a thread).
+// A block keeps its column block of fc4 and all of fc3 in shared memory; two warpgroups take 64-row tiles in turns at
+// the tensor cores, one's epilogue beside the other's wgmmas (dev/NOTES.md, 'the decoder on Hopper').
 
-// mbarriers: init, arrive, and a wait that cannot hang (a pipeline bug traps after ~1 s, so the launch fails loudly).
+// mbarriers, whose wait traps after ~1 s rather than hang: a pipeline bug fails the launch loudly.
 __device__ inline void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 
-// The producer's arrival: also sets how many bytes this phase waits for.
 __device__ inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -3817,31 +3480,23 @@ __device__ inline void mbar_wait(uint32_t bar, uint32_t parity) {
         if (clock64() - start > 2000000000ll) __trap();
 }
 
-// A load's mbarrier, by the one thread that issues the load: one arrival (its own, which also sets
-// the bytes to wait for), made visible to TMA (the async proxy) before the copies start.
 __device__ inline void mbar_expect_load(uint32_t bar, uint32_t bytes) {
     mbar_init(bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     mbar_arrive_expect_tx(bar, bytes);
 }
 
-// A wgmma kernel's shared memory: the 128-byte swizzle wants 1024-byte alignment, so the dynamic
-// allocation (1 KB larger than S) is used from its first such address.
 template <typename S> __device__ inline S& smem_aligned_1024(uint8_t* raw) {
     const uint32_t addr = (uint32_t)__cvta_generic_to_shared(raw);
     return *reinterpret_cast<S*>(raw + ((addr + 1023) & ~1023u) - addr);
 }
 
-// One box of a 2-D tensor map -> shared memory at dst; the mbarrier counts its bytes.
 __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int col, int row) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
                  "[%2];\n" ::"r"(dst), "l"(map), "r"(bar), "r"(col), "r"(row) : "memory");
 }
 
-// wgmma descriptor of a K-major tile of 128-byte rows in the 128-byte swizzle layout (what TMA
-// writes with CU_TENSOR_MAP_SWIZZLE_128B): start address / 16, stride 1024 bytes between 8-row
-// groups, layout type 1 (128B swizzle); the leading offset is unused for this layout. The tile
-// must start 1024-byte aligned; the next k16 step is +32 bytes, the hardware applies the swizzle.
+// K-major 128-byte rows in TMA's 128-byte swizzle: 8-row groups 1024 bytes apart (type 1); a k16 step is +32 bytes.
 __device__ inline uint64_t smem_desc_128b(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
 }
@@ -3852,33 +3507,23 @@ template <int PENDING> __device__ inline void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
 }
 
-// The accumulators are written by asynchronous wgmmas that the compiler cannot see finish; this
-// empty asm "writes" each one, so no read or write of them moves across a wgmma.wait_group.
-// (pin_registers, below, does the same for A fragments held in registers.)
+// An empty asm "writes" each accumulator: no access moves across a wgmma.wait_group, which the compiler cannot see.
 template <int R> __device__ inline void fence_accumulators(float (&d)[R]) {
     for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// wgmma descriptor of a K-major tile of 64-byte rows in the 64-byte swizzle layout: stride 512
-// bytes between 8-row groups, layout type 2; the tile starts 512-byte aligned.
 __device__ inline uint64_t smem_desc_64b(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(512 >> 4) << 32 | (uint64_t)2 << 62;
 }
 
-// D[64 x N] (+)= A[64 x 16] B[16 x N] with A from registers: each warp's a[4] hold its 16 rows in mma.sync's m16n8k16 A
-// layout (a[0] = row g, k 2t..2t+1; a[1] = row g+8; a[2], a[3] = the same at k + 8), which is also the layout of an
-// m16n8 accumulator pair: fp32 results of one wgmma become the A operand of the next without leaving the registers.
-// accumulate = false ignores D's old contents.
-// One wgmma with A from registers (the layout above), as asm: SHAPE (e.g. "m64n80k16.f32.bf16.bf16"); the R
-// accumulators as ACC ("%0, ..., %R-1", WG_ACC10 below) and the matching "+f" list (...); A_OPS, A and the
-// descriptor ("{%R, .., %R+3}, %R+4"); PRED, accumulate (%R+5); TRANS_B, imm-trans-b.
+// D[64 x N] (+)= A B, A from registers in mma.sync's layout, that of an m16n8 accumulator pair (one wgmma's D is the
+// next one's A): SHAPE, R accumulators as ACC and their "+f" list, A_OPS, PRED (accumulate), TRANS_B (imm-trans-b).
 #define WGMMA_RS(SHAPE, ACC, A_OPS, PRED, TRANS_B, ...)                                                               \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\nwgmma.mma_async.sync.aligned." SHAPE " {" ACC "}, " \
                  A_OPS ", p, 1, 1, " TRANS_B ";\n}\n"                                                                  \
                  : __VA_ARGS__                                                                                         \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)                       \
                  : "memory")
-// Ten accumulators from %t0 (t: the tens digit, empty for 0..9): their operand text and their "+f" list.
 #define WG_ACC10(t) "%" #t "0, %" #t "1, %" #t "2, %" #t "3, %" #t "4, %" #t "5, %" #t "6, %" #t "7, %" #t "8, %" #t "9"
 #define WG_D10(t)                                                                                                      \
     "+f"(d[t##0]), "+f"(d[t##1]), "+f"(d[t##2]), "+f"(d[t##3]), "+f"(d[t##4]), "+f"(d[t##5]), "+f"(d[t##6]),           \
@@ -3899,7 +3544,6 @@ __device__ inline void wgmma_m64n80k16_rs(float (&d)[40], const uint32_t (&a)[4]
     else WG_M64N80("f16");
 }
 
-// fc4's product for a path: bf16 m64n200, fp32 m64n88 (two fp16 copies of 88 rows fit shared memory beside fc3).
 template <int R>
 __device__ inline void wgmma_fc4(float (&d)[R], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
     if constexpr (R == 100) wgmma_m64n200k16_rs(d, a, desc_b, accumulate);
@@ -3908,14 +3552,12 @@ __device__ inline void wgmma_fc4(float (&d)[R], const uint32_t (&a)[4], uint64_t
                   WG_D10(3), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]));
 }
 
-// An empty asm "writes" each register: a constant A fragment is then materialised here, before a
-// wgmma.fence, rather than between wgmmas (where ptxas would have to add a fence of its own).
+// A constant A fragment materialised here, before a wgmma.fence, not between wgmmas (where ptxas would add a fence).
 template <int R> __device__ inline void pin_registers(uint32_t (&a)[R]) {
     for (int i = 0; i < R; i++) asm volatile("" : "+r"(a[i])::"memory");
 }
 
-// Named barriers (0 is __syncthreads): the two warpgroups' turns at the tensor cores.
-enum { BAR_TURN = 1 };
+enum { BAR_TURN = 1 }; // named barriers 1, 2 (0 is __syncthreads): the warpgroups' turns at the tensor cores
 __device__ inline void named_bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -3931,10 +3573,7 @@ enum {
 
 static_assert(FC4_K <= DEC_WG_SLICES * 64, "the bias parts fit the last slice");
 
-// fc4's weights for this block's logits (bias in K = 400..402; fp32: and the lo copy), K-major in
-// 128-byte swizzle rows; fc3's with its bias in K = 20..22, rows of 64 bytes (bf16, 64-byte
-// swizzle) or 128 (fp32). Every tile starts 1024-byte aligned (200 or 88 rows of 128 bytes).
-template <Precision P> struct DecoderWgmmaSmem {
+template <Precision P> struct DecoderWgmmaSmem { // fc4's column block (fp32: and lo copy), fc3; swizzled rows
     typename Path<P>::T w4[Path<P>::SPLIT ? 2 : 1][DEC_WG_SLICES][Path<P>::DEC_BN][64];
     typename Path<P>::T w3[HIDDEN_DIM][Path<P>::Z_K];
     uint64_t loaded;
@@ -3966,16 +3605,13 @@ template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     mbar_wait(smem_addr(&sm.loaded), 0);
     wait_for_prior_grid(); // the z rows
 
-    // The blocks of one column block (its `copies`) deal the 64-row tiles round-robin: warpgroup w of copy p takes
-    // tiles p + w copies, then + 2 copies, ..., so a small batch still spreads over all the copies. Both warpgroups run
-    // the same number of turns (a tile past the rows does no work) so their turn barriers stay matched.
+    // The copies of a column block deal 64-row tiles round-robin; both warpgroups take as many turns (barriers match)
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, t = lane % 4;
     const int tiles = (io.rows + 63) / 64, copies = gridDim.x / DEC_COL_BLOCKS;
     const uint32_t w3_tile = smem_addr(&sm.w3[0][0]), w4_tile = smem_addr(&sm.w4[0][0][0][0]);
     const uint32_t w4_lo_tile = w4_tile + DEC_WG_SLICES * DEC_BN * 128; // fp32's lo copy
     uint32_t z_a[Z_STEPS][4]; // fc3's A fragments: z rows g and g + 8 of this warp's 16 in a tile
     auto load_z = [&](int tile) { load_z_fragments(z_a, io.z_rows, tile * 64 + warp * 16, io.rows); };
-    // fc3 of chunk c of the tile in z_a into h, as one wgmma group (z's K = 20..22 hold 1: the product adds the bias).
     float h[2 * DEC_CHUNK / 4];
     auto fc3_chunk = [&](int c) {
         wgmma_fence();
@@ -3984,9 +3620,7 @@ template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
         for (int s = 0; s < Z_STEPS; s++) wgmma_m64n80k16_rs<T>(h, z_a[s], desc + 2 * s, s > 0);
         wgmma_commit();
     };
-    // A tile's first fc3 chunk runs before its turn (after the previous tile's MMAs), so a turn
-    // starts straight with fc4. to_a turns chunk c of a tile, in h, into fc4's A fragments.
-    uint32_t a[2][DEC_STEPS][4], a_lo[2][DEC_STEPS][4];
+    uint32_t a[2][DEC_STEPS][4], a_lo[2][DEC_STEPS][4]; // a tile's first fc3 chunk runs before its turn
     auto to_a = [&](int buffer, int tile, int c) {
         if (io.h3 && cb == 0) store_hidden(io.h3, h, tile * 64 + warp * 16, io.rows, c * DEC_CHUNK);
         relu_to_a<T>(a[buffer], a_lo[buffer], h);
@@ -4002,8 +3636,7 @@ template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
         const int tile = first + wg * copies;
         const bool live_tile = tile < tiles;
 
-        // This warpgroup's turn: it issues the tile's MMAs while the other runs its epilogue. (A tile past the rows
-        // multiplies zeros and drops the result: a condition around the wgmmas would make ptxas serialise them.)
+        // This warpgroup's turn. A tile past the rows multiplies zeros: a condition would serialise the wgmmas.
         named_bar_sync(BAR_TURN + wg, 256);
         float logit[DEC_BN / 2];
         #pragma unroll
@@ -4047,18 +3680,8 @@ template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
 #endif
 }
 
-// encoder_wgmma_kernel: the decoder's design turned around. fc1's 400 hidden units are cut into slices (bf16: 5 of 80
-// units; fp32: 10 of 40, their hi and lo rows); a block owns one slice, its 80 rows of fc1, which arrive once by TMA
-// (13 tiles of 80 x 64, the 128-byte swizzle wgmma reads), and its columns of [fc21 | fc22]. Each warpgroup takes
-// 64-image tasks: per 64 pixels its warps load 16 bytes of each of their rows straight from global memory and widen
-// them into A fragments in registers (pixel_fragments; 0..255 are exact in 16 bits; weights_kernel stores fc1's K in
-// the matching order), and issue 4 m64n80k16 wgmmas from them, while the next block's pixels are loaded and widened
-// into the other register buffer. Each warp then finishes its 16 images with encoder_finish: the accumulators (scale
-// 1/255, bias, ReLU) are the A fragments of the slice's partial [mu | logvar] (h1 never leaves the registers); the
-// partial goes through L2 with a ticket per 16 images, and the last slice to arrive adds them all in slice order
-// (bitwise reproducible, batch invariant), draws eps and writes the z rows and the KL. Four warpgroups a block (bf16:
-// 124 registers a thread, 182 KB of shared memory): at B = 10000 the 157 tasks of a slice take 2 rounds of its 104
-// warpgroups, not 3 of 78; five spread too thin at small batches.
+// The encoder: a block keeps a slice of fc1's units and their [fc21 | fc22] columns; warpgroups widen 64 images' pixels
+// into A fragments, the last slice merges (dev/NOTES.md, 'encoder_wgmma_kernel').
 enum { ENC_WG_GROUPS = 4, ENC_WG_SLICES = FC1_K / 64 };
 template <Precision P> struct EncoderWgmmaSmem {
     typename Path<P>::T w1[ENC_WG_SLICES][ENC_BN][64]; // K-major, 128-byte rows: 10 KB a slice, each 1024-byte aligned
@@ -4115,25 +3738,14 @@ template <Precision P> __global__ void __launch_bounds__(ENC_WG_GROUPS * 128, 1)
 #endif
 }
 
-// Writes 1 when the code loaded for this GPU was built for sm_90a (wgmma and TMA available),
-// else 0: the host picks the decoder from what actually runs, not from what the GPU could run.
-__global__ void has_wgmma_kernel(int* out) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    *out = 1;
-#else
-    *out = 0;
-#endif
-}
-
 // ---- kernels: sampling z as the fused decoder's z rows --------------------------------------------------------------
-// Where sample_z_kernel writes; NULL: not wanted.
 struct SampleOut {
     uint4* z_rows;     // [rows][Z_K / 8]: the decoder's input (store_z_row)
     float* kl;         // [rows]: KL(q(z|x) || N(0, I)) of the row's image, the ELBO's
     float* log_ratio;  // [rows]: log p(z) - log q(z|x), --iwae's
 };
 
-// z for `rows` rows from the images' [mu | logvar] as sample_kernel draws them: row r is sample r % K of image r / K.
+// z rows drawn as sample_kernel draws them (row r: sample r % K of image r / K); NULL outputs not wanted.
 template <Precision P>
 __global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, const float* __restrict__ eps_in,
                                 int rows, int K, uint32_t first_image, uint64_t seed, bool z_is_mu) {
@@ -4148,12 +3760,8 @@ __global__ void sample_z_kernel(SampleOut out, const float* __restrict__ mulv, c
 }
 
 // ---- kernels: annealed importance sampling on Hopper, ais_kernel: every transition of a cluster's chains on chip ----
-//
-// The algorithm is the plain path's (part 1's AIS header): the same keyed noise, the same float32
-// energies and float64 weights, the same step-size rule.
-// A warp's 16 chains hold, per thread (g = lane / 4, t = lane % 4), rows g and g + 8 and latents
-// 8 (i / 2) + 2t + i % 2, i = 0..5 (those below 20): the layout of an m16n8 accumulator over the 20
-// latents, so the gradient's accumulators are the state's own registers.
+// The plain path's AIS on the same bits. A thread holds rows g, g + 8 and latents 8 (i / 2) + 2t + i % 2, i < 6 (below
+// 20): an m16n8 accumulator's layout, so the gradient's accumulators are the chain state's own registers.
 enum {
     AIS_WARPS = 8,
     AIS_ROWS = AIS_WARPS * TASK_ROWS, // chains a cluster holds at a time
@@ -4163,42 +3771,30 @@ enum {
     AIS_SHARE = 24,                   // floats of a block's share of a row: grad, BCE, padding (ais_merge)
 };
 
-// A thread's chain state kept in memory, not registers (ais_chains): per row p0's mean and inverse variance, read by
-// each leapfrog step, and the transition's start (z, grad BCE, BCE), read only when the proposal is rejected. Slot s of
-// thread i of block b: state[(b * AIS_STATE_SLOTS + s) * AIS_THREADS + i], a warp's 32 values adjacent. In registers
-// beside the gradient's accumulators they spill (the spill slots reloaded from L2 on the leapfrog's path after the
-// merge's fence) and the bf16 wgmmas serialize for want of registers. Not __restrict__: with it nvcc keeps them there.
+// A thread's chain state, which in registers would spill: slot s of thread i of block b at state[(b * AIS_STATE_SLOTS +
+// s) * AIS_THREADS + i]. Not __restrict__: with it nvcc keeps the state in registers.
 enum {
     AIS_THREADS = AIS_WARPS * 32,
     AIS_SLOT_MU = 0, AIS_SLOT_INV_VAR = 2 * AIS_LATENTS, AIS_SLOT_Z0 = 4 * AIS_LATENTS,
     AIS_SLOT_GRAD0 = 6 * AIS_LATENTS, AIS_SLOT_BCE0 = 8 * AIS_LATENTS, AIS_STATE_SLOTS = AIS_SLOT_BCE0 + 2,
 };
 
-// Chains of a tile: a warpgroup's 64 when two such tiles hold as many images as the block's 128 (C = 16: 4 + 4 of 8;
-// not C = 5: 12 + 12 of 25, nor any C > 64), so that its images' step sizes need no other warpgroup and the two run
-// apart, one's epilogue beside the other's products; else the block's 128.
+// A tile: a warpgroup's 64 chains if two hold as many images as 128 do (C = 16), so the two run apart; else 128.
 __host__ __device__ inline int ais_tile_rows(int C) {
     return 2 * (AIS_ROWS / 2 / C) >= AIS_ROWS / C ? AIS_ROWS / 2 : AIS_ROWS;
 }
 
-// Images a cluster holds at a time: its tiles' images.
 __host__ __device__ inline int ais_cluster_images(int C) {
     return AIS_ROWS / ais_tile_rows(C) * (ais_tile_rows(C) / C);
 }
 
-// Where a warpgroup meets its counterparts in the other blocks of the cluster (ais_merge), per block:
-// `stored` completes when their threads have stored their shares, `added` when they have read this
-// block's. Each warpgroup meets only its counterparts, so the two of a block need not keep in step.
-struct AisMeet { uint64_t stored[2], added[2]; };
+struct AisMeet { uint64_t stored[2], added[2]; }; // per warpgroup: the other blocks' shares stored; ours read
 
-// Thread block clusters (sm_90): the blocks of a cluster run together, reach each other's shared
-// memory (mapa + ld.shared::cluster) and meet at the cluster barrier (its arrive, then its wait).
 __device__ inline void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
     asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// This block's rank in its cluster, the cluster's index in the grid, and the grid's count of clusters.
 __device__ inline uint32_t cluster_rank() {
     uint32_t v = 0;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(v));
@@ -4217,14 +3813,12 @@ __device__ inline uint32_t cluster_count() {
     return v;
 }
 
-// p's address in the shared memory of block `rank` of the cluster.
 __device__ inline uint32_t cluster_address(const float* p, uint32_t rank) {
     uint32_t remote = 0;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
     return remote;
 }
 
-// Two (four) floats at p in the shared memory of block `rank` of the cluster.
 __device__ inline float2 cluster_load2(const float* p, uint32_t rank) {
     float2 v = make_float2(0.0f, 0.0f);
     asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(cluster_address(p, rank))
@@ -4239,12 +3833,8 @@ __device__ inline float4 cluster_load4(const float* p, uint32_t rank) {
     return v;
 }
 
-// mbarriers across the cluster. A thread releases its accesses with one cluster fence, then arrives (relaxed) at the
-// barrier at the same address in each block that must see them; the wait acquires what the arrivals released. The
-// fences: fence_cluster orders all of the thread's accesses (its reads of other blocks' shared memory among them);
-// fence_shared_release only its stores to its own block's shared memory, and the wait's acquire only accesses to shared
-// memory: the full fence and a full acquire also invalidate the L1 (CCTL.IVALL), where the spilled registers live. The
-// wait has no time limit, like the cluster barrier: under compute-sanitizer one block may wait seconds for another.
+// Cluster mbarriers: a fence releases, the arrivals are relaxed, the wait acquires; shared-memory-only fences where
+// they suffice, as a full one also invalidates the L1, where spilled registers live. No time limit (compute-sanitizer).
 __device__ inline void fence_cluster() {
     asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
 }
@@ -4253,7 +3843,6 @@ __device__ inline void fence_shared_release() {
     asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
 }
 
-// One arrival at the barrier at address bar in each other block of the cluster.
 template <int CLUSTER> __device__ inline void arrive_at_other_blocks(uint32_t bar) {
     const uint32_t own_rank = cluster_rank();
     for (uint32_t rank = 0; rank < (uint32_t)CLUSTER; rank++)
@@ -4273,7 +3862,6 @@ __device__ inline void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
     asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;\n" ::: "memory");
 }
 
-// Two values as an A register pair and, for fp16, their lo parts.
 template <typename T> __device__ inline void pack_parts(uint32_t& hi, uint32_t& lo, float a, float b) {
     hi = pack2<T>(a, b);
     if constexpr (std::is_same<T, fp16>::value) {
@@ -4289,19 +3877,13 @@ __device__ inline float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// The pieces of one gradient evaluation (ais_gradient_wgmma, below) for a warp's 16 rows: the thread
-// holds rows g and g + 8 (half 0, 1) as described above.
-// fc3 in fp16 hi and lo parts in both paths (three products, ~fp32): near the posterior's mode grad
-// changes by its curvature (~100) times any error in z or W3 z, and bf16's 2^-9 moved it by 7% (fp16's
-// 2^-11 alone: 2.3%). The backward product through W3 is linear in dh: one product in bf16.
+// fc3 in fp16 hi and lo parts in both paths (bf16 moves grad 7% near the mode); the backward through W3: one product.
 typedef fp16 AisW3;
 
-// z as fc3's A fragments: latents 0..15 as a k16 step of hi parts and one of lo parts (three
-// products: lo hi, hi lo, hi hi), and the rest of all three products in one more k16 step, k24:
+// z as fc3's A: latents 0..15 as a k16 step of hi parts and one of lo parts, the rest of all three products in k24:
 //   K  0..7   z hi 16..19, 1, 1, 1, 0   times  W3 hi 16..19, the bias parts, 0
 //   K  8..11  z hi 16..19               times  W3 lo 16..19
 //   K 12..15  z lo 16..19               times  W3 hi 16..19
-// 15 of its 16 products used: four k16 steps, where K = 24 of each part takes six on wgmma (no k8), half of them zeros.
 // Thread t holds K 2t, 2t + 1 and 8 + 2t, 9 + 2t: lanes t = 2, 3 take z lo 16..19 from lanes 0, 1.
 struct AisZFragments { uint32_t k16[4], k16_lo[4], k24[4]; };
 __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]) {
@@ -4319,12 +3901,9 @@ __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]
     return f;
 }
 
-// fc3's parts as the wgmmas read them: 8 x 8 core matrices of 128 contiguous bytes, [unit / 8][k / 8][unit % 8][k % 8],
-// no swizzle, the 38,400 bytes of the rows [2][400][24] (AIS_W3_K) as the k16 steps take them: the hi part K = 32, [W3
-// hi | bias parts | 0 | W3 lo 16..19, W3 hi 16..19] (k24's B), the lo part K = 16. Forward (K-major, K = latents): a
-// k16 step is two cores 128 bytes apart, groups of 8 units 512 (hi) or 256 (lo) bytes apart. Backward (MN-major, K =
-// units, N = 24 latents): a k16 step is two groups 512 bytes apart, the three cores of a row of 8 units 128 bytes apart
-// (the hi part; fp32's lo part as N = 16 from the lo cores and N = 8 from the hi part's last core).
+// fc3's parts in 128-byte cores [unit / 8][k / 8][unit % 8][k % 8]: hi K = 32 [W3 hi | bias parts | 0 | W3 lo 16..19,
+// W3 hi 16..19], lo K = 16. Forward: a k16 step two cores 128 bytes apart, 8 units 512 (hi) or 256 (lo); backward
+// (MN-major, N = 24): two unit groups 512 apart, a row's cores 128 (fp32's lo: N = 16 from lo, 8 from hi's last core).
 struct AisW3Cores {
     AisW3 hi[HIDDEN_DIM / 8][4][8][8];
     AisW3 lo[HIDDEN_DIM / 8][2][8][8];
@@ -4332,19 +3911,12 @@ struct AisW3Cores {
 
 [[maybe_unused]] constexpr uint32_t AIS_W3_CORE_BYTES = 128, AIS_W3_HI_GROUP_BYTES = 4 * 128,
                                     AIS_W3_LO_GROUP_BYTES = 2 * 128; // used by sm_90a code only
-// The epilogue over the block's logits (n8 blocks from `skip` on; x_row[half]: the row's pixels from the block's first
-// column): sigmoid(l) - x in place of each logit (zero in the skipped blocks), and when ENERGY the row's BCE share
-// (decoder_epilogue's sum; else zero). Only the trajectory's end needs the energy, so 9 of L = 10 evaluations skip its
-// sum (its own exp(-|l|) and x, 3 instructions more a logit). sigmoid(l) - x = fmaf(byte, -1/255, 1 / (1 + exp(-l))):
-// two MUFU operations and three others a logit (exp(-l) overflows to infinity for l < -88 and the reciprocal to 0, the
-// limit). The sum keeps exp(-|l|) and x as a product rounded as written (__fmul_rn); sigmoid - x is the same fmaf in
-// every gradient (dev/ais_gradient_v1.cu's too), so they agree.
+// sigmoid(l) - x over each logit (zero before n8 block `skip`); with ENERGY the row's BCE share, as decoder_epilogue's.
 template <bool ENERGY, int N>
 __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
                                     float (&bce_share)[2]) {
     const int t = threadIdx.x % 4;
-    // all the pixel pairs first: loaded where used, they come in small batches, each an L2 round trip
-    uint32_t pixels[2][N / 4];
+    uint32_t pixels[2][N / 4]; // all first: loaded where used, they come in small batches, each an L2 round trip
     for (int half = 0; half < 2; half++)
         for (int j = 0; j < N / 4; j++)
             pixels[half][j] = *reinterpret_cast<const uint16_t*>(&x_row[half][8 * j + 2 * t]);
@@ -4371,8 +3943,7 @@ __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_
     }
 }
 
-// The epilogue (its energy only when asked) and its values as the backward's A fragments, fp32's with their lo parts:
-// k16 step s holds the block's columns 16s .. 16s + 15, the last step's K 8..15 zero (past the columns when 8 short).
+// The epilogue's values as the backward's A fragments (fp32: and lo parts), k16 step s the columns 16s .. 16s + 15.
 template <typename T, int N, int K_STEPS>
 __device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip, bool energy,
                                          float (&bce_share)[2], uint32_t (&ga)[K_STEPS][4],
@@ -4389,19 +3960,9 @@ __device__ inline void ais_epilogue_to_a(float (&logit)[N], const uint8_t* const
     }
 }
 
-// The cluster's merge: wait until the other blocks have read this one's last shares, store this one's (dz, the BCE
-// share) in share[row], meet, and add all CLUSTER blocks' in rank order, so every block gets the same bits; the next
-// evaluation tells the others this block has read theirs (ais_release_shares). A lane reads, in each block, the values
-// its counterpart lane there stored, so each thread arrives itself at the other blocks' barriers ((CLUSTER - 1) x 128
-// arrivals a phase: a named barrier and then one thread's arrival per block is correct by the PTX memory model, but
-// compute-sanitizer's racecheck does not see the other threads' stores ordered by it). `merges` counts the thread's
-// merges: its parity is the barriers' phase. A row keeps each lane's values together: latents 2t, 2t + 1, 8 + 2t, 9 +
-// 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t (t < 2), the BCE (t = 2, a zero beside it) or zeros (t = 3) at 16 + 2t, so
-// a lane reads a block's share of a row in one 16-byte and one 8-byte load, not four 8-byte ones. A row's loads from
-// all blocks are issued before its first add (with a branch for the own block's, each load waits for the add before it:
-// 12 DSMEM round trips in a row). The own block's share is read through the cluster window too, as the other blocks
-// read it, ordered after its store by the same release and acquire (adding it from the thread's registers instead would
-// spill the registers it holds through the merge).
+// The cluster's merge: store this block's (dz, BCE share), meet, add all blocks' in rank order (dev/NOTES.md, 'the
+// cluster merge'). A row holds lane t's latents 2t, 2t + 1, 8 + 2t, 9 + 2t at 4t .. 4t + 3, then 16 + 2t, 17 + 2t
+// (t < 2), the BCE (t = 2) or zeros at 16 + 2t.
 template <int CLUSTER>
 __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint32_t& merges, const float (&dz)[3][4],
                                  const float (&bce_share)[2], float (&grad)[2][AIS_LATENTS], float (&bce)[2]) {
@@ -4440,17 +4001,13 @@ __device__ inline void ais_merge(float (*share)[AIS_SHARE], AisMeet& meet, uint3
     merges++;
 }
 
-// After a merge: tell the other blocks this one has read their shares (the `added` arrivals, which they wait for at
-// their next merge), its reads ordered before them by the full fence. Not at the merge's end but in the next
-// evaluation, once its forward products are issued, where the thread would wait for them: at the merge's end the fence
-// (MEMBAR.GPU, then CCTL.IVALL) holds up the transition's arithmetic after it.
+// The `added` arrivals, in the next evaluation after its forward products: there the full fence holds nothing up.
 template <int CLUSTER> __device__ inline void ais_release_shares(AisMeet& meet, uint32_t merges) {
     if (merges == 0) return;
     fence_cluster(); // after reads of other blocks' shared memory
     arrive_at_other_blocks<CLUSTER>(smem_addr(&meet.added[threadIdx.x / 128]));
 }
 
-// The merge's barriers, before any block's first arrival (the cluster barrier holds those back).
 template <int CLUSTER> __device__ inline void ais_meet_init(AisMeet& meet) {
     if (threadIdx.x < 2) {
         mbar_init(smem_addr(&meet.stored[threadIdx.x]), (CLUSTER - 1) * 128);
@@ -4460,16 +4017,12 @@ template <int CLUSTER> __device__ inline void ais_meet_init(AisMeet& meet) {
     cluster_sync();
 }
 
-// Block `rank`'s column block of the logits: its first column (the last block starts at 784 - AIS_BN)
-// and, in skip, how many of its n8 blocks belong to the block before.
 template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* skip) {
     constexpr int BN = Path<P>::AIS_BN, CLUSTER = Path<P>::AIS_CLUSTER;
     *skip = rank < CLUSTER - 1 ? 0 : (CLUSTER * BN - INPUT_DIM) / 8;
     return rank < CLUSTER - 1 ? (int)rank * BN : INPUT_DIM - BN;
 }
 
-// All of fc3's hi and lo parts, the rows [2][400][24], into the block's AisW3Cores, a unit's six 16-byte core rows: hi
-// K 0..23 and lo K 0..15 by cp.async, the hi part's last (W3 lo 16..19, W3 hi 16..19) from two 8-byte halves.
 __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais_w3) {
     for (int c = threadIdx.x; c < HIDDEN_DIM * 6; c += blockDim.x) {
         const int unit = c / 6, k8 = c % 6;
@@ -4487,12 +4040,7 @@ __device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais
     cp_async_commit();
 }
 
-// The chains of a cluster's tiles (ais_tile_rows: a warpgroup's 64 or the block's 128 chains, all C chains of each of
-// its images), run through all their T - 1 transitions on chip; `gradient(z, x_row, grad, bce, energy)` evaluates the
-// warp's 16 rows as ais_gradient_wgmma does (x_row: each row's pixels from the block's first column col0; bce only when
-// energy: a trajectory's start and end), and step and accepted are the block's shared arrays of AIS_ROWS (a tile's step
-// sizes, its images' acceptances in a transition). Every block of the cluster runs the same arithmetic on the same
-// bits, so each holds z; the block of rank 0 writes the results.
+// A cluster's tiles through all their transitions, every block on the same bits; rank 0 writes the results.
 template <typename Gradient>
 __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, int col0, float* step_of,
                                   int* accepted_of, Gradient gradient) {
@@ -4566,8 +4114,7 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
             for (int half = 0; half < 2; half++) log_w[half] += ais_weight_term(io, s, lpxz[half], lp0[half]);
             if (s == io.T) break;
             const float beta = ais_target(io, s);
-            // HMC: momentum, the start's H, L leapfrog steps, the Metropolis test
-            float p[2][AIS_LATENTS], step[2], h0[2];
+            float p[2][AIS_LATENTS], step[2], h0[2]; // HMC: momentum, H0, L leapfrog steps, the test
             #pragma unroll
             for (int half = 0; half < 2; half++) {
                 float kinetic = 0.0f;
@@ -4651,38 +4198,15 @@ __device__ inline void ais_chains(const AisIO& io, float* state, uint32_t rank, 
     }
 }
 
-// The gradient on wgmma (dev/ais_gradient_v2.cu checks it and times the whole AIS on it; the mma.sync gradient is
-// dev/ais_gradient_v1.cu's). In bf16, the cluster of 4 blocks, column block of 200 logits, epilogue and merge of that
-// gradient; all four products move to the warpgroup (fc3 with hi and lo parts, three products, its backward with one):
-//   forward   per 64 hidden units, fc3 as 4 m64n64k16 wgmmas (z's parts as A from registers, fc3's
-//             parts as B in core matrices, AisW3Cores; the sums are the mma.sync gradient's to the bit),
-//             then 4 m64n200k16 wgmmas with its ReLU as A from registers and the block's fc4 as B
-//             from shared memory (K-major, the 128-byte swizzle TMA writes: the decoder's layout);
-//             fc3 of the next group runs before them and its ReLU is taken while they run
-//   backward  dh[64 x 64 hidden] = (sigmoid - x)[64 x 200] W4[200 x 64]: A = the epilogue's values (13 k16 steps, in
-//             registers), B = the same shared memory read MN-major (wgmma's transpose bit, 16-bit types only): a k16
-//             step of pixels is 16 rows of 128 bytes, two 8-row swizzle atoms 1024 bytes apart. 7 groups of n64; the
-//             last one's units 400..447 are fc4's bias parts and TMA's zeros, computed and dropped (an MN-major tile
-//             narrower than the 64-wide swizzle atom is not a layout the PTX ISA describes). Group q + 1's wgmmas run
-//             while the warps mask group q's dh by the ReLU into fp16 A fragments, and dz += those W3 follows as 4
-//             m64n24k16 (fc3's hi part read MN-major from its cores, in the order of the mma.sync gradient: the same
-//             sums)
-// Shared memory: fc4's 7 slices of 200 x 64 (179,200 bytes) + fc3 hi and lo (38,400) + the shares (128 x 24 floats) and
-// their 4 mbarriers + the tiles' step sizes and acceptances = 230,952 of the 232,448 a block may have (less 1,024 to
-// align): fc3's ReLU mask lives in registers (a 32-bit word per 64 units).
-// fp32 runs the same steps with every product of fc4, and the backward through fc3, as three (lo hi, hi lo, hi hi) on
-// fp16 parts: a cluster of 8 blocks of 104 logits (AisFc4Cores; 221,480 bytes a block), m64n104k16 forward and
-// m64n64k16 backward (on mma.sync they are bound by their issue).
+// The gradient on wgmma: per 64 units fc3, then fc4 with its ReLU as A; backward dh = (sigmoid - x) W4 (fc4 read
+// MN-major), masked, dz += dh W3. fp32: three products on fp16 parts (dev/NOTES.md, 'the fused AIS gradient').
 enum { AIS_WG_GROUPS = DEC_WG_SLICES };
 static_assert((int)AIS_ROWS == (int)FUSED_AIS_CHAINS, "the interface's count of the chains a cluster holds");
 static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues its last group (q + 2 == groups)");
 
-// fc4's column block as each path's wgmmas read it. bf16: K in 64-wide slices of 200 rows, the 128-byte swizzle TMA
-// writes (the decoder's tensor map). fp32: the hi and lo copies of 104 rows as 8 x 8 core matrices without swizzle,
-// [copy][column / 8][k / 8][column % 8][k % 8], K = 408 (the bias parts at 400..402): 169,728 bytes, where two copies
-// in 64-wide swizzle slices (186,368) do not fit beside fc3 and the shares. Forward (K-major): a k16 step is two cores
-// 128 bytes apart, 8 columns 6,528 apart; backward (MN-major, K = columns, N = units): a k16 step is two column groups
-// 6,528 bytes apart, 8 units 128. The bias step's K 408..415 (zero in A) read the next group's first core.
+// fc4's column block: bf16 K in 64-wide slices of 200 rows, the decoder's swizzle; fp32 hi and lo copies of 104 rows in
+// cores [copy][column / 8][k / 8][column % 8][k % 8], K = 408. Forward: a k16 step two cores 128 bytes apart, 8 columns
+// 6,528 apart; backward (MN-major): two column groups 6,528 apart, 8 units 128.
 struct AisFc4Swizzled { bf16 w[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64]; };
 struct AisFc4Cores { fp16 w[2][Path<PRECISION_FP32>::AIS_BN / 8][FC4_K / 8][8][8]; };
 [[maybe_unused]] constexpr uint32_t AIS_FC4_GROUP_BYTES = FC4_K / 8 * 128; // used by sm_90a code only
@@ -4706,16 +4230,12 @@ static_assert(sizeof(AisWgmmaSmem<PRECISION_BF16>) + 1024 <= 232448 &&
 static_assert(Path<PRECISION_FP32>::AIS_BN % 8 == 0 && FC4_K % 8 == 0, "fp32's fc4 in whole core matrices");
 static_assert(Path<PRECISION_BF16>::DEC_BN == Path<PRECISION_BF16>::AIS_BN,
               "ais_kernel loads its column block with the decoder's tensor map, whose box is DEC_BN rows");
-// wgmma descriptor of a 16-bit tile read MN-major in the 128-byte swizzle layout: rows of 64
-// values (128 bytes) along N, 8-row atoms along K 1024 bytes apart (the stride field); the
-// leading field, the step between 64-wide N atoms, is not used at N <= 64.
+// A tile read MN-major in the 128-byte swizzle: 64 values along N a row, 8-row atoms along K 1024 bytes apart.
 __device__ inline uint64_t smem_desc_128b_mn(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(1024 >> 4) << 16 | (uint64_t)(1024 >> 4) << 32 |
            (uint64_t)1 << 62;
 }
 
-// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers; B K-major (fc3's fp16 parts) or MN-major
-// (imm-trans-b = 1: the backward's fc4, bf16 or fp32's fp16 parts).
 template <typename T, bool MN_MAJOR>
 __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
     static_assert(std::is_same<T, fp16>::value || MN_MAJOR, "bf16 is read MN-major only");
@@ -4727,10 +4247,7 @@ __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4]
     else WG_M64N64("f16", "0");
 }
 
-// The two warpgroups take turns at the tensor cores (the decoder's ping-pong): each issues its forward products in a
-// turn (its first fc3 group just before) and its backward ones in the next (W3's last group just after), and runs its
-// epilogue and merge while the other issues (a turn for the forward or the backward alone gains nothing). Warpgroup 1
-// hands 0 the first turn (ais_turns_first), 0 takes 1's last (ais_turns_last): both evaluate as often (ais_chains).
+// Turns at the tensor cores: a warpgroup issues its forward products in one, its backward in the next, merging between.
 __device__ inline void ais_turn_wait() { named_bar_sync(AIS_BAR_TURN + threadIdx.x / 128, 256); }
 __device__ inline void ais_turn_pass() { named_bar_arrive(AIS_BAR_TURN + 1 - threadIdx.x / 128, 256); }
 __device__ inline void ais_turns_first() {
@@ -4741,15 +4258,12 @@ __device__ inline void ais_turns_last() {
     if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256);
 }
 
-// wgmma descriptor of a 16-bit tile of 8 x 8 core matrices without swizzle (AisW3Cores; layout type 0): cores adjacent
-// along K `leading` bytes apart, along M or N `stride` bytes apart.
+// Core matrices without swizzle (layout type 0): `leading` bytes apart along K, `stride` along M or N.
 __device__ inline uint64_t smem_desc_cores(uint32_t addr, uint32_t leading, uint32_t stride) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(leading >> 4) << 16 | (uint64_t)(stride >> 4) << 32;
 }
 
-// D[64 x N] (+)= A[64 x 16] B[16 x N] in fp16 for the narrow N: fc3's last group forward (N = 16, K-major); MN-major
-// (imm-trans-b = 1) the backward through fc3's hi part (N = 24: its core matrices read as [unit][latent]) and in fp32
-// through its lo part (16 and 8), and fp32's fc4 backward for the last group's 16 units.
+// The narrow N: fc3's last 16 units (K-major), the backward through fc3 (24; fp32 also 16, 8), fp32's fc4's last 16.
 template <int N, bool MN_MAJOR>
 __device__ inline void wgmma_f16_narrow_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b,
                                            bool accumulate) {
@@ -4770,7 +4284,6 @@ __device__ inline void wgmma_f16_narrow_rs(float (&d)[N / 2], const uint32_t (&a
                   "+f"(d[10]), "+f"(d[11]));
 }
 
-// fp32's fc4 in ais_kernel: two fp16 copies of its 104 columns as core matrices (AisFc4Cores).
 __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&a)[4], uint64_t desc_b,
                                                bool accumulate) {
     WGMMA_RS("m64n104k16.f32.f16.f16", WG_ACC10() ", " WG_ACC10(1) ", " WG_ACC10(2) ", " WG_ACC10(3) ", " WG_ACC10(4)
@@ -4778,32 +4291,22 @@ __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&
              WG_D10(4), "+f"(d[50]), "+f"(d[51]));
 }
 
-// fc3's ReLU mask in the wgmma path, 32 bits per 64 hidden units, read off fc4's A fragments: a register holds a pair
-// of ReLU'd bf16 values (fp32: their fp16 hi parts), and min.relu.s16x2 with 1 takes each half as a 16-bit integer to 1
-// (a positive value) or 0 (+0, or -0 as the negative -32768). Positive in bf16 is h > 0 to the bit: fc3's products of
-// fp16 parts are multiples of 2^-48, so h is 0 or at least 2^-48, far above bf16's smallest 2^-133. In fp16 an h of at
-// most 2^-25 rounds to +0, hi and lo part alike: the unit then adds nothing to the forward, and the mask drops it. Pair
-// j (register r of k16 step i: j = 4i + r) keeps its two flags at bits j and 16 + j, so one shift places both. As
-// comparisons (h > 0) the bits become predicates that ptxas keeps by moving bits between registers: three instructions
-// a bit, and a repacking.
+// fc3's ReLU mask off fc4's A fragments, 32 bits per 64 units: pair j (register r of k16 step i: j = 4i + r) at bits j
+// and 16 + j, each half 1 if positive (min.relu.s16x2 with 1) (dev/NOTES.md, 'the ReLU mask').
 __device__ inline uint32_t relu_pair_flags(uint32_t pair, int j) {
     uint32_t flags;
     asm("min.relu.s16x2 %0, %1, %2;\n" : "=r"(flags) : "r"(pair), "r"(0x00010001u));
     return flags << j;
 }
 
-// The AND mask of pair j for an fp16 pair: its flags moved to bits 15 and 31, the sign bits of bytes
-// 1 and 3, which prmt's selector 0xBB99 spreads over each 16-bit half.
+// Pair j's AND mask: its flags to bits 15 and 31, which prmt's selector 0xBB99 spreads over each half.
 __device__ inline uint32_t relu_pair_keep(uint32_t mask, int j) {
     uint32_t keep;
     asm("prmt.b32 %0, %1, 0, 0xBB99;\n" : "=r"(keep) : "r"(mask << (15 - j)));
     return keep;
 }
 
-// fc3's pre-activations of group q's hidden units (64, the last group's 16: N) for the warpgroup's 64
-// rows as one wgmma group, committed: the two corrections (lo hi, hi lo), hi hi, then k24, in the order
-// of the mma.sync gradient's (dev/ais_gradient_v1.cu), so the sums are its own to the bit. h: each
-// warp's rows in the accumulator layout, 8 values per 16 units. w3: the shared-memory address of sm.w3.
+// fc3 of group q's N units as one wgmma group: lo hi, hi lo, hi hi, then k24, the mma.sync gradient's order and sums.
 template <int N> __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_t w3, int q, const AisZFragments& za) {
     constexpr uint32_t CORE = AIS_W3_CORE_BYTES, HI = AIS_W3_HI_GROUP_BYTES, LO = AIS_W3_LO_GROUP_BYTES;
     const uint32_t hi = w3 + q * 8 * HI, lo = w3 + HIDDEN_DIM / 8 * HI + q * 8 * LO;
@@ -4817,8 +4320,7 @@ template <int N> __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_
     wgmma_commit();
 }
 
-// BCE and grad_z BCE for the warpgroup's 64 rows (each warp its 16, z as above); w4: the shared-memory address of
-// sm.w4; merges as in ais_merge. fp32's A lo parts sit beside its hi parts in registers.
+// BCE and grad_z BCE for the warpgroup's 64 rows.
 template <Precision P>
 __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint32_t& merges,
                                           const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
@@ -4830,16 +4332,12 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     constexpr uint32_t CORE = AIS_W3_CORE_BYTES, GROUP = AIS_FC4_GROUP_BYTES, COPY = AIS_FC4_COPY_BYTES;
     const int t = threadIdx.x % 4;
     const AisZFragments za = ais_z_fragments(z);
-    // Buffers of fc4's A fragments and of the backward's dh: bf16 two, each group's wgmmas reading one while the warps
-    // write the other; fp32 one, the warps waiting for the wgmmas (with its lo parts two spill more)
-    constexpr int BUFFERS = SPLIT ? 1 : 2;
+    constexpr int BUFFERS = SPLIT ? 1 : 2; // fc4's A and dh: bf16 two, wgmmas reading one while warps write the other
     uint32_t mask[AIS_WG_GROUPS]; // fc3's ReLU: group q's pair j at bits j and 16 + j (relu_pair_flags)
     float logit[BN / 2];
     uint32_t a[BUFFERS][4][4], a_lo[BUFFERS][4][4]; // group q's A fragments in a[q % BUFFERS]
     const uint32_t a_bias[4] = {bias_ones<T>(t), bias_ones<T>(t), 0u, 0u};
-    // fc3 of group q + 1 runs on the tensor cores before fc4 of group q, and in bf16 its ReLU is taken
-    // while fc4 runs (the wait leaves fc4's group pending; fp32 waits for it: BUFFERS)
-    const uint32_t w3 = smem_addr(&sm.w3);
+    const uint32_t w3 = smem_addr(&sm.w3); // fc3 of q + 1 runs before fc4 of q; bf16 takes its ReLU meanwhile
     float h[32];
     auto fc3_group = [&](int q) {
         if (q < AIS_WG_GROUPS - 1) ais_fc3_wgmma<64>(h, w3, q, za);
@@ -4848,8 +4346,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     auto to_a = [&](int q) { // group q's ReLU as fc4's A fragments, and its mask
         const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1; // 400 = 6 x 64 + 16
         fence_accumulators(h);
-        // a part per k16 step, ORed at the end (one by one into mask[q]: a dependent chain on the forward's path)
-        uint32_t mask_part[4] = {0u, 0u, 0u, 0u};
+        uint32_t mask_part[4] = {0u, 0u, 0u, 0u}; // ORed at the end, not one by one: no dependent chain
         for (int i = 0; i < 4; i++) {
             if (i < chunks) {
                 const float(&chunk)[8] = *reinterpret_cast<const float(*)[8]>(&h[8 * i]);
@@ -4866,9 +4363,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
         }
         mask[q] = (mask_part[0] | mask_part[1]) | (mask_part[2] | mask_part[3]);
     };
-    // fc4's k16 step i of group q: bf16 one m64n200k16 from the swizzled slice; fp32 three m64n104k16
-    // from the copies' cores (the bias step: hi hi only, the bias parts' own lo parts are in K)
-    auto fc4_step = [&](int q, int i, bool bias) {
+    auto fc4_step = [&](int q, int i, bool bias) { // bf16 one product; fp32 three (the bias step one)
         if constexpr (SPLIT) {
             const uint32_t step = w4 + (4 * q + i) * 2 * CORE;
             auto desc = [&](uint32_t at) { return smem_desc_cores(at, CORE, GROUP); };
@@ -4909,11 +4404,8 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     if constexpr (!SPLIT) // bf16's products all accumulate; fp32's first (lo hi) writes them
         for (int i = 0; i < 12; i++) dz[i / 4][i % 4] = 0.0f;
     float(&dz_acc)[12] = *reinterpret_cast<float(*)[12]>(&dz[0][0]); // W3's m64n24 accumulators: n8 block j at 4j
-    // fp32's hi lo products, latents 0..15 and 16..23, in accumulators of their own, added at the end:
-    // m64n16 and m64n8 wgmmas on dz_acc's registers make ptxas serialize all the kernel's wgmmas
-    float dz_lo[8], dz_lo16[4];
-    // group q's dh through fc3's ReLU as W3's A fragments (fp16; fp32 with lo parts), a k16 step per 16 units
-    uint32_t masked[4][4], masked_lo[4][4];
+    float dz_lo[8], dz_lo16[4]; // fp32's hi lo products apart: on dz_acc, ptxas serializes every wgmma
+    uint32_t masked[4][4], masked_lo[4][4]; // group q's dh through fc3's ReLU as W3's A fragments
     auto backward_group = [&](int q) {
         wgmma_fence();
         if constexpr (SPLIT) { // units 64q.. are cores 8q.. of each column group; the last group's 16 on N = 16
@@ -4949,8 +4441,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
         } else {
             wgmma_wait<0>();
         }
-        // dz += masked W3 as one wgmma group per 64 units (bf16: in the order of the mma.sync gradient,
-        // dev/ais_gradient_v1.cu, the same sums); its A registers are free again after the next wait
+        // dz += masked W3 per 64 units, in the mma.sync gradient's order; its A is free after the next wait
         fence_accumulators(dh[q % BUFFERS]);
         const int chunks = q < AIS_WG_GROUPS - 1 ? 4 : 1;
         for (int i = 0; i < 4; i++)
@@ -4967,8 +4458,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
             if (i < chunks) { // units 16 (4q + i) .. + 15: two core groups of fc3's hi part, K-adjacent
                 const uint32_t units = w3 + (4 * q + i) * 2 * AIS_W3_HI_GROUP_BYTES;
                 const uint64_t hi = smem_desc_cores(units, AIS_W3_HI_GROUP_BYTES, CORE);
-                if constexpr (SPLIT) { // lo hi; hi lo as latents 0..15 from the lo part, 16..19 from the hi
-                                       // part's last core (its N 4..7, W3 hi 16..19, land on latents 20..23)
+                if constexpr (SPLIT) { // lo hi; hi lo: latents 0..15 from the lo part, 16..19 the hi's last core
                     const uint32_t lo_units = w3 + HIDDEN_DIM / 8 * AIS_W3_HI_GROUP_BYTES +
                                               (4 * q + i) * 2 * AIS_W3_LO_GROUP_BYTES;
                     wgmma_f16_narrow_rs<24, true>(dz_acc, masked_lo[i], hi, q + i > 0);
@@ -4995,8 +4485,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     ais_merge<Q::AIS_CLUSTER>(sm.share, sm.meet, merges, dz, bce_share, grad, bce);
 }
 
-// The block's weights for ais_gradient_wgmma: fc4's column block col0 (bf16 by TMA; fp32's two
-// copies by cp.async into their cores), fc3's parts by cp.async.
+// fc4's column block col0 (bf16 by TMA, fp32 by cp.async into its cores) and fc3's parts.
 template <Precision P>
 __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem<P>& sm, const CUtensorMap& w4_map,
                                               const typename Path<P>::T* __restrict__ fc4_wb,
@@ -5018,20 +4507,12 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem<P>& sm, const CUtenso
     }
     ais_copy_fc3(sm.w3, ais_w3);
     cp_async_wait<0>();
-    // fc3's cores (and fp32's fc4), written by cp.async and stores (the generic proxy), are read by
-    // wgmma (the async proxy): this fence makes the writes visible to it
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); // cp.async's and stores' writes, for wgmma
     __syncthreads();
     if constexpr (P == PRECISION_BF16) mbar_wait(smem_addr(&sm.loaded), 0);
 }
 
-// ais_kernel (sm_90a: thread block clusters): a cluster of AIS_CLUSTER blocks (bf16: 4, fp32: 8) runs ais_chains. Block
-// r keeps column block r of fc4 resident (bf16: 200 logits, 175 KB in wgmma's swizzle layout; fp32: 104 in hi and lo
-// copies, 166 KB of core matrices) and all of fc3; each warpgroup evaluates its 64 chains' gradient over those columns
-// (ais_gradient_wgmma), and the blocks add their 84-byte shares per row through distributed shared memory: no weights
-// move. Streaming fc4 instead would move 627 KB (bf16) per block per evaluation. A block's two warpgroups hold separate
-// tiles when ais_tile_rows says so (C = 16) and meet only their counterparts in the other blocks, so neither waits for
-// the other's epilogue; they take turns at the tensor cores. state: the threads' AIS_STATE_SLOTS (ais_state_bytes).
+// Block r of a cluster keeps column block r of fc4 and all of fc3; the blocks add their gradients' shares over DSMEM.
 template <Precision P> __global__ void __launch_bounds__(AIS_THREADS, 1)
     ais_kernel(const typename Path<P>::T* __restrict__ fc4_wb, const __grid_constant__ CUtensorMap w4_map,
                const fp16* __restrict__ ais_w3, float* state, const AisIO io) {
@@ -5057,7 +4538,7 @@ template <Precision P> __global__ void __launch_bounds__(AIS_THREADS, 1)
 }
 
 // ---- launchers (every launch goes to the model's stream, so a forward pass can be graph-captured) -------------------
-// cuTensorMapEncodeTiled is a driver API function; the runtime hands out its address, so the program needs no -lcuda.
+// cuTensorMapEncodeTiled is the driver's; the runtime hands out its address, so the program needs no -lcuda.
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] { // once, for whichever GPU's thread asks first
         void* fn = NULL;
@@ -5070,9 +4551,7 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return encode;
 }
 
-// TMA descriptor of a row-major [rows][cols] matrix of 16-bit values read in boxes of box_rows x 64 columns (one
-// 128-byte swizzle row; box_cols = 32: 64-byte rows, 64-byte swizzle). Reads past `rows` or `cols` return zeros. A host
-// struct: encoding allocates nothing, and the kernel takes it by value, so a captured CUDA graph keeps its copy.
+// A 16-bit matrix's TMA map: boxes of box_rows x 64 (32) columns, 128 (64)-byte swizzle, zeros past the edges.
 static CUtensorMap tensor_map_16bit(const void* base, int rows, int cols, int box_rows, int box_cols = 64) {
     CUtensorMap map;
     const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}; // innermost first
@@ -5088,7 +4567,7 @@ static CUtensorMap tensor_map_16bit(const void* base, int rows, int cols, int bo
     return map;
 }
 
-// The encoder over io.M images in precision P: a block per SM of `sms`, whole groups of slices, at most a group a task.
+// A block per SM, in whole groups of the slices, at most a group a 64-image task.
 template <Precision P>
 static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int sms, cudaStream_t stream) {
     constexpr int SLICES = Path<P>::ENC_SLICES;
@@ -5097,8 +4576,7 @@ static void encoder_launch(const EncoderIO& io, const CUtensorMap& w1_map, int s
     cudaCheck(cudaGetLastError());
 }
 
-// The decoder over io.rows z rows in precision P: groups of the column blocks, at most a block per SM of `sms` and a
-// group per 64-row tile. A programmatic dependent launch: the decoder loads its weights while the kernel before ends.
+// Groups of the column blocks, at most a block per SM and a group a 64-row tile; a programmatic dependent launch.
 template <Precision P>
 static void decoder_launch(const DecoderIO& io, const CUtensorMap& w4_map, const CUtensorMap& w3_map, int sms,
                            cudaStream_t stream) {
@@ -5112,7 +4590,7 @@ static void decoder_launch(const DecoderIO& io, const CUtensorMap& w4_map, const
     cudaCheck(cudaLaunchKernelEx(&cfg, decoder_wgmma_kernel<P>, w4_map, w3_map, io));
 }
 
-template <Precision P> static int ais_smem() { return (int)sizeof(AisWgmmaSmem<P>) + 1024; } // + room to align
+template <Precision P> constexpr int ais_smem() { return (int)sizeof(AisWgmmaSmem<P>) + 1024; } // + room to align
 template <Precision P>
 static cudaLaunchConfig_t ais_config(cudaLaunchAttribute* attr, int clusters, cudaStream_t stream) {
     attr->id = cudaLaunchAttributeClusterDimension;
@@ -5127,9 +4605,6 @@ template <Precision P> static size_t ais_state_bytes(int clusters) {
     return (size_t)clusters * Path<P>::AIS_CLUSTER * AIS_STATE_SLOTS * AIS_THREADS * sizeof(float);
 }
 
-// ais_kernel over io.n images in precision P: a grid of clusters of AIS_CLUSTER blocks, `clusters`
-// of them (the most the GPU runs at once, ais_max_clusters) or one per tile when there are fewer.
-// state: ais_state_bytes(clusters) of scratch, AIS_STATE_SLOTS floats a thread.
 template <Precision P>
 static void ais_launch(const AisIO& io, const void* fc4_wb, const CUtensorMap& w4_map, const void* ais_w3,
                        float* state, int clusters, cudaStream_t stream) {
@@ -5149,7 +4624,6 @@ template <Precision P> static int ais_max_clusters() {
     return clusters;
 }
 
-// More than the default 48 KB of dynamic shared memory for precision P's kernels, allowed once.
 template <Precision P> static void allow_shared_memory() {
     const cudaFuncAttribute max = cudaFuncAttributeMaxDynamicSharedMemorySize;
     cudaCheck(cudaFuncSetAttribute(ais_kernel<P>, max, ais_smem<P>()));
@@ -5157,20 +4631,8 @@ template <Precision P> static void allow_shared_memory() {
     cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, max, dec_wg_smem<P>()));
 }
 
-// Whether the code loaded for the current GPU has the fused kernels' bodies (an sm_90a build on an sm_90 GPU).
-static bool gpu_has_wgmma() {
-    int *d_flag = NULL, flag = 0;
-    cudaCheck(cudaMalloc(&d_flag, sizeof(int)));
-    launch(has_wgmma_kernel, 1, 1, 1, 0, d_flag);
-    cudaCheck(cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost));
-    cudaCheck(cudaFree(d_flag));
-    return flag == 1;
-}
-
 // ---- the Hopper engine's state, and the interface's entry points ----------------------------------------------------
-// The fused kernels' model, the published size only: the weights in the kernels' layouts (weights_kernel) in the path's
-// 16-bit type, the tensor maps TMA reads them through, the z rows between encoder and decoder, the merges' partials and
-// tickets, AIS's chain state, and fp32 activations (the VAE's views).
+// The published model for the fused kernels: 16-bit weights and their TMA maps, z rows, merges, AIS's state, views.
 struct Fused {
     Precision precision;
     cudaStream_t stream; // the model's
@@ -5188,7 +4650,6 @@ struct Fused {
     float *bce_parts, *row_log_ratio;           // [decoder_rows][DEC_COL_BLOCKS], [decoder_rows]
 };
 
-// The state in precision P for m's model (fused_init's work).
 template <Precision P> static void fused_init_path(Fused* f, const float* const* tensor) {
     typedef typename Path<P>::T T;
     constexpr int COPIES = Path<P>::SPLIT ? 2 : 1;
@@ -5258,15 +4719,11 @@ static void fused_free(Fused* f) {
     free(f);
 }
 
-// The most shared memory a block of the fused kernels asks for (ais_kernel's, ~226 KB): the GPU must give that much.
-static size_t fused_smem_bytes() {
-    return std::max({(size_t)enc_wg_smem<PRECISION_FP32>(), (size_t)enc_wg_smem<PRECISION_BF16>(),
-                     (size_t)dec_wg_smem<PRECISION_FP32>(), (size_t)dec_wg_smem<PRECISION_BF16>(),
-                     (size_t)ais_smem<PRECISION_FP32>(), (size_t)ais_smem<PRECISION_BF16>()});
-}
+static_assert(std::max({enc_wg_smem<PRECISION_FP32>(), enc_wg_smem<PRECISION_BF16>(), dec_wg_smem<PRECISION_FP32>(),
+                        dec_wg_smem<PRECISION_BF16>(), ais_smem<PRECISION_FP32>(), ais_smem<PRECISION_BF16>()}) ==
+                  FUSED_SMEM_BYTES, "the interface's count of the shared memory the fused kernels ask for");
 
-// The decoder over `rows` z rows in f->z_rows. With pixels, row r is scored against image r / rows_per_image: its BCE
-// into bce[r] (bce NULL: left in f->bce_parts for the caller); logits, recon, h3 if given.
+// With pixels, row r is scored against image r / rows_per_image, its BCE into bce[r] (NULL: left in f->bce_parts).
 static void fused_decoder(Fused* f, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,
                           float* recon, float* h3 = NULL) {
     const DecoderIO io = {f->z_rows, pixels, rows, rows_per_image, bce, f->bce_parts, f->dec_tickets, logits, recon,
@@ -5274,7 +4731,6 @@ static void fused_decoder(Fused* f, const uint8_t* pixels, int rows, int rows_pe
     BY_PRECISION(f->precision, decoder_launch)(io, f->w4_map, f->w3_map, f->sms, f->stream);
 }
 
-// The encoder over io.M images (io's weights filled in here).
 static void fused_encoder(Fused* f, EncoderIO io) {
     io.partials = f->enc_partials, io.tickets = f->enc_tickets, io.enc_w = f->enc_w16;
     io.fc1_b = f->fc1_b, io.enc_b = f->enc_b;
@@ -5304,8 +4760,7 @@ static void fused_forward(Fused* f, const uint8_t* pixels, int B, uint32_t first
                   keep ? f->h3 : NULL);
 }
 
-// --iwae's pass: z for rows of K samples of images, then their BCE parts (no tickets: the logsumexp adds each row's
-// parts in the order they would).
+// No tickets: the logsumexp adds each row's BCE parts itself, in the same order.
 static void fused_iwae_pass(Fused* f, const uint8_t* pixels, const float* mulv, const float* eps, int rows, int K,
                             uint32_t first_image, uint64_t seed) {
     const SampleOut out = {f->z_rows, NULL, f->row_log_ratio};
