@@ -515,7 +515,9 @@ __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows
 }
 
 // Row r's logits l against image r / rows_per_image: bce = sum max(l, 0) - x l + log(1 + e^-|l|), recon = sigmoid(l),
-// residual = sigmoid(l) - x (AIS's backward's start). A warp a row, its lanes' sums in a fixed shuffle tree.
+// residual = sigmoid(l) - x (AIS's backward's start). A warp a row, its lanes' sums in a fixed shuffle tree. A lane
+// multiplies its factors 1 + e^-|l| (at most 28, each in (1, 2]) and takes one log: a multiply a logit instead of
+// log1pf's polynomial, as exact against float64 (2.3e-7 of a row's BCE at worst) and 1.3x faster (dev/loss_v5.cu).
 template <typename R, typename L = float>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
@@ -526,7 +528,7 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
     const Four<uint8_t>* x_row =
         pixels ? reinterpret_cast<const Four<uint8_t>*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM) : NULL;
     const bool want_sigmoid = recon != NULL || residual != NULL;
-    float sum = 0.0f;
+    float sum = 0.0f, product = 1.0f;
     for (int i = lane; i < INPUT_DIM / 4; i += 32) {
         const Four<L> stored = l_row[i];
         Four<float> l, e, sigmoid;
@@ -543,10 +545,11 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
         for (int k = 0; k < 4; k++) {
             const float x = px.v[k] * (1.0f / 255.0f);
             if (residual) store_as(&d.v[k], sigmoid.v[k] - x);
-            if (bce) sum += fmaxf(l.v[k], 0.0f) - x * l.v[k] + log1pf(e.v[k]);
+            if (bce) sum += fmaxf(l.v[k], 0.0f) - x * l.v[k], product *= 1.0f + e.v[k];
         }
         if (residual) reinterpret_cast<Four<R>*>(residual + (size_t)r * INPUT_DIM)[i] = d;
     }
+    sum += logf(product);
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     if (bce && x_row && lane == 0) bce[r] = sum;
 }
