@@ -514,10 +514,44 @@ __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows
     store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), row, nz);
 }
 
-// Row r's logits l against image r / rows_per_image: bce = sum max(l, 0) - x l + log(1 + e^-|l|), recon = sigmoid(l),
-// residual = sigmoid(l) - x (AIS's backward's start). A warp a row, its lanes' sums in a fixed shuffle tree. A lane
-// multiplies its factors 1 + e^-|l| (at most 28, each in (1, 2]) and takes one log: a multiply a logit instead of
-// log1pf's polynomial, as exact against float64 (2.3e-7 of a row's BCE at worst) and 1.3x faster (dev/loss_v5.cu).
+// A lane's share of a row's BCE, sum max(l, 0) - x l + log(1 + e^-|l|) over its logits: the log terms as one product of
+// the factors 1 + e^-|l| (at most 28 a lane, each in (1, 2]) and one log, a multiply a logit instead of log1pf's
+// polynomial, as exact against float64 (2.3e-7 of a row at worst, dev/loss_v5.cu). row_sum adds the lanes' shares in a
+// fixed shuffle tree.
+struct BceLane {
+    float sum = 0.0f, product = 1.0f;
+    __device__ void add(float l, float x, float e) { sum += fmaxf(l, 0.0f) - x * l, product *= 1.0f + e; }
+    __device__ float row_sum() const {
+        float s = sum + logf(product);
+        for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+        return s;
+    }
+};
+
+// Row r's BCE against image r / rows_per_image and nothing else (--iwae's passes, the ELBO): a warp a row.
+template <typename L>
+__global__ void bce_kernel(float* bce, const L* __restrict__ logits, const uint8_t* __restrict__ pixels, int rows,
+                           int rows_per_image) {
+    const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (r >= rows) return;
+    const Four<L>* l_row = reinterpret_cast<const Four<L>*>(logits + (size_t)r * INPUT_DIM);
+    const Four<uint8_t>* x_row =
+        reinterpret_cast<const Four<uint8_t>*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM);
+    BceLane part;
+    for (int i = lane; i < INPUT_DIM / 4; i += 32) {
+        const Four<L> stored = l_row[i];
+        const Four<uint8_t> px = x_row[i];
+        for (int k = 0; k < 4; k++) {
+            const float l = as_float(stored.v[k]);
+            part.add(l, px.v[k] * (1.0f / 255.0f), expf(-fabsf(l)));
+        }
+    }
+    const float sum = part.row_sum();
+    if (lane == 0) bce[r] = sum;
+}
+
+// Row r's logits l against image r / rows_per_image: its BCE as bce_kernel's, recon = sigmoid(l), and residual =
+// sigmoid(l) - x (AIS's backward's start), each where asked for. A warp a row.
 template <typename R, typename L = float>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
@@ -528,7 +562,7 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
     const Four<uint8_t>* x_row =
         pixels ? reinterpret_cast<const Four<uint8_t>*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM) : NULL;
     const bool want_sigmoid = recon != NULL || residual != NULL;
-    float sum = 0.0f, product = 1.0f;
+    BceLane part;
     for (int i = lane; i < INPUT_DIM / 4; i += 32) {
         const Four<L> stored = l_row[i];
         Four<float> l, e, sigmoid;
@@ -545,12 +579,11 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
         for (int k = 0; k < 4; k++) {
             const float x = px.v[k] * (1.0f / 255.0f);
             if (residual) store_as(&d.v[k], sigmoid.v[k] - x);
-            if (bce) sum += fmaxf(l.v[k], 0.0f) - x * l.v[k], product *= 1.0f + e.v[k];
+            if (bce) part.add(l.v[k], x, e.v[k]);
         }
         if (residual) reinterpret_cast<Four<R>*>(residual + (size_t)r * INPUT_DIM)[i] = d;
     }
-    sum += logf(product);
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    const float sum = part.row_sum();
     if (bce && x_row && lane == 0) bce[r] = sum;
 }
 
@@ -1170,6 +1203,12 @@ static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_pe
                          bool t_logits, cudaStream_t stream) {
     gemm(pl->lt, pl->fc3, pl->h3, pl->z_input, rows, stream);
     gemm(pl->lt, t_logits ? pl->fc4_t : pl->fc4, pl->logits, pl->h3, rows, stream);
+    if (recon == NULL && bce != NULL) { // scoring only: the short kernel (1.3x faster on --iwae's passes, loss_v5)
+        if (t_logits && pl->precision == PRECISION_BF16)
+            return launch(bce_kernel<bf16>, rows, 4, 128, stream, bce, (const bf16*)pl->logits, pixels, rows,
+                          rows_per_image);
+        return launch(bce_kernel<float>, rows, 4, 128, stream, bce, pl->logits, pixels, rows, rows_per_image);
+    }
     if (t_logits && pl->precision == PRECISION_BF16)
         return launch(decoder_output_kernel<float, bf16>, rows, 4, 128, stream, bce, recon, (float*)NULL,
                       (const bf16*)pl->logits, pixels, rows, rows_per_image);

@@ -698,4 +698,82 @@ inline bool run_convert_driver(const std::vector<Variant<ConvertArgs>>& variants
     return ok;
 }
 
+// The plain path's per-row BCE (vae.cu's decoder_output_kernel and the loss_v5.. variants): bce[r] of `rows` rows of
+// 784 logits (float or bf16) against image r / K. A variant runs on the default stream.
+typedef void (*BceRun)(float* bce, const void* logits, const uint8_t* pixels, int rows, int K);
+struct BceVariant { const char* name; BceRun f32, f16; };
+
+template <typename L> inline void run_vae_bce(float* bce, const void* logits, const uint8_t* pixels, int rows, int K) {
+    launch(decoder_output_kernel<float, L>, rows, 4, 128, 0, bce, (float*)NULL, (float*)NULL, (const L*)logits,
+           pixels, rows, K);
+}
+
+// Checks each variant against float64 (cpu_bce_term over the logits it reads, bf16-rounded for bf16) on rows 1, 7, 37,
+// 1023, 4097 and a whole --iwae pass, for K = 1 (the ELBO) and K = 5000 (--iwae), to the fp32 contract (1e-5 relative
+// of a row); then times them on the ELBO's 10,000 rows and a pass. False on a mismatch.
+inline bool run_bce_driver(const std::vector<BceVariant>& variants) {
+    constexpr int PASS = 1 << 18; // the plain path's decoder rows a --iwae pass (PLAIN_DECODER_ROWS)
+    const int images = PASS; // K = 1 needs an image a row
+    std::vector<float> logits((size_t)PASS * INPUT_DIM);
+    fill_random(logits, 21, 10.0f); // both signs up to |10|: every branch of the stable form
+    for (size_t i = 0; i < logits.size(); i += 97) logits[i] *= 4.0f; // some beyond |16.6|, whose terms drop
+    std::vector<bf16> logits16(logits.size());
+    std::vector<float> rounded(logits.size());
+    for (size_t i = 0; i < logits.size(); i++)
+        logits16[i] = __float2bfloat16_rn(logits[i]), rounded[i] = __bfloat162float(logits16[i]);
+    const std::vector<uint8_t> pixels = load_pixels(images);
+    float* d_logits = device_upload(logits);
+    bf16* d_logits16;
+    cudaCheck(cudaMalloc(&d_logits16, logits16.size() * sizeof(bf16)));
+    cudaCheck(cudaMemcpy(d_logits16, logits16.data(), logits16.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+    uint8_t* d_pixels = device_upload(pixels);
+    float* d_bce;
+    cudaCheck(cudaMalloc(&d_bce, PASS * sizeof(float)));
+
+    bool ok = true;
+    for (int bf = 0; bf < 2; bf++) {
+        const std::vector<float>& in = bf ? rounded : logits;
+        for (int K : {1, 5000}) {
+            std::vector<float> ref(PASS);
+            for (int r = 0; r < PASS; r++) {
+                double sum = 0.0;
+                const size_t x0 = (size_t)(r / K) * INPUT_DIM;
+                for (int i = 0; i < INPUT_DIM; i++)
+                    sum += cpu_bce_term(in[(size_t)r * INPUT_DIM + i], pixels[x0 + i] / 255.0);
+                ref[r] = (float)sum;
+            }
+            for (const BceVariant& v : variants)
+                for (int rows : {1, 7, 37, 1023, 4097, PASS}) {
+                    poison(d_bce, PASS * sizeof(float));
+                    (bf ? v.f16 : v.f32)(d_bce, bf ? (const void*)d_logits16 : d_logits, d_pixels, rows, K);
+                    cudaCheck(cudaDeviceSynchronize());
+                    const std::vector<float> got = copy_to_host_float(d_bce, rows);
+                    double worst = 0.0;
+                    for (int r = 0; r < rows; r++)
+                        worst = std::max(worst, std::fabs(got[r] - (double)ref[r]) / std::fabs((double)ref[r]));
+                    const bool good = worst <= 1e-5; // the fp32 contract; NaN (unwritten) fails
+                    if (!good || rows == PASS)
+                        printf("check %-28s %s K=%-4d rows=%-6d worst relative error %.2e %s\n", v.name,
+                               bf ? "bf16" : "fp32", K, rows, worst, good ? "OK" : "FAIL");
+                    ok = ok && good;
+                }
+        }
+    }
+    if (!ok) return false;
+    print_kernel_header();
+    for (const BceVariant& v : variants)
+        for (int bf = 0; bf < 2; bf++)
+            for (int rows : {10000, PASS}) {
+                const int K = rows == PASS ? 5000 : 1;
+                const float us = benchmark_us([&] {
+                    (bf ? v.f16 : v.f32)(d_bce, bf ? (const void*)d_logits16 : d_logits, d_pixels, rows, K);
+                });
+                char problem[64];
+                snprintf(problem, sizeof(problem), "%s rows=%d K=%d", bf ? "bf16" : "fp32", rows, K);
+                print_mem_row(v.name, problem, us, (double)rows * (INPUT_DIM * (bf ? 2 : 4) + 4));
+            }
+    for (void* p : std::initializer_list<void*>{d_logits, d_logits16, d_pixels, d_bce}) cudaCheck(cudaFree(p));
+    return true;
+}
+
 }  // namespace vae

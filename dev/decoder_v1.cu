@@ -1,7 +1,7 @@
 // Decoder v1: the first step of the bf16 decoder, and the fused design vae.cu runs today on two
 // instruction sets. It writes out decoder_mma_kernel (mma.sync, any GPU from sm_80: vae.cu's decoder on
 // GPUs without wgmma until the plain path took them over) and checks and times it beside vae.cu's
-// decoder_wgmma_kernel (Hopper's wgmma + TMA, sm_90a, through vae_decoder).
+// decoder_wgmma_kernel (Hopper's wgmma + TMA, sm_90a, through fused_decoder).
 //
 // The design: z rows in, per-row BCE out; h3 and the logits never reach memory.
 //   columns  fc4's 784 logits in 4 column blocks of 200 (the last starts at 584 and leaves its first
