@@ -1744,7 +1744,10 @@ static void poison(void* p, size_t bytes) { cudaCheck(cudaMemset(p, 0xff, bytes)
 static void test_gpu_plain_shared_memory() {
     cudaFuncAttributes attr;
     const void* plain_kernels[] = {
-        (const void*)pixels_to_input_kernel<float>,  (const void*)pixels_to_input_kernel<bf16>,
+        (const void*)pixels_to_input_kernel<fp16>,   (const void*)pixels_to_input_kernel<bf16>,
+        (const void*)fp16_parts_kernel<false>,       (const void*)fp16_parts_kernel<true>,
+        (const void*)bce_kernel<float>,              (const void*)bce_kernel<bf16>,
+        (const void*)decoder_output_kernel<fp16, float, FP16_PARTS>,
         (const void*)sample_kernel<float, LATENT_DIM>, (const void*)sample_kernel<bf16, LATENT_DIM>,
         (const void*)sample_kernel<float, MAX_LATENT>, (const void*)sample_kernel<bf16, MAX_LATENT>,
         (const void*)z_input_kernel<float, LATENT_DIM>, (const void*)z_input_kernel<bf16, LATENT_DIM>,
@@ -1785,8 +1788,10 @@ static void poison_activations(VAE* m) {
     poison(m->row_log_ratio, R * 4), poison(m->bce_parts, R * m->bce_parts_per_row * 4);
     if (!m->fused) { // the plain path's 16-bit or fp32 activations (0xffff is a bf16 NaN too)
         const Plain* pl = m->plain;
-        poison(pl->x, B * INPUT_DIM * pl->type_size), poison(pl->h1, B * d.h1 * pl->type_size);
+        poison(pl->x, B * INPUT_DIM * (pl->parts ? 2 * sizeof(fp16) : pl->type_size));
+        poison(pl->h1, B * d.h1 * pl->type_size);
         poison(pl->z_input, R * z_width(m->precision, d.z) * pl->type_size), poison(pl->h3, R * d.h3 * pl->type_size);
+        if (pl->h3_parts) poison(pl->h3_parts, R * FP16_PARTS * d.h3 * sizeof(fp16));
         return;
     }
     const int z_k = m->precision == PRECISION_FP32 ? Path<PRECISION_FP32>::Z_K : Path<PRECISION_BF16>::Z_K;

@@ -446,17 +446,45 @@ __global__ void fc3_weights_kernel(T* dst, const float* __restrict__ w3, const f
 }
 
 template <typename T> struct Backward { typedef T type; }; // AIS's backward's type
+template <typename T> constexpr bool on_parts() { return std::is_same<T, float>::value; } // fp32 runs fp16 parts
 template <> struct Backward<bf16> { typedef fp16 type; }; // 11 bits: the gradient 2.3e-3 of its scale off float64
 static_assert(sizeof(Backward<bf16>::type) == sizeof(bf16), "the backward's buffers are sized in T");
 
-// The pixels, exact in T, as fc1's input (its alpha = 1/255 scales them), four a thread (one a thread: 4x the time).
-template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t* pixels, long long n) {
+// The pixels, exact in T, as fc1's input (its alpha = 1/255 scales them), four a thread (one a thread: 4x the time);
+// `copies` of each row side by side (fp32's fc1 on fp16 parts reads [x | x], below).
+template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t* pixels, long long n, int copies) {
+    static_assert(INPUT_DIM % 4 == 0, "a row of whole fours");
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (4 * i >= n) return;
     const Four<uint8_t> px = reinterpret_cast<const Four<uint8_t>*>(pixels)[i];
     Four<T> v;
     for (int k = 0; k < 4; k++) store_as(&v.v[k], (float)px.v[k]);
-    reinterpret_cast<Four<T>*>(x)[i] = v;
+    const long long row = 4 * i / INPUT_DIM, col = 4 * i % INPUT_DIM;
+    for (int c = 0; c < copies; c++) reinterpret_cast<Four<T>*>(x + (row * copies + c) * INPUT_DIM + col)[0] = v;
+}
+
+// fp32's large products (fc1, fc4 and AIS's fc4 backward) run on the tensor cores in fp16 parts, as the fused kernels
+// do: hi = fp16(v) and lo = fp16(v - hi) carry 22 of fp32's 24 bits, and a w = a_lo w_hi + a_hi w_lo + a_hi w_hi
+// (a_lo w_lo is 2^-22 of it) is one cuBLASLt product three times as long, with fp32 sums: an activation's row as
+// [lo | hi | hi] against the weights' [hi | lo | hi]. Exact inputs (the pixels) drop the first block: [x | x] against
+// [lo | hi]. A lo part below fp16's normal range keeps an absolute precision of 6e-8 (dev/NOTES.md, 'fp32 on fp16
+// parts'); every value must stay below fp16's 65,504.
+enum { FP16_PARTS = 3 };
+__host__ __device__ constexpr int activation_part(int block) { return block == 0 ? 1 : 0; }
+__host__ __device__ constexpr int weight_part(int block) { return block == 1 ? 1 : 0; }
+
+// src[rows][cols] as fp16 parts, rows of blocks first_block .. 2 (a weight matrix: rows = 1, its blocks stacked).
+template <bool WEIGHTS>
+__global__ void fp16_parts_kernel(fp16* dst, const float* __restrict__ src, long long rows, long long cols,
+                                  int first_block) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * cols) return;
+    const long long r = i / cols, c = i % cols, blocks = FP16_PARTS - first_block;
+    const float v = src[i];
+    for (int b = first_block; b < FP16_PARTS; b++) {
+        const int part = WEIGHTS ? weight_part(b) : activation_part(b);
+        dst[(r * blocks + b - first_block) * cols + c] = split_part<fp16>(v, part);
+    }
 }
 
 // Both engines' z = mu + sigma eps of sample `sample` of an image (sample 0: the ELBO's draw), its KL, and log p(z) -
@@ -514,19 +542,29 @@ __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows
     store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), row, nz);
 }
 
-// A lane's share of a row's BCE, sum max(l, 0) - x l + log(1 + e^-|l|) over its logits: the log terms as one product of
-// the factors 1 + e^-|l| (at most 28 a lane, each in (1, 2]) and one log, a multiply a logit instead of log1pf's
-// polynomial, as exact against float64 (2.3e-7 of a row at worst, dev/loss_v5.cu). row_sum adds the lanes' shares in a
-// fixed shuffle tree.
+// A lane's share of a row's BCE, sum max(l, 0) - x l + log(1 + e^-|l|) over its logits, in about ten instructions a
+// logit (dev/loss_v6.cu): the log terms as one product of the factors 1 + e^-|l| (at most 28 a lane, each in (1, 2])
+// and one log; e^-|l| by the hardware's exp2 (__expf: 2 instructions against expf's ~10; 2^-21 relative, under 1e-6 of
+// a row's sum); x l summed over the pixel bytes, / 255 once. row_sum adds the lanes' shares in a fixed shuffle tree.
 struct BceLane {
-    float sum = 0.0f, product = 1.0f;
-    __device__ void add(float l, float x, float e) { sum += fmaxf(l, 0.0f) - x * l, product *= 1.0f + e; }
+    float relu_sum = 0.0f, byte_l_sum = 0.0f, product = 1.0f;
+    __device__ void add(float l, float byte, float e) {
+        relu_sum += fmaxf(l, 0.0f), byte_l_sum = fmaf(byte, l, byte_l_sum), product = fmaf(product, e, product);
+    }
     __device__ float row_sum() const {
-        float s = sum + logf(product);
+        float s = relu_sum - byte_l_sum * (1.0f / 255.0f) + logf(product);
         for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
         return s;
     }
 };
+
+__device__ inline float exp_neg_abs(float l) { return __expf(-fabsf(l)); }
+
+// Byte k of four pixels as a float, exactly: the byte under the exponent of 2^23 (one byte permute), less 2^23. An
+// int-to-float conversion runs at a quarter of the rate on the pipe that also computes the exponentials.
+__device__ inline float pixel_byte(uint32_t four, int k) {
+    return __uint_as_float(__byte_perm(four, 0x4b000000u, 0x7540 | k)) - 8388608.0f;
+}
 
 // Row r's BCE against image r / rows_per_image and nothing else (--iwae's passes, the ELBO): a warp a row.
 template <typename L>
@@ -535,15 +573,14 @@ __global__ void bce_kernel(float* bce, const L* __restrict__ logits, const uint8
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
     if (r >= rows) return;
     const Four<L>* l_row = reinterpret_cast<const Four<L>*>(logits + (size_t)r * INPUT_DIM);
-    const Four<uint8_t>* x_row =
-        reinterpret_cast<const Four<uint8_t>*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM);
+    const uint32_t* x_row = reinterpret_cast<const uint32_t*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM);
     BceLane part;
     for (int i = lane; i < INPUT_DIM / 4; i += 32) {
         const Four<L> stored = l_row[i];
-        const Four<uint8_t> px = x_row[i];
+        const uint32_t px = x_row[i];
         for (int k = 0; k < 4; k++) {
             const float l = as_float(stored.v[k]);
-            part.add(l, px.v[k] * (1.0f / 255.0f), expf(-fabsf(l)));
+            part.add(l, pixel_byte(px, k), exp_neg_abs(l));
         }
     }
     const float sum = part.row_sum();
@@ -551,22 +588,22 @@ __global__ void bce_kernel(float* bce, const L* __restrict__ logits, const uint8
 }
 
 // Row r's logits l against image r / rows_per_image: its BCE as bce_kernel's, recon = sigmoid(l), and residual =
-// sigmoid(l) - x (AIS's backward's start), each where asked for. A warp a row.
-template <typename R, typename L = float>
+// sigmoid(l) - x (AIS's backward's start; in fp32 as FP16_PARTS parts), each where asked for. A warp a row.
+template <typename R, typename L = float, int PARTS = 1>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
     static_assert(INPUT_DIM % 4 == 0, "rows of whole groups of four");
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
     if (r >= rows) return;
     const Four<L>* l_row = reinterpret_cast<const Four<L>*>(logits + (size_t)r * INPUT_DIM);
-    const Four<uint8_t>* x_row =
-        pixels ? reinterpret_cast<const Four<uint8_t>*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM) : NULL;
+    const uint32_t* x_row =
+        pixels ? reinterpret_cast<const uint32_t*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM) : NULL;
     const bool want_sigmoid = recon != NULL || residual != NULL;
     BceLane part;
     for (int i = lane; i < INPUT_DIM / 4; i += 32) {
         const Four<L> stored = l_row[i];
         Four<float> l, e, sigmoid;
-        for (int k = 0; k < 4; k++) l.v[k] = as_float(stored.v[k]), e.v[k] = expf(-fabsf(l.v[k]));
+        for (int k = 0; k < 4; k++) l.v[k] = as_float(stored.v[k]), e.v[k] = exp_neg_abs(l.v[k]);
         if (want_sigmoid)
             for (int k = 0; k < 4; k++) {
                 const float s = __fdividef(1.0f, 1.0f + e.v[k]); // 1 + e in [1, 2]: within __fdividef's range
@@ -574,14 +611,18 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
             }
         if (recon) reinterpret_cast<Four<float>*>(recon + (size_t)r * INPUT_DIM)[i] = sigmoid;
         if (x_row == NULL) continue;
-        const Four<uint8_t> px = x_row[i];
-        Four<R> d;
+        const uint32_t px = x_row[i];
+        Four<float> d;
         for (int k = 0; k < 4; k++) {
-            const float x = px.v[k] * (1.0f / 255.0f);
-            if (residual) store_as(&d.v[k], sigmoid.v[k] - x);
-            if (bce) part.add(l.v[k], x, e.v[k]);
+            const float byte = pixel_byte(px, k);
+            if (residual) d.v[k] = sigmoid.v[k] - byte * (1.0f / 255.0f);
+            if (bce) part.add(l.v[k], byte, e.v[k]);
         }
-        if (residual) reinterpret_cast<Four<R>*>(residual + (size_t)r * INPUT_DIM)[i] = d;
+        for (int p = 0; residual && p < PARTS; p++) {
+            Four<R> stored;
+            for (int k = 0; k < 4; k++) stored.v[k] = split_part<R>(d.v[k], PARTS == 1 ? 0 : activation_part(p));
+            reinterpret_cast<Four<R>*>(residual + ((size_t)r * PARTS + p) * INPUT_DIM)[i] = stored;
+        }
     }
     const float sum = part.row_sum();
     if (bce && x_row && lane == 0) bce[r] = sum;
@@ -1032,7 +1073,7 @@ static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int
 }
 
 typedef struct { // AIS's buffers: two sets, one's short kernels beside the other's matmuls
-    void *z_input, *h3, *residual, *dh;
+    void *z_input, *h3, *h3_parts, *residual, *dh; // h3_parts: fp32's (else NULL)
     float* logits;
     AisChains chains;
     cudaStream_t stream;
@@ -1043,13 +1084,15 @@ typedef struct {
     Precision precision;
     cudaDataType_t type, backward_type; // T and AIS's backward's Backward<T>: CUDA_R_32F, or CUDA_R_16BF and CUDA_R_16F
     size_t type_size;
+    bool parts; // fp32: fc1, fc4 and fc4's backward on fp16 parts (FP16_PARTS)
     int max_batch, rows;
     cublasLtHandle_t lt;
-    void* weights;         // W1, b1, W2, [W3 | b3], W4 in T; b2, b4 in fp32; AIS's backward's W4 and W3 in Backward<T>
+    void* weights; // W1, b1, W2, [W3 | b3], W4 in T (fp32: W1, W4 in fp16 parts); b2, b4 fp32; the backward's W4, W3
     Gemm fc1, fc2, fc3, fc4, fc4_t; // fc4_t: fc4 with its logits in T, where only the BCE or gradient reads them
-    void *x, *h1;          // [max_batch][784], [max_batch][H1]
+    void *x, *h1;          // [max_batch][784] (fp32: [784 | 784] in fp16), [max_batch][H1]
     float *mulv, *z, *recon; // fp32 [max_batch][2 Z] ([mu | logvar]), [max_batch][Z], [max_batch][784]
     void *z_input, *h3;    // [rows][z_width], [rows][H3]
+    void* h3_parts;        // fp32's [rows][3 H3] fp16 parts of h3, fc4's input (else NULL)
     float *logits, *bce, *log_ratio; // [rows][784], [rows], [rows] fp32
     Gemm fc4_backward, fc3_backward;
     AisWork ais[2]; // AIS's two sets of buffers, allocated by its first run
@@ -1076,19 +1119,24 @@ static void launch(void (*kernel)(Params...), long long items, int per_block, in
 // The weights in the path's types (fc22's rows follow fc21's: one [2Z][H1] layer), and the products.
 template <typename T> static void plain_init_weights(Plain* pl, const float* const* t, cudaStream_t stream) {
     typedef typename Backward<T>::type B;
+    constexpr bool parts = on_parts<T>();
+    typedef typename std::conditional<parts, fp16, T>::type TC;   // fc1's and fc4's operands
+    typedef typename std::conditional<parts, fp16, B>::type BC;   // fc4's backward's
     const int H1 = pl->dims.h1, Z = pl->dims.z, H3 = pl->dims.h3, MULV = 2 * Z, pad = z_pad(Z), zk = pad * z_parts<T>();
+    const int k1 = parts ? 2 * INPUT_DIM : INPUT_DIM, k4 = parts ? FP16_PARTS * H3 : H3; // fc1's and fc4's K
+    const int back_k = parts ? FP16_PARTS * INPUT_DIM : INPUT_DIM;                          // fc4's backward's
     size_t bytes = 0;
     auto slot = [&](size_t size) {
         const size_t at = bytes;
         bytes += (size + 255) / 256 * 256;
         return at;
     };
-    const size_t w1 = slot((size_t)H1 * INPUT_DIM * sizeof(T)), b1 = slot(H1 * sizeof(T));
+    const size_t w1 = slot((size_t)H1 * k1 * sizeof(TC)), b1 = slot(H1 * sizeof(T));
     const size_t w2 = slot((size_t)MULV * H1 * sizeof(T)), b2 = slot(MULV * sizeof(float));
     const size_t w3 = slot((size_t)H3 * zk * sizeof(T)); // with b3 in it
-    const size_t w4 = slot((size_t)INPUT_DIM * H3 * sizeof(T)), b4 = slot(INPUT_DIM * sizeof(float));
+    const size_t w4 = slot((size_t)INPUT_DIM * k4 * sizeof(TC)), b4 = slot(INPUT_DIM * sizeof(float));
     const size_t b4_type = slot(INPUT_DIM * sizeof(T));
-    const size_t w3_back = slot((size_t)H3 * pad * sizeof(B)), w4_back = slot((size_t)INPUT_DIM * H3 * sizeof(B));
+    const size_t w3_back = slot((size_t)H3 * pad * sizeof(B)), w4_back = slot((size_t)back_k * H3 * sizeof(BC));
     uint8_t* base = (uint8_t*)device_alloc(bytes, "the plain path's weights");
     pl->weights = base;
     const cudaDataType_t f32 = CUDA_R_32F, type = pl->type, back = pl->backward_type;
@@ -1098,24 +1146,36 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
                pitch);
         return (const void*)(base + at);
     };
-    // the batch each algorithm is picked for (dev/NOTES.md, 'algorithm picks (plain path)')
-    const int pick = type == f32 ? 1024 : 4096, long_pick = type == f32 ? 4096 : 65536;
+    auto split = [&](size_t at, int k, long long rows, long long cols, int first_block) { // weights in fp16 parts
+        launch(fp16_parts_kernel<true>, rows * cols, 256, 256, stream, (fp16*)(base + at), t[k], rows, cols,
+               first_block);
+        return (const void*)(base + at);
+    };
+    const cudaDataType_t tc = parts ? CUDA_R_16F : type, back_in = parts ? CUDA_R_16F : back;
+    // the batch each algorithm is picked for (dev/NOTES.md, 'algorithm picks (plain path)'); fp32's SIMT products
+    // (fc2, fc3 and its backward) get their own, its fp16 parts bf16's
+    const int pick = type == f32 ? 1024 : 4096, tc_pick = 4096, long_pick = 65536;
     const int backward_pick = type == f32 ? 2048 : long_pick;
-    // fc1: h1 = ReLU(x / 255 W1^T + b1) in T; fc2: [mu | logvar] = h1 W2^T + b2 in fp32
-    pl->fc1 = gemm_init(pl->lt, convert(T(), w1, FC1_W, H1, INPUT_DIM, INPUT_DIM), H1, INPUT_DIM, INPUT_DIM, false,
-                        true, convert(T(), b1, FC1_B, 1, H1, H1), type, type, 1.0f / 255.0f, pick);
+    // fc1: h1 = ReLU(x / 255 W1^T + b1) in T (fp32: [x | x] against [W1 lo | W1 hi]); fc2: [mu | logvar] = h1 W2^T + b2
+    const void* fc1_w = parts ? split(w1, FC1_W, H1, INPUT_DIM, 1) : convert(T(), w1, FC1_W, H1, INPUT_DIM, INPUT_DIM);
+    pl->fc1 = gemm_init(pl->lt, fc1_w, H1, k1, k1, false, true, convert(T(), b1, FC1_B, 1, H1, H1), tc, type,
+                        1.0f / 255.0f, tc_pick);
     pl->fc2 = gemm_init(pl->lt, convert(T(), w2, FC21_W, MULV, H1, H1), MULV, H1, H1, false, false,
                         convert(0.0f, b2, FC21_B, 1, MULV, MULV), type, f32, 1.0f, pick);
     // fc3: h3 = ReLU([z | 1] [W3 | b3]^T) in T (the bias in K; bf16 in parts); fc4: logits = h3 W4^T + b4 in fp32
+    // (fp32: h3's parts against [W4 hi | W4 lo | W4 hi])
     launch(fc3_weights_kernel<T>, (long long)H3 * zk, 256, 256, stream, (T*)(base + w3), t[FC3_W], t[FC3_B], H3, Z);
     pl->fc3 = gemm_init(pl->lt, base + w3, H3, zk, zk, false, true, NULL, type, type, 1.0f, pick);
-    pl->fc4 = gemm_init(pl->lt, convert(T(), w4, FC4_W, INPUT_DIM, H3, H3), INPUT_DIM, H3, H3, false, false,
-                        convert(0.0f, b4, FC4_B, 1, INPUT_DIM, INPUT_DIM), type, f32, 1.0f, pick);
-    pl->fc4_t = gemm_init(pl->lt, base + w4, INPUT_DIM, H3, H3, false, false,
-                          convert(T(), b4_type, FC4_B, 1, INPUT_DIM, INPUT_DIM), type, type, 1.0f, long_pick);
-    // AIS's backward in B: dh = residual W4, then grad BCE = dh W3 in fp32 (z_pad(Z) wide)
-    pl->fc4_backward = gemm_init(pl->lt, convert(B(), w4_back, FC4_W, INPUT_DIM, H3, H3), INPUT_DIM, H3, H3, true,
-                                 false, NULL, back, back, 1.0f, backward_pick);
+    const void* fc4_w = parts ? split(w4, FC4_W, INPUT_DIM, H3, 0) : convert(T(), w4, FC4_W, INPUT_DIM, H3, H3);
+    pl->fc4 = gemm_init(pl->lt, fc4_w, INPUT_DIM, k4, k4, false, false,
+                        convert(0.0f, b4, FC4_B, 1, INPUT_DIM, INPUT_DIM), tc, f32, 1.0f, tc_pick);
+    pl->fc4_t = gemm_init(pl->lt, fc4_w, INPUT_DIM, k4, k4, false, false,
+                          convert(T(), b4_type, FC4_B, 1, INPUT_DIM, INPUT_DIM), tc, type, 1.0f, long_pick);
+    // AIS's backward: dh = residual W4 in B (fp32: the residual's parts against W4's blocks stacked, [hi; lo; hi]),
+    // then grad BCE = dh W3 in fp32 (z_pad(Z) wide)
+    const void* back_w = parts ? split(w4_back, FC4_W, 1, (long long)INPUT_DIM * H3, 0)
+                               : convert(B(), w4_back, FC4_W, INPUT_DIM, H3, H3);
+    pl->fc4_backward = gemm_init(pl->lt, back_w, back_k, H3, H3, true, false, NULL, back_in, back, 1.0f, long_pick);
     pl->fc3_backward = gemm_init(pl->lt, convert(B(), w3_back, FC3_W, H3, Z, pad), H3, pad, pad, true, false, NULL,
                                  back, f32, 1.0f, backward_pick);
 }
@@ -1128,16 +1188,18 @@ static Plain* plain_init(const float* const* tensors, ModelDims dims, Precision 
     pl->type = precision == PRECISION_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     pl->type_size = precision == PRECISION_BF16 ? sizeof(bf16) : sizeof(float);
     pl->backward_type = precision == PRECISION_BF16 ? CUDA_R_16F : CUDA_R_32F;
+    pl->parts = precision == PRECISION_FP32;
     cublasCheck(cublasLtCreate(&pl->lt));
     (precision == PRECISION_BF16 ? plain_init_weights<bf16> : plain_init_weights<float>)(pl, tensors, stream);
     const size_t B = (size_t)max_batch, R = (size_t)rows, t = pl->type_size;
     const int zk = z_width(precision, dims.z);
-    pl->x = device_alloc(B * INPUT_DIM * t, "the pixels as fc1's input");
+    pl->x = device_alloc(B * INPUT_DIM * (pl->parts ? 2 * sizeof(fp16) : t), "the pixels as fc1's input");
     pl->h1 = device_alloc(B * dims.h1 * t, "h1");
     pl->mulv = (float*)device_alloc(B * 2 * dims.z * sizeof(float), "mu/logvar");
     pl->z = (float*)device_alloc(B * dims.z * sizeof(float), "z");
     pl->z_input = device_alloc(R * zk * t, "fc3's input");
     pl->h3 = device_alloc(R * dims.h3 * t, "h3");
+    if (pl->parts) pl->h3_parts = device_alloc(R * FP16_PARTS * dims.h3 * sizeof(fp16), "h3's fp16 parts");
     pl->logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the logits");
     pl->bce = (float*)device_alloc(R * sizeof(float), "the rows' BCE");
     pl->log_ratio = (float*)device_alloc(R * sizeof(float), "the rows' log-density ratios");
@@ -1146,11 +1208,11 @@ static Plain* plain_init(const float* const* tensors, ModelDims dims, Precision 
 }
 
 static void plain_free(Plain* pl) {
-    void* buffers[] = {pl->weights, pl->x, pl->h1, pl->mulv, pl->z, pl->z_input, pl->h3, pl->logits, pl->bce,
-                       pl->log_ratio, pl->recon};
+    void* buffers[] = {pl->weights, pl->x, pl->h1, pl->mulv, pl->z, pl->z_input, pl->h3, pl->h3_parts, pl->logits,
+                       pl->bce, pl->log_ratio, pl->recon};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     for (AisWork& w : pl->ais) {
-        void* ais_buffers[] = {w.z_input, w.h3, w.residual, w.dh, w.logits, w.chains.z};
+        void* ais_buffers[] = {w.z_input, w.h3, w.h3_parts, w.residual, w.dh, w.logits, w.chains.z};
         for (void* p : ais_buffers) cudaCheck(cudaFree(p));
     }
     if (pl->fork) {
@@ -1165,9 +1227,8 @@ static void plain_free(Plain* pl) {
 
 static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t stream) {
     const long long n = (long long)B * INPUT_DIM;
-    if (pl->precision == PRECISION_BF16)
-        launch(pixels_to_input_kernel<bf16>, n / 4, 256, 256, stream, (bf16*)pl->x, pixels, n);
-    else launch(pixels_to_input_kernel<float>, n / 4, 256, 256, stream, (float*)pl->x, pixels, n);
+    if (pl->parts) launch(pixels_to_input_kernel<fp16>, n / 4, 256, 256, stream, (fp16*)pl->x, pixels, n, 2);
+    else launch(pixels_to_input_kernel<bf16>, n / 4, 256, 256, stream, (bf16*)pl->x, pixels, n, 1);
     gemm(pl->lt, pl->fc1, pl->h1, pl->x, B, stream);
     gemm(pl->lt, pl->fc2, pl->mulv, pl->h1, B, stream);
 }
@@ -1198,11 +1259,21 @@ static void plain_set_z(Plain* pl, const float* z, int rows, cudaStream_t stream
     });
 }
 
+// fc4's input: h3, or in fp32 its fp16 parts (h3_parts).
+static const void* fc4_input(const Plain* pl, const void* h3, void* h3_parts, int rows, cudaStream_t stream) {
+    if (!pl->parts) return h3;
+    const long long H3 = pl->dims.h3;
+    launch(fp16_parts_kernel<false>, rows * H3, 256, 256, stream, (fp16*)h3_parts, (const float*)h3, (long long)rows,
+           H3, 0);
+    return h3_parts;
+}
+
 // t_logits (--iwae, bf16's ELBO where no one reads them): fc4_t writes the logits in T, in bf16 half the bytes.
 static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* recon,
                          bool t_logits, cudaStream_t stream) {
     gemm(pl->lt, pl->fc3, pl->h3, pl->z_input, rows, stream);
-    gemm(pl->lt, t_logits ? pl->fc4_t : pl->fc4, pl->logits, pl->h3, rows, stream);
+    gemm(pl->lt, t_logits ? pl->fc4_t : pl->fc4, pl->logits, fc4_input(pl, pl->h3, pl->h3_parts, rows, stream), rows,
+         stream);
     if (recon == NULL && bce != NULL) { // scoring only: the short kernel (1.3x faster on --iwae's passes, loss_v5)
         if (t_logits && pl->precision == PRECISION_BF16)
             return launch(bce_kernel<bf16>, rows, 4, 128, stream, bce, (const bf16*)pl->logits, pixels, rows,
@@ -1236,13 +1307,16 @@ static void plain_iwae_pass(Plain* pl, const uint8_t* pixels, const float* mulv,
 template <typename T>
 static void plain_ais_gradient(Plain* pl, const AisIO& io, const AisWork& w, int rows, bool energy) {
     typedef typename Backward<T>::type B;
+    constexpr int PARTS = on_parts<T>() ? FP16_PARTS : 1;
+    typedef typename std::conditional<on_parts<T>(), fp16, B>::type R; // the residual: fc4's backward's input
     gemm(pl->lt, pl->fc3, w.h3, w.z_input, rows, w.stream);
-    gemm(pl->lt, energy ? pl->fc4 : pl->fc4_t, w.logits, w.h3, rows, w.stream);
+    gemm(pl->lt, energy ? pl->fc4 : pl->fc4_t, w.logits, fc4_input(pl, w.h3, w.h3_parts, rows, w.stream), rows,
+         w.stream);
     if (energy)
-        launch(decoder_output_kernel<B, float>, rows, 4, 128, w.stream, w.chains.bce, (float*)NULL, (B*)w.residual,
-               (const float*)w.logits, io.pixels, rows, io.chains);
-    else launch(decoder_output_kernel<B, T>, rows, 4, 128, w.stream, (float*)NULL, (float*)NULL, (B*)w.residual,
-                (const T*)w.logits, io.pixels, rows, io.chains);
+        launch(decoder_output_kernel<R, float, PARTS>, rows, 4, 128, w.stream, w.chains.bce, (float*)NULL,
+               (R*)w.residual, (const float*)w.logits, io.pixels, rows, io.chains);
+    else launch(decoder_output_kernel<R, T, PARTS>, rows, 4, 128, w.stream, (float*)NULL, (float*)NULL,
+                (R*)w.residual, (const T*)w.logits, io.pixels, rows, io.chains);
     gemm(pl->lt, pl->fc4_backward, w.dh, w.residual, rows, w.stream);
     const long long hidden = (long long)rows * pl->dims.h3;
     launch(relu_backward_kernel<B, T>, (hidden + 3) / 4, 256, 256, w.stream, (B*)w.dh, (const T*)w.h3, hidden);
@@ -1289,7 +1363,9 @@ static void plain_ais_alloc(Plain* pl) {
         w.z_input = device_alloc(R * zk * t, "the AIS chains' fc3 input");
         w.h3 = device_alloc(R * H3 * t, "the AIS chains' h3");
         w.logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the AIS chains' logits");
-        w.residual = device_alloc(R * INPUT_DIM * t, "the AIS chains' sigmoid - x");
+        w.residual = device_alloc(R * INPUT_DIM * (pl->parts ? FP16_PARTS * sizeof(fp16) : t),
+                                  "the AIS chains' sigmoid - x");
+        w.h3_parts = pl->parts ? device_alloc(R * FP16_PARTS * H3 * sizeof(fp16), "the AIS chains' h3 parts") : NULL;
         w.dh = device_alloc(R * H3 * t, "the AIS chains' dh");
         const size_t floats = R * (4 * Z + z_pad(Z) + 3) + R; // z p z0 grad0 | grad | bce bce0 h0 | took
         float* f = (float*)device_alloc(floats * sizeof(float), "the AIS chains");
