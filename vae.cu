@@ -388,7 +388,8 @@ __device__ inline float as_float(float v) { return v; }
 __device__ inline float as_float(bf16 v) { return __bfloat162float(v); }
 __device__ inline float as_float(fp16 v) { return __half2float(v); }
 
-template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; }; // one 4-, 8- or 16-byte access
+template <typename T, int N> struct alignas(N * sizeof(T)) Pack { T v[N]; }; // one access of N values
+template <typename T> using Four = Pack<T, 4>;
 
 // fc3's bias rides in K (ones in z's row); bf16 in hi and lo parts (dev/NOTES.md, 'fc3 in parts (plain path)'):
 //   fp32  [z | 1 | 0 0 0]                       against  [W3 | b3 | 0 0 0]
@@ -543,7 +544,7 @@ __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows
 }
 
 // A lane's share of a row's BCE, sum max(l, 0) - x l + log(1 + e^-|l|) over its logits, in about ten instructions a
-// logit (dev/loss_v6.cu): the log terms as one product of the factors 1 + e^-|l| (at most 28 a lane, each in (1, 2])
+// logit (dev/loss_v7.cu): the log terms as one product of the factors 1 + e^-|l| (at most 28 a lane, each in (1, 2])
 // and one log; e^-|l| by the hardware's exp2 (__expf: 2 instructions against expf's ~10; 2^-21 relative, under 1e-6 of
 // a row's sum); x l summed over the pixel bytes, / 255 once. row_sum adds the lanes' shares in a fixed shuffle tree.
 struct BceLane {
@@ -566,21 +567,45 @@ __device__ inline float pixel_byte(uint32_t four, int k) {
     return __uint_as_float(__byte_perm(four, 0x4b000000u, 0x7540 | k)) - 8388608.0f;
 }
 
+// A lane's share of a row: its logits in packs of four and their pixels, every load issued before any is used (fp32's
+// pass at 100% of a copy's bandwidth, from 91% a pack at a time; dev/loss_v7.cu). Packs of 8 bf16 cost more: 98 a row
+// give the busiest lane 32 logits against 28, and bf16's kernel is bound by issue. Pack s: columns 4 (lane + 32 s) on.
+template <typename L> struct RowShare {
+    static constexpr int V = 4, PACKS = INPUT_DIM / V, STEPS = (PACKS + 31) / 32;
+    static_assert(INPUT_DIM % V == 0, "rows of whole packs");
+    Pack<L, V> l[STEPS];
+    Pack<uint8_t, V> x[STEPS];
+    __device__ RowShare(const L* l_row, const uint8_t* x_row, int lane) {
+        #pragma unroll
+        for (int s = 0; s < STEPS; s++) {
+            const int i = lane + 32 * s;
+            if (i >= PACKS) break;
+            l[s] = reinterpret_cast<const Pack<L, V>*>(l_row)[i];
+            if (x_row) x[s] = reinterpret_cast<const Pack<uint8_t, V>*>(x_row)[i];
+        }
+    }
+    __device__ static bool has(int lane, int s) { return lane + 32 * s < PACKS; }
+    __device__ float logit(int s, int k) const { return as_float(l[s].v[k]); }
+    __device__ float pixel(int s, int k) const {
+        return pixel_byte(reinterpret_cast<const uint32_t*>(x[s].v)[k / 4], k % 4);
+    }
+};
+
 // Row r's BCE against image r / rows_per_image and nothing else (--iwae's passes, the ELBO): a warp a row.
 template <typename L>
 __global__ void bce_kernel(float* bce, const L* __restrict__ logits, const uint8_t* __restrict__ pixels, int rows,
                            int rows_per_image) {
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
     if (r >= rows) return;
-    const Four<L>* l_row = reinterpret_cast<const Four<L>*>(logits + (size_t)r * INPUT_DIM);
-    const uint32_t* x_row = reinterpret_cast<const uint32_t*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM);
+    typedef RowShare<L> Share;
+    const Share share(logits + (size_t)r * INPUT_DIM, pixels + (size_t)(r / rows_per_image) * INPUT_DIM, lane);
     BceLane part;
-    for (int i = lane; i < INPUT_DIM / 4; i += 32) {
-        const Four<L> stored = l_row[i];
-        const uint32_t px = x_row[i];
-        for (int k = 0; k < 4; k++) {
-            const float l = as_float(stored.v[k]);
-            part.add(l, pixel_byte(px, k), exp_neg_abs(l));
+    #pragma unroll
+    for (int s = 0; s < Share::STEPS; s++) {
+        if (!Share::has(lane, s)) break;
+        for (int k = 0; k < Share::V; k++) {
+            const float l = share.logit(s, k);
+            part.add(l, share.pixel(s, k), exp_neg_abs(l));
         }
     }
     const float sum = part.row_sum();
@@ -592,40 +617,39 @@ __global__ void bce_kernel(float* bce, const L* __restrict__ logits, const uint8
 template <typename R, typename L = float, int PARTS = 1>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
-    static_assert(INPUT_DIM % 4 == 0, "rows of whole groups of four");
+    typedef RowShare<L> Share;
+    constexpr int V = Share::V;
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
     if (r >= rows) return;
-    const Four<L>* l_row = reinterpret_cast<const Four<L>*>(logits + (size_t)r * INPUT_DIM);
-    const uint32_t* x_row =
-        pixels ? reinterpret_cast<const uint32_t*>(pixels + (size_t)(r / rows_per_image) * INPUT_DIM) : NULL;
+    const Share share(logits + (size_t)r * INPUT_DIM,
+                      pixels ? pixels + (size_t)(r / rows_per_image) * INPUT_DIM : NULL, lane);
     const bool want_sigmoid = recon != NULL || residual != NULL;
     BceLane part;
-    for (int i = lane; i < INPUT_DIM / 4; i += 32) {
-        const Four<L> stored = l_row[i];
-        Four<float> l, e, sigmoid;
-        for (int k = 0; k < 4; k++) l.v[k] = as_float(stored.v[k]), e.v[k] = exp_neg_abs(l.v[k]);
-        if (want_sigmoid)
-            for (int k = 0; k < 4; k++) {
-                const float s = __fdividef(1.0f, 1.0f + e.v[k]); // 1 + e in [1, 2]: within __fdividef's range
-                sigmoid.v[k] = l.v[k] >= 0.0f ? s : e.v[k] * s;
+    #pragma unroll
+    for (int s = 0; s < Share::STEPS; s++) {
+        if (!Share::has(lane, s)) break;
+        const int i = lane + 32 * s;
+        Pack<float, V> sigmoid, d;
+        for (int k = 0; k < V; k++) {
+            const float l = share.logit(s, k), e = exp_neg_abs(l);
+            if (want_sigmoid) {
+                const float q = __fdividef(1.0f, 1.0f + e); // 1 + e in [1, 2]: within __fdividef's range
+                sigmoid.v[k] = l >= 0.0f ? q : e * q;
             }
-        if (recon) reinterpret_cast<Four<float>*>(recon + (size_t)r * INPUT_DIM)[i] = sigmoid;
-        if (x_row == NULL) continue;
-        const uint32_t px = x_row[i];
-        Four<float> d;
-        for (int k = 0; k < 4; k++) {
-            const float byte = pixel_byte(px, k);
+            if (pixels == NULL) continue;
+            const float byte = share.pixel(s, k);
             if (residual) d.v[k] = sigmoid.v[k] - byte * (1.0f / 255.0f);
-            if (bce) part.add(l.v[k], byte, e.v[k]);
+            if (bce) part.add(l, byte, e);
         }
-        for (int p = 0; residual && p < PARTS; p++) {
-            Four<R> stored;
-            for (int k = 0; k < 4; k++) stored.v[k] = split_part<R>(d.v[k], PARTS == 1 ? 0 : activation_part(p));
-            reinterpret_cast<Four<R>*>(residual + ((size_t)r * PARTS + p) * INPUT_DIM)[i] = stored;
+        if (recon) reinterpret_cast<Pack<float, V>*>(recon + (size_t)r * INPUT_DIM)[i] = sigmoid;
+        for (int p = 0; residual && pixels && p < PARTS; p++) {
+            Pack<R, V> stored;
+            for (int k = 0; k < V; k++) stored.v[k] = split_part<R>(d.v[k], PARTS == 1 ? 0 : activation_part(p));
+            reinterpret_cast<Pack<R, V>*>(residual + ((size_t)r * PARTS + p) * INPUT_DIM)[i] = stored;
         }
     }
     const float sum = part.row_sum();
-    if (bce && x_row && lane == 0) bce[r] = sum;
+    if (bce && pixels && lane == 0) bce[r] = sum;
 }
 
 // The ReLU's backward: grad is zero where the layer's output h is. Four values a thread.

@@ -698,7 +698,7 @@ inline bool run_convert_driver(const std::vector<Variant<ConvertArgs>>& variants
     return ok;
 }
 
-// The plain path's per-row BCE (vae.cu's decoder_output_kernel and the loss_v6 variants): bce[r] of `rows` rows of
+// The plain path's per-row BCE (vae.cu's decoder_output_kernel and the loss_v7 variants): bce[r] of `rows` rows of
 // 784 logits (float or bf16) against image r / K. A variant runs on the default stream.
 typedef void (*BceRun)(float* bce, const void* logits, const uint8_t* pixels, int rows, int K);
 struct BceVariant { const char* name; BceRun f32, f16; };
