@@ -812,7 +812,7 @@ __host__ __device__ inline float ais_adapted_step(const AisIO& io, float step, i
 }
 
 // The plain path's chains; z, p and the start latent by latent, [nz][rows]: a warp's rows of a latent are 128 bytes.
-enum { PLAIN_AIS_ROWS = 1 << 16 }; // chains a set holds: ~650 MB in fp32 for H3 = 400, ~2.8 GB for 4,096
+enum { PLAIN_AIS_ROWS = 1 << 16 }; // chains a set holds: ~920 MB in fp32 for H3 = 400, ~4.2 GB for 4,096
 struct AisChains {
     float *z, *p, *z0, *grad0; // [nz][PLAIN_AIS_ROWS]
     float* grad;               // [rows][z_pad(nz)]
@@ -1516,7 +1516,7 @@ static bool use_fused(Kernels kernels, ModelDims dims) {
     return fused;
 }
 
-enum { PLAIN_DECODER_ROWS = 1 << 18 }; // the plain path's rows a pass: ~5 KB each in fp32 (H3 = 400), ~20 KB (4,096)
+enum { PLAIN_DECODER_ROWS = 1 << 18 }; // the plain path's rows a pass: ~7.5 KB each in fp32 (H3 = 400), ~44 KB (4,096)
 
 // max_batch: images a forward pass; decoder_rows: a --iwae pass's rows (a fused row costs at most 172 bytes).
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,

@@ -10,7 +10,8 @@
 // two launches' ~40. Result, in vae.cu: 269 us (H200): its latent loops (vae.cu's UNROLL_LATENTS) left the 20 sums
 // on the stack; written out here with plain unroll, 96 us.
 // v2: eight units' loads in flight before their products, two rows a warp (each load of W3 serves both): predicted
-// ~25 us. Result: 153 us, slower than v1: 80 registers and 48 KB a block leave 24 warps an SM, and a row's 8,000
+// ~25 us. Result: 153 us (vae.cu's form then, W3's columns in passes for any size; this driver's v2 holds all 20 in
+// one and is untimed), slower than v1: 80 registers and 48 KB a block leave 24 warps an SM, and a row's 8,000
 // products (fp32 FMAs, a shared-memory load each) are more than the bytes saved are worth on an H200.
 // The two launches take 38.5 us at 40,000 rows (bf16; 61.4 less the 22.9 of the dh copy this driver adds so that the
 // in-place ReLU starts from the same dh each time), 93.5 in fp32: the tensor cores do fc3's backward product faster

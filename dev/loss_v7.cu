@@ -4,9 +4,11 @@
 // logits and four pixels a step, each step's loads waited for before its arithmetic: a warp kept 256 bytes (bf16) in
 // flight, and bce_kernel ran at 57% of a copy's bandwidth on an --iwae pass (bf16, 173 us on an H200), the general
 // decoder_output_kernel (AIS's residual) at 42%. To cover ~1 us of DRAM latency at ~4.8 TB/s an SM needs ~36 KB in
-// flight. v7 (vae.cu's RowShare): 16-byte packs of logits (8 bf16 or 4 fp32) and their pixels, a lane's 4 (bf16) or 7
-// (fp32) packs loaded before the first is used: 2 KB a warp. Prediction: bf16's pass near the copy's time, ~100 us;
-// fp32's (already 91% of copy) unchanged; the factors a lane multiplies go from 28 to 32 (bf16), each in (1, 2].
+// flight. v7 (vae.cu's RowShare): a lane's packs of logits and their pixels all loaded before the first is used.
+// Prediction: bf16's pass near the copy's time, ~100 us; fp32's (91% of copy) a little faster.
+// Result (H200): in 16-byte packs (8 bf16), bf16 172.8 -> 198.9 us, slower: 98 packs a row give the busiest lane 32
+// logits against v6's 28, and bf16's kernel is bound by issue. In packs of four (vae.cu's), bf16 173.9 -> 158.1 us
+// (63% of copy), decoder_output_kernel's bf16 pass to 185.7, fp32 212.3 -> 192.0 (103% of copy).
 //
 // This driver writes out v6's form and runs both of vae.cu's kernels; common.h's run_bce_driver checks them against
 // float64 and times them.
