@@ -348,8 +348,9 @@ __host__ __device__ inline float uniform_open0(uint64_t seed, uint32_t stream, u
 
 // ---- the plain path, part 1: the short kernels for what cuBLAS does not do ------------------------------------------
 // Every mode on any GPU from sm_75 on: cuBLASLt's matmuls (part 2) and these kernels, a thread a row or four elements.
-// Activations are row-major [row][feature] in T: float (cuBLAS in true fp32, no TF32), or bf16 for the matmuls' inputs
-// with fp32 wherever a value is summed or compared. A row is a pure function of its image and noise, in any batch.
+// Activations are row-major [row][feature] in T: float (fp32's large products reading fp16 parts of them), or bf16 for
+// the matmuls' inputs, with fp32 wherever a value is summed or compared. A row is a pure function of its image and
+// noise, in any batch.
 
 // z_j = mu_j + eps_j exp(logvar_j / 2), and its term 1 + logvar_j - mu_j^2 - exp(logvar_j) of KL = -1/2 sum_j term_j.
 __device__ inline float latent_z(float mu, float logvar, float eps, float* kl_term) {
@@ -464,17 +465,17 @@ template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t
     for (int c = 0; c < copies; c++) reinterpret_cast<Four<T>*>(x + (row * copies + c) * INPUT_DIM + col)[0] = v;
 }
 
-// fp32's large products (fc1, fc4 and AIS's fc4 backward) run on the tensor cores in fp16 parts, as the fused kernels
-// do: hi = fp16(v) and lo = fp16(v - hi) carry 22 of fp32's 24 bits, and a w = a_lo w_hi + a_hi w_lo + a_hi w_hi
-// (a_lo w_lo is 2^-22 of it) is one cuBLASLt product three times as long, with fp32 sums: an activation's row as
-// [lo | hi | hi] against the weights' [hi | lo | hi]. Exact inputs (the pixels) drop the first block: [x | x] against
-// [lo | hi]. A lo part below fp16's normal range keeps an absolute precision of 6e-8 (dev/NOTES.md, 'fp32 on fp16
-// parts'); every value must stay below fp16's 65,504.
+// fp32's large products (fc1, fc4, AIS's fc4 backward) run on the tensor cores in fp16 parts, as the fused kernels do
+// (dev/NOTES.md, 'fp32 on fp16 parts'): hi = fp16(v) and lo = fp16(v - hi) carry 22 of fp32's 24 bits, and a w =
+// a_lo w_hi + a_hi w_lo + a_hi w_hi (a_lo w_lo is 2^-22 of it) is one product three times as long, with fp32 sums: an
+// activation's row [lo | hi | hi] against the weights' [hi | lo | hi]; exact pixels drop the first block ([x | x]
+// against [lo | hi]). Every value must stay below fp16's 65,504.
 enum { FP16_PARTS = 3 };
 __host__ __device__ constexpr int activation_part(int block) { return block == 0 ? 1 : 0; }
 __host__ __device__ constexpr int weight_part(int block) { return block == 1 ? 1 : 0; }
 
-// src[rows][cols] as fp16 parts, rows of blocks first_block .. 2 (a weight matrix: rows = 1, its blocks stacked).
+// src[rows][cols] as fp16 parts, each row's blocks first_block .. 2 side by side (h3; fc1's and fc4's weights); with
+// rows = 1 a whole matrix's blocks follow one another (fc4's backward stacks W4's along its K).
 template <bool WEIGHTS>
 __global__ void fp16_parts_kernel(fp16* dst, const float* __restrict__ src, long long rows, long long cols,
                                   int first_block) {
@@ -545,8 +546,9 @@ __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows
 
 // A lane's share of a row's BCE, sum max(l, 0) - x l + log(1 + e^-|l|) over its logits, in about ten instructions a
 // logit (dev/loss_v7.cu): the log terms as one product of the factors 1 + e^-|l| (at most 28 a lane, each in (1, 2])
-// and one log; e^-|l| by the hardware's exp2 (__expf: 2 instructions against expf's ~10; 2^-21 relative, under 1e-6 of
-// a row's sum); x l summed over the pixel bytes, / 255 once. row_sum adds the lanes' shares in a fixed shuffle tree.
+// and one log; e^-|l| by the hardware's exp2 (__expf: 2 instructions against expf's ~10; off by (2 + 1.2|l|) ulp of
+// e^-|l|, at most 2.4e-7 a logit; a row's sum measured within 2.3e-7 of float64); x l summed over the pixel bytes,
+// / 255 once. row_sum adds the lanes' shares in a fixed shuffle tree.
 struct BceLane {
     float relu_sum = 0.0f, byte_l_sum = 0.0f, product = 1.0f;
     __device__ void add(float l, float byte, float e) {
