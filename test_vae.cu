@@ -2505,7 +2505,7 @@ static void vae_score(VAE* m, const float* z, int rows, const uint8_t* pixels, f
         const float* z_pass = z + (size_t)first * LATENT_DIM;
         if (!m->fused) {
             plain_set_z(m->plain, z_pass, n, m->stream);
-            plain_decode(m->plain, pixels, n, n, bce + first, NULL, false, m->stream);
+            plain_decode(m->plain, decoder_rows_from(m->plain, 0), pixels, n, n, bce + first, NULL, false, m->stream);
             continue;
         }
         if (m->precision == PRECISION_FP32)

@@ -1098,7 +1098,11 @@ static void gemm(cublasLtHandle_t lt, const Gemm& g, void* y, const void* x, int
     cublasCheck(cublasLtMatrixLayoutDestroy(x_layout)), cublasCheck(cublasLtMatrixLayoutDestroy(y_layout));
 }
 
-typedef struct { // AIS's buffers: two sets, one's short kernels beside the other's matmuls
+// Long runs (--iwae, --ais) alternate between PLAIN_LANES streams, each with its own buffers: one lane's short kernels
+// (bandwidth) run beside another's matmuls (tensor cores).
+enum { PLAIN_LANES = 2 };
+
+typedef struct { // AIS's buffers, a set a lane
     void *z_input, *h3, *h3_parts, *residual, *dh; // h3_parts: fp32's (else NULL)
     float* logits;
     AisChains chains;
@@ -1121,7 +1125,8 @@ typedef struct {
     void* h3_parts;        // fp32's [rows][3 H3] fp16 parts of h3, fc4's input (else NULL)
     float *logits, *bce, *log_ratio; // [rows][784], [rows], [rows] fp32
     Gemm fc4_backward, fc3_backward;
-    AisWork ais[2]; // AIS's two sets of buffers, allocated by its first run
+    AisWork ais[PLAIN_LANES];        // allocated by AIS's first run
+    cudaStream_t lanes[PLAIN_LANES]; // lanes[0]: the caller's stream, set by plain_fork
     cudaEvent_t fork, join;
 } Plain;
 
@@ -1216,6 +1221,8 @@ static Plain* plain_init(const float* const* tensors, ModelDims dims, Precision 
     pl->backward_type = precision == PRECISION_BF16 ? CUDA_R_16F : CUDA_R_32F;
     pl->parts = precision == PRECISION_FP32;
     cublasCheck(cublasLtCreate(&pl->lt));
+    for (int l = 1; l < PLAIN_LANES; l++) cudaCheck(cudaStreamCreateWithFlags(&pl->lanes[l], cudaStreamNonBlocking));
+    for (cudaEvent_t* e : {&pl->fork, &pl->join}) cudaCheck(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     (precision == PRECISION_BF16 ? plain_init_weights<bf16> : plain_init_weights<float>)(pl, tensors, stream);
     const size_t B = (size_t)max_batch, R = (size_t)rows, t = pl->type_size;
     const int zk = z_width(precision, dims.z);
@@ -1241,14 +1248,43 @@ static void plain_free(Plain* pl) {
         void* ais_buffers[] = {w.z_input, w.h3, w.h3_parts, w.residual, w.dh, w.logits, w.chains.z};
         for (void* p : ais_buffers) cudaCheck(cudaFree(p));
     }
-    if (pl->fork) {
-        cudaCheck(cudaStreamDestroy(pl->ais[1].stream));
-        cudaCheck(cudaEventDestroy(pl->fork)), cudaCheck(cudaEventDestroy(pl->join));
-    }
+    for (int l = 1; l < PLAIN_LANES; l++)
+        if (pl->lanes[l]) cudaCheck(cudaStreamDestroy(pl->lanes[l]));
+    if (pl->fork) cudaCheck(cudaEventDestroy(pl->fork)), cudaCheck(cudaEventDestroy(pl->join));
     Gemm* gemms[] = {&pl->fc1, &pl->fc2, &pl->fc3, &pl->fc4, &pl->fc4_t, &pl->fc4_backward, &pl->fc3_backward};
     for (Gemm* g : gemms) gemm_free(g);
     if (pl->lt) cublasCheck(cublasLtDestroy(pl->lt));
     free(pl);
+}
+
+// The other lanes start after what `stream` has queued (lane 0 is `stream`); plain_join makes `stream` wait for them.
+static void plain_fork(Plain* pl, cudaStream_t stream) {
+    pl->lanes[0] = stream;
+    cudaCheck(cudaEventRecord(pl->fork, stream));
+    for (int l = 1; l < PLAIN_LANES; l++) cudaCheck(cudaStreamWaitEvent(pl->lanes[l], pl->fork, 0));
+}
+
+static void plain_join(Plain* pl) {
+    for (int l = 1; l < PLAIN_LANES; l++) {
+        cudaCheck(cudaEventRecord(pl->join, pl->lanes[l]));
+        cudaCheck(cudaStreamWaitEvent(pl->lanes[0], pl->join, 0));
+    }
+}
+
+// The decoder's buffers from row `first` on: a --iwae lane's share of them.
+typedef struct {
+    void *z_input, *h3, *h3_parts;
+    float *logits, *bce, *log_ratio;
+} DecoderRows;
+
+static DecoderRows decoder_rows_from(const Plain* pl, size_t first) {
+    const size_t t = pl->type_size, H3 = pl->dims.h3;
+    DecoderRows d;
+    d.z_input = (uint8_t*)pl->z_input + first * z_width(pl->precision, pl->dims.z) * t;
+    d.h3 = (uint8_t*)pl->h3 + first * H3 * t;
+    d.h3_parts = pl->h3_parts ? (uint8_t*)pl->h3_parts + first * FP16_PARTS * H3 * sizeof(fp16) : NULL;
+    d.logits = pl->logits + first * INPUT_DIM, d.bce = pl->bce + first, d.log_ratio = pl->log_ratio + first;
+    return d;
 }
 
 static void plain_encode(Plain* pl, const uint8_t* pixels, int B, cudaStream_t stream) {
@@ -1269,11 +1305,12 @@ template <typename F> static void with_type_and_zmax(const Plain* pl, F f) {
 }
 
 // Blocks of 64 rows: 128 would leave 53 of 132 SMs idle at the ELBO's 10,000.
-static void plain_sample(Plain* pl, int rows, int K, const float* mulv, const float* eps, uint32_t first_image,
-                         uint64_t seed, bool z_is_mu, float* z_out, float* kl, float* log_ratio, cudaStream_t stream) {
+static void plain_sample(Plain* pl, void* z_input, int rows, int K, const float* mulv, const float* eps,
+                         uint32_t first_image, uint64_t seed, bool z_is_mu, float* z_out, float* kl, float* log_ratio,
+                         cudaStream_t stream) {
     with_type_and_zmax(pl, [&](auto t, auto zmax) {
         typedef decltype(t) T;
-        launch(sample_kernel<T, decltype(zmax)::value>, rows, 64, 64, stream, (T*)pl->z_input, z_out, kl, log_ratio,
+        launch(sample_kernel<T, decltype(zmax)::value>, rows, 64, 64, stream, (T*)z_input, z_out, kl, log_ratio,
                mulv, eps, rows, pl->dims.z, K, first_image, seed, z_is_mu);
     });
 }
@@ -1295,38 +1332,41 @@ static const void* fc4_input(const Plain* pl, const void* h3, void* h3_parts, in
 }
 
 // t_logits (--iwae, bf16's ELBO where no one reads them): fc4_t writes the logits in T, in bf16 half the bytes.
-static void plain_decode(Plain* pl, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* recon,
-                         bool t_logits, cudaStream_t stream) {
-    gemm(pl->lt, pl->fc3, pl->h3, pl->z_input, rows, stream);
-    gemm(pl->lt, t_logits ? pl->fc4_t : pl->fc4, pl->logits, fc4_input(pl, pl->h3, pl->h3_parts, rows, stream), rows,
-         stream);
+static void plain_decode(Plain* pl, const DecoderRows& d, const uint8_t* pixels, int rows, int rows_per_image,
+                         float* bce, float* recon, bool t_logits, cudaStream_t stream) {
+    gemm(pl->lt, pl->fc3, d.h3, d.z_input, rows, stream);
+    gemm(pl->lt, t_logits ? pl->fc4_t : pl->fc4, d.logits, fc4_input(pl, d.h3, d.h3_parts, rows, stream), rows, stream);
     if (recon == NULL && bce != NULL) { // scoring only: the short kernel (1.3x faster on --iwae's passes, loss_v5)
         if (t_logits && pl->precision == PRECISION_BF16)
-            return launch(bce_kernel<bf16>, rows, 4, 128, stream, bce, (const bf16*)pl->logits, pixels, rows,
+            return launch(bce_kernel<bf16>, rows, 4, 128, stream, bce, (const bf16*)d.logits, pixels, rows,
                           rows_per_image);
-        return launch(bce_kernel<float>, rows, 4, 128, stream, bce, pl->logits, pixels, rows, rows_per_image);
+        return launch(bce_kernel<float>, rows, 4, 128, stream, bce, d.logits, pixels, rows, rows_per_image);
     }
     if (t_logits && pl->precision == PRECISION_BF16)
         return launch(decoder_output_kernel<float, bf16>, rows, 4, 128, stream, bce, recon, (float*)NULL,
-                      (const bf16*)pl->logits, pixels, rows, rows_per_image);
-    launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, pl->logits,
-           pixels, rows, rows_per_image);
+                      (const bf16*)d.logits, pixels, rows, rows_per_image);
+    launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, d.logits, pixels, rows,
+           rows_per_image);
 }
 
 static void plain_forward(Plain* pl, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
                           const Probe& probe, float* bce, float* kl, cudaStream_t stream) {
     const bool keep = probe.keep_activations;
     plain_encode(pl, pixels, B, stream);
-    plain_sample(pl, B, 1, pl->mulv, probe.eps, first_image, opt->seed, opt->z_is_mu, keep ? pl->z : NULL, kl, NULL,
-                 stream);
+    plain_sample(pl, pl->z_input, B, 1, pl->mulv, probe.eps, first_image, opt->seed, opt->z_is_mu,
+                 keep ? pl->z : NULL, kl, NULL, stream);
     const bool t_logits = !keep && pl->precision == PRECISION_BF16; // the tests' activations keep fp32 logits
-    plain_decode(pl, pixels, B, 1, bce, opt->want_recon ? pl->recon : NULL, t_logits, stream);
+    float* recon = opt->want_recon ? pl->recon : NULL;
+    plain_decode(pl, decoder_rows_from(pl, 0), pixels, B, 1, bce, recon, t_logits, stream);
 }
 
-static void plain_iwae_pass(Plain* pl, const uint8_t* pixels, const float* mulv, const float* eps, int rows, int K,
-                            uint32_t first_image, uint64_t seed, cudaStream_t stream) {
-    plain_sample(pl, rows, K, mulv, eps, first_image, seed, false, NULL, NULL, pl->log_ratio, stream);
-    plain_decode(pl, pixels, rows, K, pl->bce, NULL, true, stream);
+// A --iwae pass on the decoder's rows from `first` on, in lane `lane`.
+static void plain_iwae_pass(Plain* pl, size_t first, int lane, const uint8_t* pixels, const float* mulv,
+                            const float* eps, int rows, int K, uint32_t first_image, uint64_t seed) {
+    const DecoderRows d = decoder_rows_from(pl, first);
+    cudaStream_t stream = pl->lanes[lane];
+    plain_sample(pl, d.z_input, rows, K, mulv, eps, first_image, seed, false, NULL, NULL, d.log_ratio, stream);
+    plain_decode(pl, d, pixels, rows, K, d.bce, NULL, true, stream);
 }
 
 // AIS's gradient at w.z_input into chains.grad, and the BCE at a trajectory's ends (`energy`); between, logits in T.
@@ -1400,21 +1440,19 @@ static void plain_ais_alloc(Plain* pl) {
         c.grad = f + 4 * R * Z, c.bce = c.grad + R * z_pad(Z), c.bce0 = c.bce + R, c.h0 = c.bce0 + R;
         c.took = (int*)(c.h0 + R), c.nz = (int)Z;
     }
-    cudaCheck(cudaStreamCreateWithFlags(&pl->ais[1].stream, cudaStreamNonBlocking));
-    for (cudaEvent_t* e : {&pl->fork, &pl->join}) cudaCheck(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
 }
 
-// AIS in parts of at most PLAIN_AIS_ROWS chains, two at a time on the two streams, so both always have work queued.
+// AIS in parts of at most PLAIN_AIS_ROWS chains, a part a lane, so every lane always has work queued.
 static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
-    if (pl->fork == NULL) plain_ais_alloc(pl);
-    pl->ais[0].stream = stream;
-    const int parts = 2 * ceil_div(io.n, 2 * (PLAIN_AIS_ROWS / io.chains)), images = ceil_div(io.n, parts);
-    cudaCheck(cudaEventRecord(pl->fork, stream)); // the second stream starts after the encoder
-    cudaCheck(cudaStreamWaitEvent(pl->ais[1].stream, pl->fork, 0));
-    for (int first = 0; first < io.n; first += 2 * images) {
-        AisIO part[2];
+    if (pl->ais[0].z_input == NULL) plain_ais_alloc(pl);
+    const int parts = PLAIN_LANES * ceil_div(io.n, PLAIN_LANES * (PLAIN_AIS_ROWS / io.chains));
+    const int images = ceil_div(io.n, parts);
+    plain_fork(pl, stream); // the other lanes start after the encoder
+    for (int k = 0; k < PLAIN_LANES; k++) pl->ais[k].stream = pl->lanes[k];
+    for (int first = 0; first < io.n; first += PLAIN_LANES * images) {
+        AisIO part[PLAIN_LANES];
         int count = 0;
-        for (int at = first; at < io.n && count < 2; at += images)
+        for (int at = first; at < io.n && count < PLAIN_LANES; at += images)
             part[count++] = ais_slice(io, at, io.n - at < images ? io.n - at : images, pl->dims.z);
         with_type_and_zmax(pl, [&](auto t, auto zmax) {
             for (int s = 0; s <= io.T; s++)
@@ -1422,8 +1460,7 @@ static void plain_ais(Plain* pl, const AisIO& io, cudaStream_t stream) {
                     plain_ais_step<decltype(t), decltype(zmax)::value>(pl, part[k], pl->ais[k], s);
         });
     }
-    cudaCheck(cudaEventRecord(pl->join, pl->ais[1].stream));
-    cudaCheck(cudaStreamWaitEvent(stream, pl->join, 0));
+    plain_join(pl);
 }
 
 // ---- the model's interface: one model, either engine ----------------------------------------------------------------
@@ -1566,7 +1603,7 @@ static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
 static void vae_decode(VAE* m, const float* z, int B) {
     if (m->fused) return fused_decode(m->fused, z, B);
     plain_set_z(m->plain, z, B, m->stream);
-    plain_decode(m->plain, NULL, B, 1, NULL, m->recon, false, m->stream);
+    plain_decode(m->plain, decoder_rows_from(m->plain, 0), NULL, B, 1, NULL, m->recon, false, m->stream);
 }
 
 static void vae_decode_interpolations(VAE* m, const int2* d_pairs, long long first_row, int rows, int steps) {
@@ -1582,31 +1619,49 @@ static void vae_forward(VAE* m, const uint8_t* pixels, int B, uint32_t first_ima
     plain_forward(m->plain, pixels, B, first_image, opt, m->probe, bce, kl, m->stream);
 }
 
-static int vae_iwae_images_per_pass(const VAE* m, int K) { return m->decoder_rows / K; }
+// The lanes a --iwae pass alternates between (the plain engine's, where a lane's share of the rows holds K), and the
+// rows each: a multiple of 8 rows, so that every lane's buffers start 16-byte aligned.
+static int vae_iwae_lanes(const VAE* m, int K) {
+    return m->plain && m->decoder_rows / PLAIN_LANES / 8 * 8 >= K ? PLAIN_LANES : 1;
+}
+static int vae_iwae_lane_rows(const VAE* m, int K) {
+    const int lanes = vae_iwae_lanes(m, K);
+    return lanes == 1 ? m->decoder_rows : m->decoder_rows / lanes / 8 * 8;
+}
 
-// IWAE's log p(x), K samples an image: the n x K rows in passes of as many images as decoder_rows hold.
+static int vae_iwae_images_per_pass(const VAE* m, int K) { return vae_iwae_lane_rows(m, K) / K; }
+
+// IWAE's log p(x), K samples an image: the n x K rows in passes of as many images as a lane's rows hold.
 static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
                      float* log_px) {
     if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
-    const int images_per_pass = vae_iwae_images_per_pass(m, K);
+    const int images_per_pass = vae_iwae_images_per_pass(m, K), lanes = vae_iwae_lanes(m, K);
+    const size_t lane_rows = vae_iwae_lane_rows(m, K);
+    int pass = 0;
     // The encoder runs over as many images as m->mulv holds: a pass's few (13 at K = 5000) would not fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
         const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
         vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
-        for (int first = group; first < group + group_size; first += images_per_pass) {
+        if (m->plain) plain_fork(m->plain, m->stream);
+        for (int first = group; first < group + group_size; first += images_per_pass, pass++) {
             const int images = std::min(group + group_size - first, images_per_pass), rows = images * K;
+            const int lane = pass % lanes;
+            const size_t row0 = lane * lane_rows;
             const uint32_t image = first_image + (uint32_t)first;
             const uint8_t* x = pixels + (size_t)first * INPUT_DIM;
             const float* mulv = m->mulv + (size_t)(first - group) * 2 * m->dims.z;
             const float* eps = m->probe.eps ? m->probe.eps + (size_t)first * K * m->dims.z : NULL;
             if (m->fused) fused_iwae_pass(m->fused, x, mulv, eps, rows, K, image, seed);
-            else plain_iwae_pass(m->plain, x, mulv, eps, rows, K, image, seed, m->stream);
+            else plain_iwae_pass(m->plain, row0, lane, x, mulv, eps, rows, K, image, seed);
+            cudaStream_t stream = m->plain ? m->plain->lanes[lane] : m->stream;
+            // a lane's partials: at most 2 lane_rows / LSE_CHUNK (above), so the lanes' stay apart
+            float2* partials = m->lse_partials + row0 / LSE_CHUNK * 2;
             const int chunks = ceil_div(K, LSE_CHUNK);
-            launch(iwae_logsumexp_kernel, (long long)images * chunks, 1, LSE_THREADS, m->stream, log_px + first,
-                   m->lse_partials, m->bce_parts, m->bce_parts_per_row, m->row_log_ratio, K);
-            if (chunks > 1)
-                launch(iwae_merge_kernel, images, 128, 128, m->stream, log_px + first, m->lse_partials, images, K);
+            launch(iwae_logsumexp_kernel, (long long)images * chunks, 1, LSE_THREADS, stream, log_px + first, partials,
+                   m->bce_parts + row0 * m->bce_parts_per_row, m->bce_parts_per_row, m->row_log_ratio + row0, K);
+            if (chunks > 1) launch(iwae_merge_kernel, images, 128, 128, stream, log_px + first, partials, images, K);
         }
+        if (m->plain) plain_join(m->plain);
     }
 }
 
@@ -1617,9 +1672,9 @@ static void ais_schedule(double* beta, int T) {
     beta[0] = 0.0, beta[T] = 1.0;
 }
 
-// Images one vae_ais call takes: a round of the fused kernel's clusters, or two sets of the plain path's chains.
+// Images one vae_ais call takes: a round of the fused kernel's clusters, or the plain path's lanes' sets of chains.
 static int vae_ais_round(const VAE* m, int C) {
-    const int round = m->fused ? fused_ais_images(m->fused, C) : 2 * (PLAIN_AIS_ROWS / C);
+    const int round = m->fused ? fused_ais_images(m->fused, C) : PLAIN_LANES * (PLAIN_AIS_ROWS / C);
     return round < m->max_batch ? round : m->max_batch;
 }
 
