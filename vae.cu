@@ -513,23 +513,34 @@ __device__ inline void sample_latents(float (&z)[ZMAX], int nz, float* kl, float
     *kl = -0.5f * kl_sum, *log_ratio = 0.5f * ratio;
 }
 
-// fc3's inputs, row r sample r % K of image r / K (the ELBO: K = 1). kl, log_ratio, z_out NULL: not wanted.
+// fc3's inputs, row r sample r % K of image r / K (the ELBO: K = 1). kl, log_ratio, z_out NULL: not wanted. A thread
+// a row, its z row staged in shared memory: the block's rows are contiguous in z_input, so it stores them coalesced
+// (a thread's own 144-byte row is a scattered segment of every warp store: 81 us a 262,144-row pass, 6% of it).
+enum { SAMPLE_ROWS = 64 }; // a block's rows: 128 would leave 53 of 132 SMs idle at the ELBO's 10,000
+
 template <typename T, int ZMAX>
-__global__ void sample_kernel(T* z_input, float* z_out, float* kl, float* log_ratio, const float* __restrict__ mulv,
-                              const float* __restrict__ eps_in, int rows, int nz, int K, uint32_t first_image,
-                              uint64_t seed, bool z_is_mu) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows) return;
+__global__ void __launch_bounds__(SAMPLE_ROWS)
+    sample_kernel(T* z_input, float* z_out, float* kl, float* log_ratio, const float* __restrict__ mulv,
+                  const float* __restrict__ eps_in, int rows, int nz, int K, uint32_t first_image, uint64_t seed,
+                  bool z_is_mu) {
+    __shared__ Four<T> staged[SAMPLE_ROWS * z_pad(ZMAX) * z_parts<T>() / 4];
+    const int first = blockIdx.x * SAMPLE_ROWS, r = first + threadIdx.x;
     nz = latents<ZMAX>(nz);
-    float z[ZMAX], row_kl, ratio;
-    sample_latents(z, nz, &row_kl, &ratio, mulv + (size_t)(r / K) * 2 * nz, eps_in ? eps_in + (size_t)r * nz : NULL,
-                   first_image + r / K, r % K, seed, z_is_mu);
-    store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), z, nz);
-    #pragma unroll
-    for (int j = 0; j < ZMAX; j++)
-        if (z_out && j < nz) z_out[(size_t)r * nz + j] = z[j];
-    if (kl) kl[r] = row_kl;
-    if (log_ratio) log_ratio[r] = ratio;
+    const int width = z_pad(nz) * z_parts<T>() / 4; // a z row's Fours
+    if (r < rows) {
+        float z[ZMAX], row_kl, ratio;
+        sample_latents(z, nz, &row_kl, &ratio, mulv + (size_t)(r / K) * 2 * nz,
+                       eps_in ? eps_in + (size_t)r * nz : NULL, first_image + r / K, r % K, seed, z_is_mu);
+        store_z_input(reinterpret_cast<T*>(staged + threadIdx.x * width), z, nz);
+        #pragma unroll
+        for (int j = 0; j < ZMAX; j++)
+            if (z_out && j < nz) z_out[(size_t)r * nz + j] = z[j];
+        if (kl) kl[r] = row_kl;
+        if (log_ratio) log_ratio[r] = ratio;
+    }
+    __syncthreads();
+    Four<T>* out = reinterpret_cast<Four<T>*>(z_input) + (size_t)first * width;
+    for (int i = threadIdx.x; i < min(rows - first, (int)SAMPLE_ROWS) * width; i += SAMPLE_ROWS) out[i] = staged[i];
 }
 
 // fc3's inputs from latents given in fp32 (prior samples, interpolations, the tests' z).
@@ -1185,6 +1196,7 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
     const cudaDataType_t tc = parts ? CUDA_R_16F : type, back_in = parts ? CUDA_R_16F : back;
     // the batch each algorithm is picked for (dev/NOTES.md, 'algorithm picks (plain path)'): fp32's SIMT products (fc2,
     // fc3, fc3's backward) their own, the tensor cores' (bf16's, fp32's fp16 parts) 4,096, or 65,536 for long passes
+    // (and bf16's fc3, whose K of 72 runs 16% faster a row on that pick's tile at 131,072 rows)
     const int pick = type == f32 ? 1024 : 4096, tc_pick = 4096, long_pick = 65536;
     const int backward_pick = type == f32 ? 2048 : long_pick;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T (fp32: [x | x] against [W1 lo | W1 hi]); fc2: [mu | logvar] = h1 W2^T + b2
@@ -1196,7 +1208,8 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
     // fc3: h3 = ReLU([z | 1] [W3 | b3]^T) in T (the bias in K; bf16 in parts); fc4: logits = h3 W4^T + b4 in fp32
     // (fp32: h3's parts against [W4 hi | W4 lo | W4 hi])
     launch(fc3_weights_kernel<T>, (long long)H3 * zk, 256, 256, stream, (T*)(base + w3), t[FC3_W], t[FC3_B], H3, Z);
-    pl->fc3 = gemm_init(pl->lt, base + w3, H3, zk, zk, false, true, NULL, type, type, 1.0f, pick);
+    pl->fc3 = gemm_init(pl->lt, base + w3, H3, zk, zk, false, true, NULL, type, type, 1.0f,
+                        type == f32 ? pick : long_pick);
     const void* fc4_w = parts ? split(w4, FC4_W, INPUT_DIM, H3, 0) : convert(T(), w4, FC4_W, INPUT_DIM, H3, H3);
     pl->fc4 = gemm_init(pl->lt, fc4_w, INPUT_DIM, k4, k4, false, false,
                         convert(0.0f, b4, FC4_B, 1, INPUT_DIM, INPUT_DIM), tc, f32, 1.0f, tc_pick);
@@ -1304,14 +1317,13 @@ template <typename F> static void with_type_and_zmax(const Plain* pl, F f) {
     else small ? f(0.0f, published) : f(0.0f, largest);
 }
 
-// Blocks of 64 rows: 128 would leave 53 of 132 SMs idle at the ELBO's 10,000.
 static void plain_sample(Plain* pl, void* z_input, int rows, int K, const float* mulv, const float* eps,
                          uint32_t first_image, uint64_t seed, bool z_is_mu, float* z_out, float* kl, float* log_ratio,
                          cudaStream_t stream) {
     with_type_and_zmax(pl, [&](auto t, auto zmax) {
         typedef decltype(t) T;
-        launch(sample_kernel<T, decltype(zmax)::value>, rows, 64, 64, stream, (T*)z_input, z_out, kl, log_ratio,
-               mulv, eps, rows, pl->dims.z, K, first_image, seed, z_is_mu);
+        launch(sample_kernel<T, decltype(zmax)::value>, rows, SAMPLE_ROWS, SAMPLE_ROWS, stream, (T*)z_input, z_out,
+               kl, log_ratio, mulv, eps, rows, pl->dims.z, K, first_image, seed, z_is_mu);
     });
 }
 
@@ -1555,7 +1567,16 @@ static bool use_fused(Kernels kernels, ModelDims dims) {
     return fused;
 }
 
-enum { PLAIN_DECODER_ROWS = 1 << 18 }; // the plain path's rows a pass: ~7.5 KB each in fp32 (H3 = 400), ~44 KB (4,096)
+// The plain path's rows a pass: at most 2^18, and ~2 GB of buffers (a row ~7.5 KB in fp32 for H3 = 400, ~44 KB for
+// 4,096, whose --iwae would otherwise need ~12 GB).
+enum { PLAIN_DECODER_ROWS = 1 << 18 };
+constexpr size_t PLAIN_DECODER_BYTES = (size_t)2 << 30;
+static int plain_decoder_rows(ModelDims d, Precision precision, int asked) {
+    const size_t t = precision == PRECISION_BF16 ? sizeof(bf16) : sizeof(float);
+    const size_t parts = precision == PRECISION_FP32 ? FP16_PARTS * sizeof(fp16) * d.h3 : 0; // fp32's h3 parts
+    const size_t row = (z_width(precision, d.z) + d.h3) * t + parts + INPUT_DIM * sizeof(float) + 2 * sizeof(float);
+    return std::min({asked, (int)PLAIN_DECODER_ROWS, (int)(PLAIN_DECODER_BYTES / row)});
+}
 
 // max_batch: images a forward pass; decoder_rows: a --iwae pass's rows (a fused row costs at most 172 bytes).
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
@@ -1574,7 +1595,7 @@ static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision prec
         m->decoder_rows = std::max(decoder_rows, max_batch);
         m->fused = fused_init(m);
     } else {
-        const int rows = std::max(std::min(decoder_rows, (int)PLAIN_DECODER_ROWS), max_batch);
+        const int rows = std::max(plain_decoder_rows(m->dims, precision, decoder_rows), max_batch);
         Plain* pl = m->plain = plain_init(m->tensor, m->dims, precision, max_batch, rows, m->stream);
         m->mulv = pl->mulv, m->z = pl->z, m->logits = pl->logits, m->recon = pl->recon;
         m->decoder_rows = rows, m->bce_parts = pl->bce, m->bce_parts_per_row = 1, m->row_log_ratio = pl->log_ratio;
