@@ -5,8 +5,9 @@
 // in 8-byte (bf16) or 16-byte packs, so every warp store touches 32 rows' scattered segments. ncu: 80 us for an --iwae
 // pass of 260,000 rows (base clocks, H200), where the 38 MB written take ~10 at full bandwidth.
 // v1 (vae.cu's sample_kernel): the block's 64 rows staged in shared memory, then stored a pack a thread, contiguous.
-// Predicted ~10-15 us at 262,144 rows. Result (ncu, an --iwae lane's 130,000 rows): 18 us, ~36 a 260,000-row pass:
-// 2.2x, not 5x. What is left is the draws' arithmetic (5 Philox blocks, 10 Box-Muller pairs, 40 expf a row).
+// Predicted ~10-15 us at 262,144 rows. Result (this driver, H200): bf16 78.6 -> 25.2 us at 262,144 rows (3.1x), Z = 33
+// 132.6 -> 96.8; fp32, whose 16-byte packs already filled whole segments, 22.3 -> 23.3 (no gain). What is left is the
+// draws' arithmetic (5 Philox blocks, 10 Box-Muller pairs, 40 expf a row).
 //
 // Checks: v0 and v1 write the same bytes (z rows, log ratios) on 1, 7, 37, 1023, 4097, 130,000 and 262,144 rows (K =
 // 5,000), bf16 and fp32, Z = 20 (the published instance) and Z = 33 (MAX_LATENT's); and the z rows' parts, summed,
