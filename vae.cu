@@ -1196,7 +1196,7 @@ template <typename T> static void plain_init_weights(Plain* pl, const float* con
     const cudaDataType_t tc = parts ? CUDA_R_16F : type, back_in = parts ? CUDA_R_16F : back;
     // the batch each algorithm is picked for (dev/NOTES.md, 'algorithm picks (plain path)'): fp32's SIMT products (fc2,
     // fc3, fc3's backward) their own, the tensor cores' (bf16's, fp32's fp16 parts) 4,096, or 65,536 for long passes
-    // (and bf16's fc3, whose K of 72 runs 16% faster a row on that pick's tile at 131,072 rows)
+    // (and bf16's fc3, whose K of 72 runs 17% faster a row on that pick's tile: dev/NOTES.md)
     const int pick = type == f32 ? 1024 : 4096, tc_pick = 4096, long_pick = 65536;
     const int backward_pick = type == f32 ? 2048 : long_pick;
     // fc1: h1 = ReLU(x / 255 W1^T + b1) in T (fp32: [x | x] against [W1 lo | W1 hi]); fc2: [mu | logvar] = h1 W2^T + b2
