@@ -15,11 +15,8 @@ Build and run (make vae also prepares data/ when it is missing):
 
 Two engines run the model. The plain path, which a reader meets first, runs every mode on any GPU from sm_75 (T4) on:
 the four layers are cuBLASLt matmuls and a few short kernels do the rest. The Hopper engine (wgmma, TMA, thread-block
-clusters) is picked at start where it runs (--kernels). The file reads top to bottom: utilities, the model's shapes,
-random numbers, the plain path (its kernels, AIS's steps written once, then the model on cuBLASLt), the model's
-interface (one VAE, either engine), file formats, image output, the command line's parser and, unless TESTING is
-defined (as test_vae.cu does), the rest of the program: its modes, spread over the GPUs --devices names, and main.
-Last, the appendix: the Hopper engine (its forward kernels, its AIS kernel, launchers, its state).
+clusters) is picked at start where it runs (--kernels). The file reads top to bottom in '// ----' sections; main comes
+last but for the appendix, the Hopper engine. test_vae.cu defines TESTING, which leaves out the modes and main.
 */
 #include <cuda.h> // CUtensorMap and its enums only: the encoder comes through the runtime, no -lcuda
 #include <cudaTypedefs.h>
@@ -574,9 +571,9 @@ struct BceLane {
 
 __device__ inline float exp_neg_abs(float l) { return __expf(-fabsf(l)); }
 
-// Byte k of four pixels as a float, exactly: the byte under the exponent of 2^23 (one byte permute), less 2^23. An
-// int-to-float conversion runs at a quarter of the rate on the pipe that also computes the exponentials.
-__device__ inline float pixel_byte(uint32_t four, int k) {
+// Byte k of a word (four pixels) as a float, exactly: the byte under the exponent of 2^23 (one byte permute), less
+// 2^23. An int-to-float conversion runs at a quarter of the rate on the pipe that also computes the exponentials.
+__device__ inline float byte_as_float(uint32_t four, int k) {
     return __uint_as_float(__byte_perm(four, 0x4b000000u, 0x7540 | k)) - 8388608.0f;
 }
 
@@ -600,34 +597,14 @@ template <typename L> struct RowShare {
     __device__ static bool has(int lane, int s) { return lane + 32 * s < PACKS; }
     __device__ float logit(int s, int k) const { return as_float(l[s].v[k]); }
     __device__ float pixel(int s, int k) const {
-        return pixel_byte(reinterpret_cast<const uint32_t*>(x[s].v)[k / 4], k % 4);
+        return byte_as_float(reinterpret_cast<const uint32_t*>(x[s].v)[k / 4], k % 4);
     }
 };
 
-// Row r's BCE against image r / rows_per_image and nothing else (--iwae's passes, the ELBO): a warp a row.
-template <typename L>
-__global__ void bce_kernel(float* bce, const L* __restrict__ logits, const uint8_t* __restrict__ pixels, int rows,
-                           int rows_per_image) {
-    const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
-    if (r >= rows) return;
-    typedef RowShare<L> Share;
-    const Share share(logits + (size_t)r * INPUT_DIM, pixels + (size_t)(r / rows_per_image) * INPUT_DIM, lane);
-    BceLane part;
-    #pragma unroll
-    for (int s = 0; s < Share::STEPS; s++) {
-        if (!Share::has(lane, s)) break;
-        for (int k = 0; k < Share::V; k++) {
-            const float l = share.logit(s, k);
-            part.add(l, share.pixel(s, k), exp_neg_abs(l));
-        }
-    }
-    const float sum = part.row_sum();
-    if (lane == 0) bce[r] = sum;
-}
-
-// Row r's logits l against image r / rows_per_image: its BCE as bce_kernel's, recon = sigmoid(l), and residual =
-// sigmoid(l) - x (AIS's backward's start; in fp32 as FP16_PARTS parts), each where asked for. A warp a row.
-template <typename R, typename L = float, int PARTS = 1>
+// Row r's logits l against image r / rows_per_image: its BCE, recon = sigmoid(l), and residual = sigmoid(l) - x (AIS's
+// backward's start; in fp32 as FP16_PARTS parts), each where asked for; BCE_ONLY, the BCE alone with no sigmoid
+// compiled in (--iwae's passes, the ELBO: bf16's 1.2x faster). A warp a row.
+template <typename R, typename L = float, int PARTS = 1, bool BCE_ONLY = false>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
                                       const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
     typedef RowShare<L> Share;
@@ -636,7 +613,7 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
     if (r >= rows) return;
     const Share share(logits + (size_t)r * INPUT_DIM,
                       pixels ? pixels + (size_t)(r / rows_per_image) * INPUT_DIM : NULL, lane);
-    const bool want_sigmoid = recon != NULL || residual != NULL;
+    const bool want_sigmoid = !BCE_ONLY && (recon != NULL || residual != NULL);
     BceLane part;
     #pragma unroll
     for (int s = 0; s < Share::STEPS; s++) {
@@ -649,13 +626,13 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
                 const float q = __fdividef(1.0f, 1.0f + e); // 1 + e in [1, 2]: within __fdividef's range
                 sigmoid.v[k] = l >= 0.0f ? q : e * q;
             }
-            if (pixels == NULL) continue;
+            if (!BCE_ONLY && pixels == NULL) continue;
             const float byte = share.pixel(s, k);
-            if (residual) d.v[k] = sigmoid.v[k] - byte * (1.0f / 255.0f);
-            if (bce) part.add(l, byte, e);
+            if (!BCE_ONLY && residual) d.v[k] = sigmoid.v[k] - byte * (1.0f / 255.0f);
+            if (BCE_ONLY || bce) part.add(l, byte, e);
         }
-        if (recon) reinterpret_cast<Pack<float, V>*>(recon + (size_t)r * INPUT_DIM)[i] = sigmoid;
-        for (int p = 0; residual && pixels && p < PARTS; p++) {
+        if (!BCE_ONLY && recon) reinterpret_cast<Pack<float, V>*>(recon + (size_t)r * INPUT_DIM)[i] = sigmoid;
+        for (int p = 0; !BCE_ONLY && residual && pixels && p < PARTS; p++) {
             Pack<R, V> stored;
             for (int k = 0; k < V; k++) stored.v[k] = split_part<R>(d.v[k], PARTS == 1 ? 0 : activation_part(p));
             reinterpret_cast<Pack<R, V>*>(residual + ((size_t)r * PARTS + p) * INPUT_DIM)[i] = stored;
@@ -943,22 +920,9 @@ template <typename T, int ZMAX> __global__ void ais_begin_kernel(AisIO io, AisCh
     drift_chain(c, z_input, r, z, p, step);
 }
 
-// A leapfrog step between two gradient evaluations: a whole kick, then the next drift.
-template <typename T, int ZMAX> __global__ void ais_leapfrog_kernel(AisIO io, AisChains c, T* z_input, int s) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= io.n * io.chains) return;
-    const int image = r / io.chains;
-    const AisPrior<ZMAX> prior(io.mulv + (size_t)image * 2 * latents<ZMAX>(c.nz), latents<ZMAX>(c.nz));
-    const float beta = ais_target(io, s), step = io.step_out[image];
-    float z[ZMAX], grad[ZMAX], p[ZMAX];
-    c.load(c.z, r, z), c.load_grad(r, grad), c.load(c.p, r, p);
-    prior.kick(p, z, grad, beta, step);
-    c.store(c.p, r, p);
-    drift_chain(c, z_input, r, z, p, step);
-}
-
-// The last half kick, H1, and the Metropolis test; a rejected proposal returns to the start.
-template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s) {
+// After gradient evaluation l of L: a whole kick and the next drift, or (LAST, l = L) the last half kick, H1 and the
+// Metropolis test, where a rejected proposal returns to the start (as ais_chains: kick(l < L ? 1 : 0.5)).
+template <typename T, int ZMAX, bool LAST> __global__ void ais_kick_kernel(AisIO io, AisChains c, T* z_input, int s) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= io.n * io.chains) return;
     const int image = r / io.chains, chain = r % io.chains, nz = latents<ZMAX>(c.nz);
@@ -966,7 +930,11 @@ template <int ZMAX> __global__ void ais_end_kernel(AisIO io, AisChains c, int s)
     const float beta = ais_target(io, s), step = io.step_out[image];
     float z[ZMAX], grad[ZMAX], p[ZMAX];
     c.load(c.z, r, z), c.load_grad(r, grad), c.load(c.p, r, p);
-    prior.kick(p, z, grad, beta, 0.5f * step);
+    prior.kick(p, z, grad, beta, LAST ? 0.5f * step : step);
+    if constexpr (!LAST) {
+        c.store(c.p, r, p);
+        return drift_chain(c, z_input, r, z, p, step);
+    }
     if (io.probe.proposal && s == io.T - 1)
         UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX && j < nz; j++)
@@ -1348,17 +1316,14 @@ static void plain_decode(Plain* pl, const DecoderRows& d, const uint8_t* pixels,
                          float* bce, float* recon, bool t_logits, cudaStream_t stream) {
     gemm(pl->lt, pl->fc3, d.h3, d.z_input, rows, stream);
     gemm(pl->lt, t_logits ? pl->fc4_t : pl->fc4, d.logits, fc4_input(pl, d.h3, d.h3_parts, rows, stream), rows, stream);
-    if (recon == NULL && bce != NULL) { // scoring only: the short kernel (1.3x faster on --iwae's passes, loss_v5)
-        if (t_logits && pl->precision == PRECISION_BF16)
-            return launch(bce_kernel<bf16>, rows, 4, 128, stream, bce, (const bf16*)d.logits, pixels, rows,
-                          rows_per_image);
-        return launch(bce_kernel<float>, rows, 4, 128, stream, bce, d.logits, pixels, rows, rows_per_image);
-    }
-    if (t_logits && pl->precision == PRECISION_BF16)
-        return launch(decoder_output_kernel<float, bf16>, rows, 4, 128, stream, bce, recon, (float*)NULL,
-                      (const bf16*)d.logits, pixels, rows, rows_per_image);
-    launch(decoder_output_kernel<float>, rows, 4, 128, stream, bce, recon, (float*)NULL, d.logits, pixels, rows,
-           rows_per_image);
+    const bool bce_only = recon == NULL && bce != NULL; // scoring only
+    auto output = [&](auto l) { // L: the logits' type
+        typedef decltype(l) L;
+        launch(bce_only ? decoder_output_kernel<float, L, 1, true> : decoder_output_kernel<float, L>, rows, 4, 128,
+               stream, bce, recon, (float*)NULL, (const L*)d.logits, pixels, rows, rows_per_image);
+    };
+    if (t_logits && pl->precision == PRECISION_BF16) output(bf16());
+    else output(0.0f);
 }
 
 static void plain_forward(Plain* pl, const uint8_t* pixels, int B, uint32_t first_image, const ForwardOptions* opt,
@@ -1413,9 +1378,10 @@ template <typename T, int ZMAX> static void plain_ais_step(Plain* pl, const AisI
     if (s == io.T) return;
     for (int l = 1; l <= io.leapfrog; l++) {
         plain_ais_gradient<T>(pl, io, w, rows, l == io.leapfrog);
-        if (l < io.leapfrog) launch(ais_leapfrog_kernel<T, ZMAX>, rows, 128, 128, w.stream, io, w.chains, z_input, s);
+        if (l < io.leapfrog)
+            launch(ais_kick_kernel<T, ZMAX, false>, rows, 128, 128, w.stream, io, w.chains, z_input, s);
     }
-    launch(ais_end_kernel<ZMAX>, rows, 128, 128, w.stream, io, w.chains, s);
+    launch(ais_kick_kernel<T, ZMAX, true>, rows, 128, 128, w.stream, io, w.chains, z_input, s);
     launch(ais_adapt_kernel, io.n, 128, 128, w.stream, io, w.chains);
 }
 
@@ -1509,26 +1475,9 @@ static void fused_iwae_pass(Fused* f, const uint8_t* pixels, const float* mulv, 
                             uint32_t first_image, uint64_t seed);
 static int fused_ais_images(const Fused* f, int C);
 static void fused_ais(Fused* f, const AisIO& io);
+static bool gpu_has_wgmma(); // whether the code loaded for this GPU is sm_90a's
 enum { FUSED_AIS_CHAINS = 128 };     // the most chains an image the fused AIS kernel holds (its AIS_ROWS)
 enum { FUSED_SMEM_BYTES = 231976 }; // the most shared memory a fused block asks for (ais_kernel's in bf16)
-
-// 1 where the code loaded for this GPU is sm_90a's: the host picks the engine from what runs, not what could.
-__global__ void has_wgmma_kernel(int* out) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    *out = 1;
-#else
-    *out = 0;
-#endif
-}
-
-static bool gpu_has_wgmma() {
-    int *d_flag = NULL, flag = 0;
-    cudaCheck(cudaMalloc(&d_flag, sizeof(int)));
-    launch(has_wgmma_kernel, 1, 1, 1, 0, d_flag);
-    cudaCheck(cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost));
-    cudaCheck(cudaFree(d_flag));
-    return flag == 1;
-}
 
 static bool kernels_fit(Kernels kernels, ModelDims dims, Error* err) {
     if (kernels != KERNELS_FUSED || is_published(dims)) return true;
@@ -1650,13 +1599,10 @@ static int vae_iwae_lane_rows(const VAE* m, int K) {
     return lanes == 1 ? m->decoder_rows : m->decoder_rows / lanes / 8 * 8;
 }
 
-static int vae_iwae_images_per_pass(const VAE* m, int K) { return vae_iwae_lane_rows(m, K) / K; }
-
 // IWAE's log p(x), K samples an image: the n x K rows in passes of as many images as a lane's rows hold.
-static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed,
-                     float* log_px) {
+static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image, int K, uint64_t seed, float* log_px) {
     if (K < 1 || K > m->decoder_rows) fail("internal: %d samples per image outside 1..%d", K, m->decoder_rows);
-    const int images_per_pass = vae_iwae_images_per_pass(m, K), lanes = vae_iwae_lanes(m, K);
+    const int images_per_pass = vae_iwae_lane_rows(m, K) / K, lanes = vae_iwae_lanes(m, K);
     const size_t lane_rows = vae_iwae_lane_rows(m, K);
     int pass = 0;
     // The encoder runs over as many images as m->mulv holds: a pass's few (13 at K = 5000) would not fill the GPU.
@@ -1696,18 +1642,12 @@ static void ais_schedule(double* beta, int T) {
 // Images one vae_ais call takes: a round of the fused kernel's clusters, or the plain path's lanes' sets of chains.
 static int vae_ais_round(const VAE* m, int C) {
     const int round = m->fused ? fused_ais_images(m->fused, C) : PLAIN_LANES * (PLAIN_AIS_ROWS / C);
+    if (round == 0) fail("the fused AIS kernel fits no cluster on this GPU. HINT: --kernels plain runs --ais anywhere");
     return round < m->max_batch ? round : m->max_batch;
-}
-
-static void require_ais(const VAE* m) {
-    if (vae_ais_round(m, 1) == 0)
-        fail("AIS runs on Hopper GPUs (sm_90) only: its kernel uses thread block clusters. HINT: run --ais on an "
-             "H100 or H200 with a binary built for sm_90a (make vae does that there)");
 }
 
 // AIS over io.n images from p0 = q(z|x) (the encoder's) or N(0, I); the caller fills in the rest of io.
 static void vae_ais(VAE* m, AisIO io, bool from_prior) {
-    require_ais(m);
     if (io.n < 1 || io.n > m->max_batch) fail("internal: %d AIS images outside 1..%d", io.n, m->max_batch);
     if (from_prior) cudaCheck(cudaMemsetAsync(m->mulv, 0, (size_t)io.n * 2 * m->dims.z * sizeof(float), m->stream));
     else vae_encode(m, io.pixels, io.n);
@@ -2027,36 +1967,30 @@ static const char* USAGE =
     "  -b, --batch-size N   images per forward pass, 1..1048576 (default 4096)\n"
     "  -s, --seed N         seed of the noise eps, 0..2^64-1 (default 0)\n"
     "      --zmu            use z = mu instead of sampling z\n"
-    "      --precision P    fp32: exact, within 1e-5 of float64 (default); bf16: 2-3x faster, within ~1e-2\n"
-    "                       (bf16 needs sm_80 or newer)\n"
-    "      --kernels K      auto (default): the fused kernels where they run (H100, H200), else plain;\n"
-    "                       plain: cuBLASLt and short kernels, any GPU from sm_75; fused: Hopper's\n"
-    "                       wgmma, TMA and cluster kernels (sm_90 with a binary built for sm_90a)\n"
-    "      --devices L      the GPUs to spread the images over: all, or a list like 0,1 (default 0);\n"
-    "                       on GPUs of one model the results are one GPU's, byte for byte;\n"
-    "                       --bench times the first GPU only\n"
+    "      --precision P    fp32 (default): within 1e-5 of float64; bf16 (sm_80 on): 2-3x faster, ~1e-2\n"
+    "      --kernels K      auto (default): fused where they run (H100, H200; sm_90a code), else plain;\n"
+    "                       plain: cuBLASLt and short kernels (sm_75 on); fused: wgmma, TMA, clusters\n"
+    "      --devices L      the GPUs to spread the images over: all, or a list like 0,1 (default 0); on\n"
+    "                       GPUs of one model the results are one GPU's, byte for byte\n"
     "outputs\n"
     "  -o, --out DIR        folder for the images (default out; made with its parents if missing)\n"
-    "      --csv FILE       also write per-image results (index,label,bce,kl[,log_px]) after a '#' line\n"
-    "                       naming the run; '-' writes them to stdout and the summary to stderr\n"
+    "      --csv FILE       also write per-image results (index, label, the mode's values) after a '#'\n"
+    "                       line naming the run; '-' writes them to stdout and the summary to stderr\n"
     "  -q, --quiet          results and errors only: no start-up table, progress or 'wrote' lines\n"
     "other runs, instead of the evaluation\n"
     "      --iwae K         importance-weighted log p(x), K samples per image (1..65536): mean NLL, its\n"
     "                       standard error, time, beside the ELBO; --csv adds per-image log p(x)\n"
-    "      --bench          time forward+loss per batch size (latency and throughput), in both\n"
-    "                       precisions or the one --precision names, on both engines where both run\n"
-    "                       (or the one --kernels names)\n"
+    "      --bench          time forward+loss per batch size (latency, throughput) on the first GPU, in\n"
+    "                       each precision and engine that runs, or those --precision and --kernels name\n"
     "      --bench-batches L  --bench's batch sizes, comma-separated (default 1024,2048,4096,10000)\n"
     "      --interp N       every pair of the first N test images (2..1000), 11 steps each, decoded\n"
     "                       batched and one pair per call: both times; the first pairs in interp.ppm\n"
     "      --ais T          log p(x) by annealed importance sampling over T distributions (1..100000), HMC\n"
-    "                       in the latent space: mean NLL, acceptance, time, beside the ELBO;\n"
-    "                       --csv writes index,label,log_px,ess,acceptance\n"
+    "                       in the latent space: mean NLL, acceptance, time, beside the ELBO\n"
     "      --chains C       --ais: chains per image (1..256, default 16; above 128 on the plain path)\n"
     "      --leapfrog L     --ais: leapfrog steps per HMC transition (1..1000, default 10; 1 is MALA)\n"
     "      --ais-init P     --ais: start from q (the encoder's q(z|x), default) or prior (N(0, I))\n"
-    "      --ais-iwae       --ais: also IWAE with as many decoder evaluations, between the ELBO and AIS\n"
-    "                       (at the defaults K = 159,856 samples an image: about as long as AIS)\n"
+    "      --ais-iwae       --ais: also IWAE with as many decoder evaluations (defaults: K = 159,856)\n"
     "      --bdmc N         with --ais T: N simulated images (z ~ p(z), x ~ p(x|z), binary), forward AIS\n"
     "                       (a lower bound of log p(x)) and reverse AIS from the true z (an upper bound)\n"
     "      --version        version, commit, CUDA runtime and driver\n"
@@ -2252,8 +2186,6 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
         return set_error(err, "%s %d: the fused AIS kernel holds at most %d chains an image. HINT: --kernels plain "
                          "(or auto) runs more, or --chains %d", cfg->flag[OPT_CHAINS], cfg->chains, FUSED_AIS_CHAINS,
                          FUSED_AIS_CHAINS);
-    if (cfg->z_is_mu && cfg->mode == MODE_IWAE)
-        return set_error(err, "--iwae samples z by definition; --zmu does not apply. HINT: drop --zmu");
     for (int o : {OPT_CHAINS, OPT_LEAPFROG, OPT_AIS_INIT, OPT_AIS_IWAE})
         if (cfg->mode == MODE_ELBO && (cfg->given & OPT_BIT(o)))
             return set_error(err, "%s applies to --ais only. HINT: add --ais T or drop %s", cfg->flag[o], cfg->flag[o]);
@@ -2317,11 +2249,6 @@ static void parent_folder(const char* path, char folder[MAX_PATH]) {
     else slash[slash == folder ? 1 : 0] = '\0';
 }
 
-static bool writable_folder(const char* folder) {
-    struct stat st;
-    return stat(folder, &st) == 0 && S_ISDIR(st.st_mode) && access(folder, W_OK) == 0;
-}
-
 // Outputs are checked before any work: -o a writable folder or one mkdir -p can make, --csv a writable file.
 static void check_output_dir(const char* flag, const char* dir) {
     struct stat st;
@@ -2352,7 +2279,7 @@ static void check_output_file(const char* flag, const char* path) {
     char folder[MAX_PATH];
     parent_folder(path, folder);
     const bool is_folder = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
-    if (is_folder || !writable_folder(folder))
+    if (is_folder || stat(folder, &st) != 0 || !S_ISDIR(st.st_mode) || access(folder, W_OK) != 0)
         fail("%s %s: cannot write (%s). HINT: pass a writable path", flag, path,
              is_folder ? "a folder" : "its folder is missing or not writable");
 }
@@ -2383,11 +2310,6 @@ static void print_kernels_row(const Config* cfg, ModelDims dims, bool fused) {
 }
 
 static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
-
-static void first_of_each_digit(const Labels* labels, int count, int first[10]) {
-    for (int d = 0; d < 10; d++) first[d] = -1;
-    for (int i = count - 1; i >= 0 && labels->labels != NULL; i--) first[labels->labels[i]] = i;
-}
 
 static void write_grid(const Config* cfg, const char* name, const char* what, const float* tiles, int rows, int cols) {
     char path[MAX_PATH];
@@ -2430,7 +2352,8 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
 
     int first[10], rows = 0; // interp.ppm: row d walks the latent mean of a test 'd' to that of a 'd+1'
     int2 pairs[10];
-    first_of_each_digit(labels, count, first);
+    for (int d = 0; d < 10; d++) first[d] = -1; // each digit's first image
+    for (int i = count - 1; i >= 0 && labels->labels != NULL; i--) first[labels->labels[i]] = i;
     uint8_t* d_pair_pixels; // the images of the pairs, gathered into one batch
     cudaCheck(cudaMalloc(&d_pair_pixels, (size_t)20 * INPUT_DIM));
     for (int d = 0; d < 10; d++) {
@@ -2485,9 +2408,7 @@ template <typename Work> static void on_each_gpu(Gpus* gs, Work work) {
     failing_gpu[0] = '\0'; // what fails from here on is the run's, not one GPU's
 }
 
-static void vae_free_all(Gpus* gs) {
-    on_each_gpu(gs, [](Gpu* g) { vae_free(&g->m); });
-}
+static void vae_free_all(Gpus* gs) { on_each_gpu(gs, [](Gpu* g) { vae_free(&g->m); }); }
 
 struct Slices { // the work no GPU has taken yet; the time from the last GPU ready to the last done
     std::atomic<int> next{0};
@@ -2702,8 +2623,7 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
         for (int i = 0; i < count; i++)
             fprintf(console, "%s: BCE %.4f  KL %.4f  loss %.4f\n", cfg->image_paths[i], bce[i], kl[i], bce[i] + kl[i]);
     const double mean_bce = mean_of(bce, count), mean_kl = mean_of(kl, count);
-    fprintf(console, "evaluated %d images in %.3f ms%s (%.0f images/s)\n", count, ms, on_gpus(gs),
-            count / (ms * 1e-3));
+    fprintf(console, "evaluated %d images in %.3f ms%s (%.0f images/s)\n", count, ms, on_gpus(gs), count / (ms * 1e-3));
     fprintf(console, "mean BCE   %10.4f\n", mean_bce);
     fprintf(console, "mean KL    %10.4f\n", mean_kl);
     fprintf(console, "mean loss  %10.4f   (BCE + KL = -ELBO)\n", mean_bce + mean_kl);
@@ -2722,7 +2642,7 @@ static void run_elbo(const HostWeights* w, const Images* images, const Inputs* i
 static double iwae_all(Gpus* gs, int count, int image0, int K, const Config* cfg, Progress* progress, float* log_px) {
     return over_slices(gs, count, [&](Gpu* g, auto slices) {
         VAE* m = &g->m;
-        const int per_pass = vae_iwae_images_per_pass(m, K);
+        const int per_pass = vae_iwae_lane_rows(m, K) / K;
         const int slice = std::min(per_pass * ceil_div(ceil_div(count, per_pass), 50), ceil_div(count, gs->count));
         float* d_log_px = (float*)device_alloc((size_t)slice * sizeof(float), "log p(x)");
         vae_iwae(m, g->pixels, 1, 0, K, cfg->seed, d_log_px); // the warm-up
@@ -2760,26 +2680,18 @@ static void run_iwae(const HostWeights* w, const Inputs* in, Gpus* gs, const Con
 }
 
 typedef struct { double *beta, *log_w, *log_px; int* accepted; float *step, *ess, *acceptance; } AisBuffers;
-static AisBuffers ais_buffers(int n, const Config* cfg) {
-    const size_t rows = (size_t)n * cfg->chains;
-    AisBuffers b;
-    b.beta = (double*)device_alloc((cfg->ais_t + 1) * sizeof(double), "the AIS schedule");
-    b.log_w = (double*)device_alloc(rows * sizeof(double), "the AIS log weights");
-    b.accepted = (int*)device_alloc(rows * sizeof(int), "the AIS acceptances");
-    b.log_px = (double*)device_alloc(n * sizeof(double), "log p(x)");
-    b.step = (float*)device_alloc((size_t)3 * n * sizeof(float), "the AIS step sizes");
-    b.ess = b.step + n, b.acceptance = b.step + 2 * n;
+static AisBuffers ais_buffers(int n, const Config* cfg) { // one allocation, beta first: cudaFree(b.beta) frees all
+    const size_t rows = (size_t)n * cfg->chains, T = cfg->ais_t;
+    AisBuffers b; // doubles (beta [T + 1], log_w [rows], log_px [n]), then accepted [rows], step, ess, acceptance [n]
+    b.beta = (double*)device_alloc((T + 1 + rows + n) * sizeof(double) + (rows + 3 * n) * 4, "the AIS buffers");
+    b.log_w = b.beta + T + 1, b.log_px = b.log_w + rows, b.accepted = (int*)(b.log_px + n);
+    b.step = (float*)(b.accepted + rows), b.ess = b.step + n, b.acceptance = b.step + 2 * n;
     double* beta = (double*)malloc((cfg->ais_t + 1) * sizeof(double));
     if (beta == NULL) fail("out of host memory for the AIS schedule");
     ais_schedule(beta, cfg->ais_t);
     cudaCheck(cudaMemcpy(b.beta, beta, (cfg->ais_t + 1) * sizeof(double), cudaMemcpyHostToDevice));
     free(beta);
     return b;
-}
-
-static void ais_buffers_free(AisBuffers* b) {
-    void* buffers[] = {b->beta, b->log_w, b->accepted, b->log_px, b->step};
-    for (void* p : buffers) cudaCheck(cudaFree(p));
 }
 
 typedef struct { double* log_px; float *step, *ess, *acceptance; } AisResults; // host arrays of n each
@@ -2821,21 +2733,18 @@ static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const floa
             cudaCheck(cudaStreamSynchronize(m->stream));
             progress.add(k);
         });
-        cudaCheck(cudaFree(d_z)), ais_buffers_free(&b);
+        cudaCheck(cudaFree(d_z)), cudaCheck(cudaFree(b.beta));
     });
 }
 
 enum { AIS_BATCH = 8192 }; // images per AIS launch at most (a round of the GPU's clusters is up to 4,224 at C = 1)
-static void ais_init(VAE* m, const HostWeights* w, const Config* cfg, int decoder_rows) {
-    vae_init(m, w, AIS_BATCH, cfg->precision, run_kernels(cfg), decoder_rows);
-    require_ais(m);
-}
-
 static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Config* cfg) {
     const int count = in->count, C = cfg->chains, T = cfg->ais_t, L = cfg->leapfrog;
     const long long evals_per_image = (long long)C * (1 + (long long)(T - 1) * L); // gradient evaluations
     const bool iwae = cfg->ais_iwae; // IWAE's K = evals_per_image: one image's rows must fit a decoder pass
-    on_each_gpu(gs, [&](Gpu* g) { ais_init(&g->m, w, cfg, iwae ? IWAE_PASS_ROWS : 0); });
+    on_each_gpu(gs, [&](Gpu* g) {
+        vae_init(&g->m, w, AIS_BATCH, cfg->precision, run_kernels(cfg), iwae ? IWAE_PASS_ROWS : 0);
+    });
     for (int i = 0; i < gs->count && iwae; i++)
         if (evals_per_image > gs->gpu[i].m.decoder_rows)
             fail("%s: IWAE with K = C (1 + (T - 1) L) = %lld samples an image needs that many decoder rows a pass; "
@@ -2873,12 +2782,10 @@ static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Conf
             evals / (ais_ms * 1e-3), evals * ais_flops_per_eval(w->dims) / (ais_ms * 1e9), elbo_ms * 1e-3);
     if (iwae) fprintf(console, "; IWAE %.3f s)\n", iwae_ms * 1e-3);
     else fprintf(console, ")\n");
-    if (iwae)
-        fprintf(console, "inference gap: -ELBO %.4f > IWAE (K = %lld, as many decoder evaluations) %.4f > AIS %.4f "
-                "nats\n", -elbo, evals_per_image, -iwae_sum / count, -mean);
-    else
-        fprintf(console, "inference gap: -ELBO %.4f > AIS %.4f nats (IWAE with as many decoder evaluations, K = %lld, "
-                "between them: add %s)\n", -elbo, -mean, evals_per_image, "--ais-iwae");
+    if (iwae) fprintf(console, "inference gap: -ELBO %.4f > IWAE (K = %lld, as many decoder evaluations) %.4f > AIS "
+                      "%.4f nats\n", -elbo, evals_per_image, -iwae_sum / count, -mean);
+    else fprintf(console, "inference gap: -ELBO %.4f > AIS %.4f nats (IWAE with as many decoder evaluations, K = %lld, "
+                 "between them: add --ais-iwae)\n", -elbo, -mean, evals_per_image);
     if (cfg->csv_path != NULL) write_csv(cfg, in, "log_px,ess,acceptance", {ais_px, ess, acceptance});
     free(log_px), free(results), vae_free_all(gs);
 }
@@ -2886,7 +2793,7 @@ static void run_ais(const HostWeights* w, const Inputs* in, Gpus* gs, const Conf
 // Images simulated from the model: AIS forward (a lower bound) and reverse from the true z (an upper one) on log p(x).
 static void run_bdmc(const HostWeights* w, Gpus* gs, const Config* cfg) {
     const int n = cfg->bdmc_n, Z = w->dims.z;
-    on_each_gpu(gs, [&](Gpu* g) { ais_init(&g->m, w, cfg, 0); });
+    on_each_gpu(gs, [&](Gpu* g) { vae_init(&g->m, w, AIS_BATCH, cfg->precision, run_kernels(cfg)); });
     VAE* m = &gs->gpu[0].m; // simulates the images
     float* z = (float*)malloc((size_t)n * Z * sizeof(float) + (size_t)AIS_BATCH * INPUT_DIM * sizeof(float));
     uint8_t* pixels = (uint8_t*)malloc((size_t)n * INPUT_DIM);
@@ -3041,14 +2948,12 @@ static void run_interp(const HostWeights* w, Gpus* gs, const Config* cfg) {
     const int report_every = num_pairs / 100 > 0 ? num_pairs / 100 : 1;
     Progress progress("one pair per call", num_pairs);
     const double single_start = Slices::now_ms();
-    Timer timer(m->stream);
     for (int p = 0, reported = 0; p < num_pairs; p++) {
         vae_decode_interpolations(m, d_pairs[0], (long long)p * INTERP_STEPS, INTERP_STEPS, INTERP_STEPS);
         cudaCheck(cudaStreamSynchronize(m->stream));
         if ((p + 1) % report_every == 0 || p + 1 == num_pairs) progress.add(p + 1 - reported), reported = p + 1;
     }
-    const float single_ms = timer.elapsed_ms();
-    const double single_end = Slices::now_ms();
+    const double single_end = Slices::now_ms(), single_ms = single_end - single_start; // each pair waited for
     cudaCheck(cudaMemcpy(last + pair_floats, m->recon, pair_floats * sizeof(float), cudaMemcpyDeviceToHost));
     const bool same = !memcmp(last, last + pair_floats, pair_floats * sizeof(float));
 
@@ -3251,15 +3156,26 @@ template <> struct Path<PRECISION_FP32> {
     static constexpr int AIS_CLUSTER = 8, AIS_BN = 104;   // 8 of 104 in two copies of cores (AisFc4Cores)
 };
 
-template <typename T> __device__ inline uint32_t pack2(float lo, float hi);
-template <> __device__ inline uint32_t pack2<bf16>(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
+template <typename T> __device__ inline uint32_t pack2(float lo, float hi) { // lo in the low half
+    uint32_t v;
+    if constexpr (std::is_same<T, bf16>::value) *reinterpret_cast<__nv_bfloat162*>(&v) = __floats2bfloat162_rn(lo, hi);
+    else *reinterpret_cast<__half2*>(&v) = __floats2half2_rn(lo, hi);
+    return v;
 }
 
-template <> __device__ inline uint32_t pack2<fp16>(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
+template <typename T> __device__ inline void pack_parts(uint32_t& hi, uint32_t& lo, float a, float b) {
+    hi = pack2<T>(a, b);
+    if constexpr (std::is_same<T, fp16>::value) {
+        const float2 back = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+        lo = pack2<T>(a - back.x, b - back.y);
+    } else {
+        lo = 0u;
+    }
+}
+
+__device__ inline float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
 // D += A (16x16, row-major) B (16x8, column-major), fp32 D; with g = lane / 4, t = lane % 4, a register holds two k:
@@ -3325,16 +3241,9 @@ __device__ inline void wait_for_prior_grid() { asm volatile("griddepcontrol.wait
 
 __device__ inline uint32_t pair_at(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// Byte b of a word as an exact float: permuted into 2^23's mantissa, 2^23 subtracted (no integer conversion).
-__device__ inline float byte_as_float(uint32_t word, int b) {
-    return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440 + b)) - 8388608.0f;
-}
-
 // fc4's logits in column blocks of DEC_BN, the last from 784 - DEC_BN (its dec_overlap() left to the block before).
 enum {
-    DEC_CHUNK = 80,
-    DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK,
-    DEC_STEPS = DEC_CHUNK / 16,
+    DEC_CHUNK = 80, DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK, DEC_STEPS = DEC_CHUNK / 16,
     TASK_ROWS = 16,        // rows of one warp's task (encoder and decoder): the unit of a cross-block merge
     BIAS_PARTS = 3,
     FC4_K = HIDDEN_DIM + 8, // fc4's K with the bias parts: 816-byte rows, a 16-byte multiple for TMA
@@ -3388,15 +3297,12 @@ __global__ void weights_kernel(typename Path<P>::T* __restrict__ dst, Layer laye
         if (k < LATENT_DIM) v = w[n * LATENT_DIM + k];
         else if (k < LATENT_DIM + BIAS_PARTS) v = b[n], part = k - LATENT_DIM;
         else if (Q::SPLIT && zk < 2 * LATENT_DIM) v = w[n * LATENT_DIM + zk % LATENT_DIM], part = zk / LATENT_DIM;
-    } else if (layer == LAYER_AIS_FC3) { // [parts][400][24]: [W3 | bias parts | 0], fp32 also [W3l | 0]
-        const int n = (int)(i / AIS_W3_K % HIDDEN_DIM), k = (int)(i % AIS_W3_K);
-        const int copy = (int)(i / AIS_W3_K / HIDDEN_DIM);
-        if (k < LATENT_DIM) v = w[n * LATENT_DIM + k], part = copy;
-        else if (copy == 0 && k < LATENT_DIM + BIAS_PARTS) v = b[n], part = k - LATENT_DIM;
-    } else { // [parts][784][408]: [W4 | bias parts | 0], fp32 also [W4l | 0]
-        const int n = (int)(i / FC4_K % INPUT_DIM), k = (int)(i % FC4_K), copy = (int)(i / FC4_K / INPUT_DIM);
-        if (k < HIDDEN_DIM) v = w[(size_t)n * HIDDEN_DIM + k], part = copy;
-        else if (copy == 0 && k < HIDDEN_DIM + BIAS_PARTS) v = b[n], part = k - HIDDEN_DIM;
+    } else { // LAYER_AIS_FC3 [parts][400][24], LAYER_FC4 [parts][784][408]: [W | bias parts | 0], then [W lo | 0]
+        const bool fc3 = layer == LAYER_AIS_FC3;
+        const int rows = fc3 ? HIDDEN_DIM : INPUT_DIM, in = fc3 ? LATENT_DIM : HIDDEN_DIM, ld = fc3 ? AIS_W3_K : FC4_K;
+        const int n = (int)(i / ld % rows), k = (int)(i % ld), copy = (int)(i / ld / rows);
+        if (k < in) v = w[(size_t)n * in + k], part = copy;
+        else if (copy == 0 && k < in + BIAS_PARTS) v = b[n], part = k - in;
     }
     dst[i] = split_part<T>(v, part);
 }
@@ -3450,11 +3356,7 @@ __device__ inline void relu_to_a(uint32_t (&hi)[STEPS][4], uint32_t (&lo)[STEPS]
                 const __nv_bfloat162 v = __hmax2(__floats2bfloat162_rn(h[j], h[j + 1]), __float2bfloat162_rn(0.0f));
                 hi[s][i] = *reinterpret_cast<const uint32_t*>(&v);
             } else {
-                const float v0 = fmaxf(h[j], 0.0f), v1 = fmaxf(h[j + 1], 0.0f);
-                const __half2 top = __floats2half2_rn(v0, v1);
-                const float2 back = __half22float2(top);
-                hi[s][i] = *reinterpret_cast<const uint32_t*>(&top);
-                lo[s][i] = pack2<fp16>(v0 - back.x, v1 - back.y);
+                pack_parts<fp16>(hi[s][i], lo[s][i], fmaxf(h[j], 0.0f), fmaxf(h[j + 1], 0.0f));
             }
         }
 }
@@ -3651,9 +3553,7 @@ __device__ inline void decoder_epilogue(const float (&logit)[Path<P>::DEC_BN / 2
             prod0 = fmaf(prod0, fast_exp2(-fabsf(l0) * 1.4426950409f), prod0);
             prod1 = fmaf(prod1, fast_exp2(-fabsf(l1) * 1.4426950409f), prod1);
         }
-        float sum = dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float sum = quad_sum(dot + 0.5f * abs_sum + 0.6931471806f * fast_log2(prod0 * prod1));
         if (live && t == 0) io.parts[(size_t)row * DEC_COL_BLOCKS + cb] = sum;
     }
     if (io.bce == NULL) return; // the caller adds the parts itself (--iwae's logsumexp does)
@@ -3684,20 +3584,15 @@ __device__ inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-__device__ inline bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    asm volatile("{\n.reg .pred p;\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 "selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    return done != 0;
-}
-
 __device__ inline void mbar_wait(uint32_t bar, uint32_t parity) {
-    if (mbar_try_wait(bar, parity)) return;
     const long long start = clock64();
-    while (!mbar_try_wait(bar, parity))
-        if (clock64() - start > 2000000000ll) __trap();
+    for (uint32_t done = 0; !done;) {
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        if (!done && clock64() - start > 2000000000ll) __trap();
+    }
 }
 
 __device__ inline void mbar_expect_load(uint32_t bar, uint32_t bytes) {
@@ -3716,10 +3611,15 @@ __device__ inline void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_
                  "[%2];\n" ::"r"(dst), "l"(map), "r"(bar), "r"(col), "r"(row) : "memory");
 }
 
-// K-major 128-byte rows in TMA's 128-byte swizzle: 8-row groups 1024 bytes apart (type 1); a k16 step is +32 bytes.
-__device__ inline uint64_t smem_desc_128b(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
+// wgmma's shared-memory descriptor: core matrices `leading` bytes apart along K and `stride` along M or N, in layout 0
+// (no swizzle), 1 (TMA's 128-byte swizzle) or 2 (its 64-byte one).
+__device__ inline uint64_t smem_desc(uint32_t addr, uint32_t leading, uint32_t stride, uint64_t layout = 0) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(leading >> 4) << 16 | (uint64_t)(stride >> 4) << 32 |
+           layout << 62;
 }
+
+// K-major 128-byte rows in TMA's 128-byte swizzle: 8-row groups 1024 bytes apart; a k16 step is +32 bytes.
+__device__ inline uint64_t smem_desc_128b(uint32_t addr) { return smem_desc(addr, 16, 1024, 1); }
 
 __device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -3730,10 +3630,6 @@ template <int PENDING> __device__ inline void wgmma_wait() {
 // An empty asm "writes" each accumulator: no access moves across a wgmma.wait_group, which the compiler cannot see.
 template <int R> __device__ inline void fence_accumulators(float (&d)[R]) {
     for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-__device__ inline uint64_t smem_desc_64b(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(512 >> 4) << 32 | (uint64_t)2 << 62;
 }
 
 // D[64 x N] (+)= A B, A from registers in mma.sync's layout, that of an m16n8 accumulator pair (one wgmma's D is the
@@ -3836,7 +3732,7 @@ template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     auto fc3_chunk = [&](int c) {
         wgmma_fence();
         const uint32_t tile = w3_tile + c * DEC_CHUNK * Q::Z_K * sizeof(T);
-        const uint64_t desc = Q::Z_K == 32 ? smem_desc_64b(tile) : smem_desc_128b(tile);
+        const uint64_t desc = Q::Z_K == 32 ? smem_desc(tile, 16, 512, 2) : smem_desc_128b(tile);
         for (int s = 0; s < Z_STEPS; s++) wgmma_m64n80k16_rs<T>(h, z_a[s], desc + 2 * s, s > 0);
         wgmma_commit();
     };
@@ -4055,9 +3951,7 @@ __device__ inline float4 cluster_load4(const float* p, uint32_t rank) {
 
 // Cluster mbarriers: a fence releases, the arrivals are relaxed, the wait acquires; shared-memory-only fences where
 // they suffice, as a full one also invalidates the L1, where spilled registers live. No time limit (compute-sanitizer).
-__device__ inline void fence_cluster() {
-    asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
-}
+__device__ inline void fence_cluster() { asm volatile("fence.acq_rel.cluster;\n" ::: "memory"); }
 
 __device__ inline void fence_shared_release() {
     asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
@@ -4080,21 +3974,6 @@ __device__ inline void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
                      "selp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;\n" ::: "memory");
-}
-
-template <typename T> __device__ inline void pack_parts(uint32_t& hi, uint32_t& lo, float a, float b) {
-    hi = pack2<T>(a, b);
-    if constexpr (std::is_same<T, fp16>::value) {
-        const float2 back = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-        lo = pack2<T>(a - back.x, b - back.y);
-    } else {
-        lo = 0u;
-    }
-}
-
-__device__ inline float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
 // fc3 in fp16 hi and lo parts in both paths (bf16 moves grad 7% near the mode); the backward through W3: one product.
@@ -4451,10 +4330,7 @@ static_assert(Path<PRECISION_FP32>::AIS_BN % 8 == 0 && FC4_K % 8 == 0, "fp32's f
 static_assert(Path<PRECISION_BF16>::DEC_BN == Path<PRECISION_BF16>::AIS_BN,
               "ais_kernel loads its column block with the decoder's tensor map, whose box is DEC_BN rows");
 // A tile read MN-major in the 128-byte swizzle: 64 values along N a row, 8-row atoms along K 1024 bytes apart.
-__device__ inline uint64_t smem_desc_128b_mn(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(1024 >> 4) << 16 | (uint64_t)(1024 >> 4) << 32 |
-           (uint64_t)1 << 62;
-}
+__device__ inline uint64_t smem_desc_128b_mn(uint32_t addr) { return smem_desc(addr, 1024, 1024, 1); }
 
 template <typename T, bool MN_MAJOR>
 __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
@@ -4470,18 +4346,9 @@ __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4]
 // Turns at the tensor cores: a warpgroup issues its forward products in one, its backward in the next, merging between.
 __device__ inline void ais_turn_wait() { named_bar_sync(AIS_BAR_TURN + threadIdx.x / 128, 256); }
 __device__ inline void ais_turn_pass() { named_bar_arrive(AIS_BAR_TURN + 1 - threadIdx.x / 128, 256); }
-__device__ inline void ais_turns_first() {
-    if (threadIdx.x >= 128) named_bar_arrive(AIS_BAR_TURN, 256);
-}
+__device__ inline void ais_turns_first() { if (threadIdx.x >= 128) named_bar_arrive(AIS_BAR_TURN, 256); }
 
-__device__ inline void ais_turns_last() {
-    if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256);
-}
-
-// Core matrices without swizzle (layout type 0): `leading` bytes apart along K, `stride` along M or N.
-__device__ inline uint64_t smem_desc_cores(uint32_t addr, uint32_t leading, uint32_t stride) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(leading >> 4) << 16 | (uint64_t)(stride >> 4) << 32;
-}
+__device__ inline void ais_turns_last() { if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256); }
 
 // The narrow N: fc3's last 16 units (K-major), the backward through fc3 (24; fp32 also 16, 8), fp32's fc4's last 16.
 template <int N, bool MN_MAJOR>
@@ -4489,19 +4356,15 @@ __device__ inline void wgmma_f16_narrow_rs(float (&d)[N / 2], const uint32_t (&a
                                            bool accumulate) {
     static_assert(N == 8 || N == 16 || N == 24, "the narrow N: 8, 16, 24");
 #define WG_D8 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-    if constexpr (N == 8 && MN_MAJOR)
-        WGMMA_RS("m64n8k16.f32.f16.f16", "%0, %1, %2, %3", "{%4, %5, %6, %7}, %8", "%9", "1", "+f"(d[0]), "+f"(d[1]),
-                 "+f"(d[2]), "+f"(d[3]));
-    else if constexpr (N == 8) WGMMA_RS("m64n8k16.f32.f16.f16", "%0, %1, %2, %3", "{%4, %5, %6, %7}, %8", "%9", "0",
-                                        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]));
-    else if constexpr (N == 16 && MN_MAJOR) WGMMA_RS("m64n16k16.f32.f16.f16", "%0, %1, %2, %3, %4, %5, %6, %7",
-                                                     "{%8, %9, %10, %11}, %12", "%13", "1", WG_D8);
-    else if constexpr (N == 16) WGMMA_RS("m64n16k16.f32.f16.f16", "%0, %1, %2, %3, %4, %5, %6, %7",
-                                         "{%8, %9, %10, %11}, %12", "%13", "0", WG_D8);
-    else if constexpr (MN_MAJOR) WGMMA_RS("m64n24k16.f32.f16.f16", WG_ACC10() ", %10, %11", "{%12, %13, %14, %15}, %16",
-                                          "%17", "1", WG_D10(), "+f"(d[10]), "+f"(d[11]));
-    else WGMMA_RS("m64n24k16.f32.f16.f16", WG_ACC10() ", %10, %11", "{%12, %13, %14, %15}, %16", "%17", "0", WG_D10(),
-                  "+f"(d[10]), "+f"(d[11]));
+#define WG_NARROW(TRANS_B)                                                                                             \
+    if constexpr (N == 8) WGMMA_RS("m64n8k16.f32.f16.f16", "%0, %1, %2, %3", "{%4, %5, %6, %7}, %8", "%9", TRANS_B,   \
+                                   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]));                                   \
+    else if constexpr (N == 16) WGMMA_RS("m64n16k16.f32.f16.f16", "%0, %1, %2, %3, %4, %5, %6, %7",                    \
+                                         "{%8, %9, %10, %11}, %12", "%13", TRANS_B, WG_D8);                            \
+    else WGMMA_RS("m64n24k16.f32.f16.f16", WG_ACC10() ", %10, %11", "{%12, %13, %14, %15}, %16", "%17",              \
+                  TRANS_B, WG_D10(), "+f"(d[10]), "+f"(d[11]))
+    if constexpr (MN_MAJOR) WG_NARROW("1");
+    else WG_NARROW("0");
 }
 
 __device__ inline void wgmma_m64n104k16_f16_rs(float (&d)[52], const uint32_t (&a)[4], uint64_t desc_b,
@@ -4531,8 +4394,8 @@ template <int N> __device__ inline void ais_fc3_wgmma(float (&h)[N / 2], uint32_
     constexpr uint32_t CORE = AIS_W3_CORE_BYTES, HI = AIS_W3_HI_GROUP_BYTES, LO = AIS_W3_LO_GROUP_BYTES;
     const uint32_t hi = w3 + q * 8 * HI, lo = w3 + HIDDEN_DIM / 8 * HI + q * 8 * LO;
     auto product = [&](const uint32_t (&a)[4], uint32_t b, uint32_t group, bool accumulate) {
-        if constexpr (N == 64) wgmma_m64n64k16_rs<fp16, false>(h, a, smem_desc_cores(b, CORE, group), accumulate);
-        else wgmma_f16_narrow_rs<16, false>(h, a, smem_desc_cores(b, CORE, group), accumulate);
+        if constexpr (N == 64) wgmma_m64n64k16_rs<fp16, false>(h, a, smem_desc(b, CORE, group), accumulate);
+        else wgmma_f16_narrow_rs<16, false>(h, a, smem_desc(b, CORE, group), accumulate);
     };
     wgmma_fence();
     product(za.k16_lo, hi, HI, false), product(za.k16, lo, LO, true), product(za.k16, hi, HI, true);
@@ -4586,7 +4449,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
     auto fc4_step = [&](int q, int i, bool bias) { // bf16 one product; fp32 three (the bias step one)
         if constexpr (SPLIT) {
             const uint32_t step = w4 + (4 * q + i) * 2 * CORE;
-            auto desc = [&](uint32_t at) { return smem_desc_cores(at, CORE, GROUP); };
+            auto desc = [&](uint32_t at) { return smem_desc(at, CORE, GROUP); };
             if (!bias) {
                 wgmma_m64n104k16_f16_rs(logit, a_lo[q % BUFFERS][i], desc(step), q + i > 0);
                 wgmma_m64n104k16_f16_rs(logit, a[q % BUFFERS][i], desc(step + COPY), true);
@@ -4631,7 +4494,7 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
         if constexpr (SPLIT) { // units 64q.. are cores 8q.. of each column group; the last group's 16 on N = 16
             for (int s = 0; s < K_STEPS; s++) {
                 const uint32_t at = w4 + q * 8 * CORE + 2 * s * GROUP;
-                const uint64_t hi = smem_desc_cores(at, GROUP, CORE), lo = smem_desc_cores(at + COPY, GROUP, CORE);
+                const uint64_t hi = smem_desc(at, GROUP, CORE), lo = smem_desc(at + COPY, GROUP, CORE);
                 if (q < AIS_WG_GROUPS - 1) {
                     wgmma_m64n64k16_rs<fp16, true>(dh[q % BUFFERS], ga_lo[s], hi, s > 0);
                     wgmma_m64n64k16_rs<fp16, true>(dh[q % BUFFERS], ga[s], lo, true);
@@ -4677,15 +4540,15 @@ __device__ inline void ais_gradient_wgmma(AisWgmmaSmem<P>& sm, uint32_t w4, uint
         for (int i = 0; i < 4; i++)
             if (i < chunks) { // units 16 (4q + i) .. + 15: two core groups of fc3's hi part, K-adjacent
                 const uint32_t units = w3 + (4 * q + i) * 2 * AIS_W3_HI_GROUP_BYTES;
-                const uint64_t hi = smem_desc_cores(units, AIS_W3_HI_GROUP_BYTES, CORE);
+                const uint64_t hi = smem_desc(units, AIS_W3_HI_GROUP_BYTES, CORE);
                 if constexpr (SPLIT) { // lo hi; hi lo: latents 0..15 from the lo part, 16..19 the hi's last core
                     const uint32_t lo_units = w3 + HIDDEN_DIM / 8 * AIS_W3_HI_GROUP_BYTES +
                                               (4 * q + i) * 2 * AIS_W3_LO_GROUP_BYTES;
                     wgmma_f16_narrow_rs<24, true>(dz_acc, masked_lo[i], hi, q + i > 0);
                     wgmma_f16_narrow_rs<16, true>(dz_lo, masked[i],
-                                                  smem_desc_cores(lo_units, AIS_W3_LO_GROUP_BYTES, CORE), q + i > 0);
+                                                  smem_desc(lo_units, AIS_W3_LO_GROUP_BYTES, CORE), q + i > 0);
                     wgmma_f16_narrow_rs<8, true>(dz_lo16, masked[i],
-                                                 smem_desc_cores(units + 3 * CORE, AIS_W3_HI_GROUP_BYTES, CORE),
+                                                 smem_desc(units + 3 * CORE, AIS_W3_HI_GROUP_BYTES, CORE),
                                                  q + i > 0);
                 }
                 wgmma_f16_narrow_rs<24, true>(dz_acc, masked[i], hi, true);
@@ -4852,6 +4715,24 @@ template <Precision P> static void allow_shared_memory() {
 }
 
 // ---- the Hopper engine's state, and the interface's entry points ----------------------------------------------------
+// 1 where the code loaded for this GPU is sm_90a's: the host picks the engine from what runs, not what could.
+__global__ void has_wgmma_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    *out = 1;
+#else
+    *out = 0;
+#endif
+}
+
+static bool gpu_has_wgmma() {
+    int *d_flag = NULL, flag = 0;
+    cudaCheck(cudaMalloc(&d_flag, sizeof(int)));
+    launch(has_wgmma_kernel, 1, 1, 1, 0, d_flag);
+    cudaCheck(cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost));
+    cudaCheck(cudaFree(d_flag));
+    return flag == 1;
+}
+
 // The published model for the fused kernels: 16-bit weights and their TMA maps, z rows, merges, AIS's state, views.
 struct Fused {
     Precision precision;
