@@ -452,7 +452,6 @@ static_assert(sizeof(Backward<bf16>::type) == sizeof(bf16), "the backward's buff
 // The pixels, exact in T, as fc1's input (its alpha = 1/255 scales them), four a thread (one a thread: 4x the time);
 // `copies` of each row side by side (fp32's fc1 on fp16 parts reads [x | x], below).
 template <typename T> __global__ void pixels_to_input_kernel(T* x, const uint8_t* pixels, long long n, int copies) {
-    static_assert(INPUT_DIM % 4 == 0, "a row of whole fours");
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (4 * i >= n) return;
     const Four<uint8_t> px = reinterpret_cast<const Four<uint8_t>*>(pixels)[i];
@@ -569,8 +568,6 @@ struct BceLane {
     }
 };
 
-__device__ inline float exp_neg_abs(float l) { return __expf(-fabsf(l)); }
-
 // Byte k of a word (four pixels) as a float, exactly: the byte under the exponent of 2^23 (one byte permute), less
 // 2^23. An int-to-float conversion runs at a quarter of the rate on the pipe that also computes the exponentials.
 __device__ inline float byte_as_float(uint32_t four, int k) {
@@ -621,7 +618,7 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
         const int i = lane + 32 * s;
         Pack<float, V> sigmoid, d;
         for (int k = 0; k < V; k++) {
-            const float l = share.logit(s, k), e = exp_neg_abs(l);
+            const float l = share.logit(s, k), e = __expf(-fabsf(l));
             if (want_sigmoid) {
                 const float q = __fdividef(1.0f, 1.0f + e); // 1 + e in [1, 2]: within __fdividef's range
                 sigmoid.v[k] = l >= 0.0f ? q : e * q;
@@ -830,9 +827,8 @@ struct AisChains {
 };
 
 template <int ZMAX> struct AisPrior { // p0's mean, 1 / variance, sum of log variances (unused: 0, 1, no terms)
-    float mu[ZMAX], inv_var[ZMAX], logvar_sum;
+    float mu[ZMAX], inv_var[ZMAX], logvar_sum = 0.0f;
     __device__ AisPrior(const float* mulv_row, int nz) {
-        logvar_sum = 0.0f;
         UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX; j++) {
             mu[j] = j < nz ? mulv_row[j] : 0.0f, inv_var[j] = j < nz ? expf(-mulv_row[nz + j]) : 1.0f;
@@ -1094,7 +1090,6 @@ typedef struct {
     cudaDataType_t type, backward_type; // T and AIS's backward's Backward<T>: CUDA_R_32F, or CUDA_R_16BF and CUDA_R_16F
     size_t type_size;
     bool parts; // fp32: fc1, fc4 and fc4's backward on fp16 parts (FP16_PARTS)
-    int max_batch, rows;
     cublasLtHandle_t lt;
     void* weights; // W1, b1, W2, [W3 | b3], W4 in T (fp32: W1, W4 in fp16 parts); b2, b4 fp32; the backward's W4, W3
     Gemm fc1, fc2, fc3, fc4, fc4_t; // fc4_t: fc4 with its logits in T, where only the BCE or gradient reads them
@@ -1196,11 +1191,10 @@ static Plain* plain_init(const float* const* tensors, ModelDims dims, Precision 
                          cudaStream_t stream) {
     Plain* pl = (Plain*)calloc(1, sizeof(Plain));
     if (pl == NULL) fail("out of host memory for the plain path's state");
-    pl->dims = dims, pl->precision = precision, pl->max_batch = max_batch, pl->rows = rows;
-    pl->type = precision == PRECISION_BF16 ? CUDA_R_16BF : CUDA_R_32F;
-    pl->type_size = precision == PRECISION_BF16 ? sizeof(bf16) : sizeof(float);
-    pl->backward_type = precision == PRECISION_BF16 ? CUDA_R_16F : CUDA_R_32F;
-    pl->parts = precision == PRECISION_FP32;
+    pl->dims = dims, pl->precision = precision;
+    const bool bf = precision == PRECISION_BF16;
+    pl->type = bf ? CUDA_R_16BF : CUDA_R_32F, pl->backward_type = bf ? CUDA_R_16F : CUDA_R_32F; // T, Backward<T>
+    pl->type_size = bf ? sizeof(bf16) : sizeof(float), pl->parts = !bf;
     cublasCheck(cublasLtCreate(&pl->lt));
     for (int l = 1; l < PLAIN_LANES; l++) cudaCheck(cudaStreamCreateWithFlags(&pl->lanes[l], cudaStreamNonBlocking));
     for (cudaEvent_t* e : {&pl->fork, &pl->join}) cudaCheck(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
@@ -1229,12 +1223,11 @@ static void plain_free(Plain* pl) {
         void* ais_buffers[] = {w.z_input, w.h3, w.h3_parts, w.residual, w.dh, w.logits, w.chains.z};
         for (void* p : ais_buffers) cudaCheck(cudaFree(p));
     }
-    for (int l = 1; l < PLAIN_LANES; l++)
-        if (pl->lanes[l]) cudaCheck(cudaStreamDestroy(pl->lanes[l]));
-    if (pl->fork) cudaCheck(cudaEventDestroy(pl->fork)), cudaCheck(cudaEventDestroy(pl->join));
+    for (int l = 1; l < PLAIN_LANES; l++) cudaCheck(cudaStreamDestroy(pl->lanes[l]));
+    cudaCheck(cudaEventDestroy(pl->fork)), cudaCheck(cudaEventDestroy(pl->join));
     Gemm* gemms[] = {&pl->fc1, &pl->fc2, &pl->fc3, &pl->fc4, &pl->fc4_t, &pl->fc4_backward, &pl->fc3_backward};
     for (Gemm* g : gemms) gemm_free(g);
-    if (pl->lt) cublasCheck(cublasLtDestroy(pl->lt));
+    cublasCheck(cublasLtDestroy(pl->lt));
     free(pl);
 }
 
@@ -1253,10 +1246,7 @@ static void plain_join(Plain* pl) {
 }
 
 // The decoder's buffers from row `first` on: a --iwae lane's share of them.
-typedef struct {
-    void *z_input, *h3, *h3_parts;
-    float *logits, *bce, *log_ratio;
-} DecoderRows;
+typedef struct { void *z_input, *h3, *h3_parts; float *logits, *bce, *log_ratio; } DecoderRows;
 
 static DecoderRows decoder_rows_from(const Plain* pl, size_t first) {
     const size_t t = pl->type_size, H3 = pl->dims.h3;
@@ -1333,8 +1323,7 @@ static void plain_forward(Plain* pl, const uint8_t* pixels, int B, uint32_t firs
     plain_sample(pl, pl->z_input, B, 1, pl->mulv, probe.eps, first_image, opt->seed, opt->z_is_mu,
                  keep ? pl->z : NULL, kl, NULL, stream);
     const bool t_logits = !keep && pl->precision == PRECISION_BF16; // the tests' activations keep fp32 logits
-    float* recon = opt->want_recon ? pl->recon : NULL;
-    plain_decode(pl, decoder_rows_from(pl, 0), pixels, B, 1, bce, recon, t_logits, stream);
+    plain_decode(pl, decoder_rows_from(pl, 0), pixels, B, 1, bce, opt->want_recon ? pl->recon : NULL, t_logits, stream);
 }
 
 // A --iwae pass on the decoder's rows from `first` on, in lane `lane`.
@@ -1595,8 +1584,7 @@ static int vae_iwae_lanes(const VAE* m, int K) {
     return m->plain && m->decoder_rows / PLAIN_LANES / 8 * 8 >= K ? PLAIN_LANES : 1;
 }
 static int vae_iwae_lane_rows(const VAE* m, int K) {
-    const int lanes = vae_iwae_lanes(m, K);
-    return lanes == 1 ? m->decoder_rows : m->decoder_rows / lanes / 8 * 8;
+    return vae_iwae_lanes(m, K) == 1 ? m->decoder_rows : m->decoder_rows / PLAIN_LANES / 8 * 8;
 }
 
 // IWAE's log p(x), K samples an image: the n x K rows in passes of as many images as a lane's rows hold.
@@ -1888,11 +1876,7 @@ enum Option {
     OPT_AIS_INIT, OPT_AIS_IWAE, OPT_BDMC, OPT_KERNELS, OPT_SHARD, OPT_DEVICES, OPT_VERSION, OPT_HELP, NUM_OPTIONS
 };
 
-static const struct {
-    const char* name;
-    char letter;
-    bool takes_value;
-} OPTIONS[NUM_OPTIONS] = {
+static const struct { const char* name; char letter; bool takes_value; } OPTIONS[NUM_OPTIONS] = {
     {"weights", 'w', true}, {"data", 'd', true},         {"image", 0, true},          {"invert", 0, false},
     {"count", 'n', true},   {"batch-size", 'b', true},   {"seed", 's', true},         {"zmu", 0, false},
     {"precision", 0, true}, {"out", 'o', true},          {"csv", 0, true},            {"quiet", 'q', false},
@@ -2001,8 +1985,7 @@ static bool parse_number(const char* flag, const char* text, unsigned long long 
     if (text == NULL || text[0] == '\0')
         return set_error(err, "%s needs a value. HINT: vae -h lists the options", flag);
     const char* digits = text[0] == '-' ? text + 1 : text;
-    bool whole = digits[0] != '\0';
-    for (const char* p = digits; *p != '\0'; p++) whole = whole && isdigit((unsigned char)*p);
+    const bool whole = digits[0] != '\0' && digits[strspn(digits, "0123456789")] == '\0';
     if (!whole) return set_error(err, "%s '%s' is not a whole number. HINT: vae -h lists the options", flag, text);
     errno = 0;
     const unsigned long long v = strtoull(digits, NULL, 10);
@@ -2232,12 +2215,7 @@ static void print_version() {
 #elif defined(__CUDA_ARCH_LIST__) // nvcc's list of the architectures this binary has code for, e.g. 800,900
 #define VAE_STRING(...) #__VA_ARGS__
 #define VAE_EXPAND(...) VAE_STRING(__VA_ARGS__)
-    printf("built for");
-    for (const char* arch = VAE_EXPAND(__CUDA_ARCH_LIST__); *arch != '\0'; arch += *arch == ',') {
-        printf(" sm_%d", atoi(arch) / 10);
-        arch += strcspn(arch, ",");
-    }
-    printf("\n");
+    printf("built for %s (nvcc's architecture list: 800 is sm_80)\n", VAE_EXPAND(__CUDA_ARCH_LIST__));
 #endif
 }
 
@@ -2300,16 +2278,13 @@ static Kernels run_kernels(const Config* cfg) {
 }
 
 static void print_kernels_row(const Config* cfg, ModelDims dims, bool fused) {
-    if (fused)
-        print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
+    if (fused) print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
     else if (cfg->kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
     else if (!is_published(dims)) print_row("kernels", "plain: cuBLASLt (fused: 784-400-20-400 only)");
     else if (run_kernels(cfg) == KERNELS_PLAIN)
         print_row("kernels", "plain: cuBLASLt (--chains above %d)", FUSED_AIS_CHAINS);
     else print_row("kernels", "plain: cuBLASLt (no sm_90a code for this GPU)");
 }
-
-static int label_of(const Labels* labels, int i) { return labels->labels != NULL ? labels->labels[i] : -1; }
 
 static void write_grid(const Config* cfg, const char* name, const char* what, const float* tiles, int rows, int cols) {
     char path[MAX_PATH];
@@ -2387,8 +2362,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
 typedef struct {
     int device, sm, sms; // the CUDA device number, its compute capability (90: 9.0) and SMs
     bool fused;          // the engine this run takes on it: fused or plain (use_fused)
-    char name[256];
-    char label[300]; // "GPU 1 (NVIDIA H100 80GB HBM3): ", for failing_gpu
+    char name[256], label[300]; // label: "GPU 1 (NVIDIA H100 80GB HBM3): ", for failing_gpu
     VAE m;
     uint8_t* pixels; // the run's images, [count][784]
 } Gpu;
@@ -2543,7 +2517,7 @@ static void write_csv(const Config* cfg, const Inputs* in, const char* columns,
                       in->images) > 0;
     ok = ok && fprintf(f, "index,label,%s\n", columns) > 0;
     for (int i = 0; i < in->count && ok; i++) {
-        ok = fprintf(f, "%d,%d", in->first + i, label_of(in->labels, in->first + i)) > 0;
+        ok = fprintf(f, "%d,%d", in->first + i, in->labels->labels ? in->labels->labels[in->first + i] : -1) > 0;
         for (const float* v : values) ok = ok && fprintf(f, ",%.6f", v[i]) > 0;
         ok = ok && fputc('\n', f) != EOF;
     }
@@ -2905,8 +2879,7 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
             printf("| %s | %s | %d | %.1f | %.1f | %.3g | %.1f | %.1f | %.1f%% |\n", engine, PRECISION_NAMES[p], B,
                    latency_us, throughput_us, B / (throughput_us * 1e-6), tflops, floor_us,
                    100.0 * floor_us / throughput_us);
-            cudaCheck(cudaGraphExecDestroy(exec));
-            cudaCheck(cudaGraphDestroy(graph));
+            cudaCheck(cudaGraphExecDestroy(exec)), cudaCheck(cudaGraphDestroy(graph));
         }
         vae_free(&m);
     }
@@ -3164,12 +3137,10 @@ template <typename T> __device__ inline uint32_t pack2(float lo, float hi) { // 
 }
 
 template <typename T> __device__ inline void pack_parts(uint32_t& hi, uint32_t& lo, float a, float b) {
-    hi = pack2<T>(a, b);
+    hi = pack2<T>(a, b), lo = 0u; // bf16: no lo part
     if constexpr (std::is_same<T, fp16>::value) {
         const float2 back = __half22float2(*reinterpret_cast<const __half2*>(&hi));
         lo = pack2<T>(a - back.x, b - back.y);
-    } else {
-        lo = 0u;
     }
 }
 
@@ -3243,9 +3214,8 @@ __device__ inline uint32_t pair_at(const void* p) { return *reinterpret_cast<con
 
 // fc4's logits in column blocks of DEC_BN, the last from 784 - DEC_BN (its dec_overlap() left to the block before).
 enum {
-    DEC_CHUNK = 80, DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK, DEC_STEPS = DEC_CHUNK / 16,
+    DEC_CHUNK = 80, DEC_CHUNKS = HIDDEN_DIM / DEC_CHUNK, DEC_STEPS = DEC_CHUNK / 16, BIAS_PARTS = 3,
     TASK_ROWS = 16,        // rows of one warp's task (encoder and decoder): the unit of a cross-block merge
-    BIAS_PARTS = 3,
     FC4_K = HIDDEN_DIM + 8, // fc4's K with the bias parts: 816-byte rows, a 16-byte multiple for TMA
     AIS_W3_K = 24,          // ais_kernel's fc3 rows [W3 | bias parts | 0] in memory (AisW3Cores on chip)
 };
@@ -3682,10 +3652,7 @@ __device__ inline void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-enum {
-    DEC_WG_SLICES = (HIDDEN_DIM + 63) / 64, // fc4's K in 64-wide 128-byte swizzle rows
-    DEC_WG_THREADS = 256,                   // two warpgroups
-};
+enum { DEC_WG_SLICES = (HIDDEN_DIM + 63) / 64, DEC_WG_THREADS = 256 }; // fc4's K in swizzled 64-wide rows; 2 warpgroups
 
 static_assert(FC4_K <= DEC_WG_SLICES * 64, "the bias parts fit the last slice");
 
@@ -3705,8 +3672,7 @@ template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
     constexpr int DEC_BN = Q::DEC_BN, DEC_COL_BLOCKS = Q::DEC_COL_BLOCKS, Z_STEPS = Q::Z_K / 16;
     extern __shared__ uint8_t smem_raw[];
     DecoderWgmmaSmem<P>& sm = smem_aligned_1024<DecoderWgmmaSmem<P>>(smem_raw);
-    const int cb = blockIdx.x % DEC_COL_BLOCKS;
-    const int col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
+    const int cb = blockIdx.x % DEC_COL_BLOCKS, col0 = cb < DEC_COL_BLOCKS - 1 ? cb * DEC_BN : INPUT_DIM - DEC_BN;
 
     if (threadIdx.x == 0) {
         const uint32_t bar = smem_addr(&sm.loaded);
@@ -3785,8 +3751,7 @@ template <Precision P> __global__ void __launch_bounds__(DEC_WG_THREADS, 1)
         named_bar_arrive(BAR_TURN + 1 - wg, 256); // the other warpgroup's turn
         fc3_chunk(0); // the next tile's, behind the other warpgroup's first MMAs
         wgmma_wait<0>();
-        fence_accumulators(logit);
-        fence_accumulators(h);
+        fence_accumulators(logit), fence_accumulators(h);
         to_a(0, tile + 2 * copies, 0);
         if (!live_tile) continue;
 
@@ -4003,13 +3968,9 @@ __device__ inline AisZFragments ais_z_fragments(const float (&z)[2][AIS_LATENTS]
 // fc3's parts in 128-byte cores [unit / 8][k / 8][unit % 8][k % 8]: hi K = 32 [W3 hi | bias parts | 0 | W3 lo 16..19,
 // W3 hi 16..19], lo K = 16. Forward: a k16 step two cores 128 bytes apart, 8 units 512 (hi) or 256 (lo); backward
 // (MN-major, N = 24): two unit groups 512 apart, a row's cores 128 (fp32's lo: N = 16 from lo, 8 from hi's last core).
-struct AisW3Cores {
-    AisW3 hi[HIDDEN_DIM / 8][4][8][8];
-    AisW3 lo[HIDDEN_DIM / 8][2][8][8];
-};
+struct AisW3Cores { AisW3 hi[HIDDEN_DIM / 8][4][8][8], lo[HIDDEN_DIM / 8][2][8][8]; };
 
-[[maybe_unused]] constexpr uint32_t AIS_W3_CORE_BYTES = 128, AIS_W3_HI_GROUP_BYTES = 4 * 128,
-                                    AIS_W3_LO_GROUP_BYTES = 2 * 128; // used by sm_90a code only
+enum : uint32_t { AIS_W3_CORE_BYTES = 128, AIS_W3_HI_GROUP_BYTES = 4 * 128, AIS_W3_LO_GROUP_BYTES = 2 * 128 };
 // sigmoid(l) - x over each logit (zero before n8 block `skip`); with ENERGY the row's BCE share, as decoder_epilogue's.
 template <bool ENERGY, int N>
 __device__ inline void ais_epilogue(float (&logit)[N], const uint8_t* const (&x_row)[2], int skip,
@@ -4120,23 +4081,6 @@ template <Precision P> __device__ inline int ais_columns(uint32_t rank, int* ski
     constexpr int BN = Path<P>::AIS_BN, CLUSTER = Path<P>::AIS_CLUSTER;
     *skip = rank < CLUSTER - 1 ? 0 : (CLUSTER * BN - INPUT_DIM) / 8;
     return rank < CLUSTER - 1 ? (int)rank * BN : INPUT_DIM - BN;
-}
-
-__device__ inline void ais_copy_fc3(AisW3Cores& w3, const fp16* __restrict__ ais_w3) {
-    for (int c = threadIdx.x; c < HIDDEN_DIM * 6; c += blockDim.x) {
-        const int unit = c / 6, k8 = c % 6;
-        const fp16* hi = ais_w3 + (size_t)unit * AIS_W3_K;
-        const fp16* lo = hi + (size_t)HIDDEN_DIM * AIS_W3_K;
-        if (k8 < 3) {
-            cp_async16(&w3.hi[unit / 8][k8][unit % 8][0], hi + 8 * k8, true);
-        } else if (k8 < 5) {
-            cp_async16(&w3.lo[unit / 8][k8 - 3][unit % 8][0], lo + 8 * (k8 - 3), true);
-        } else {
-            *reinterpret_cast<uint2*>(&w3.hi[unit / 8][3][unit % 8][0]) = *reinterpret_cast<const uint2*>(lo + 16);
-            *reinterpret_cast<uint2*>(&w3.hi[unit / 8][3][unit % 8][4]) = *reinterpret_cast<const uint2*>(hi + 16);
-        }
-    }
-    cp_async_commit();
 }
 
 // A cluster's tiles through all their transitions, every block on the same bits; rank 0 writes the results.
@@ -4308,8 +4252,8 @@ static_assert(AIS_WG_GROUPS >= 2, "the backward hands its turn over as it issues
 // 6,528 apart; backward (MN-major): two column groups 6,528 apart, 8 units 128.
 struct AisFc4Swizzled { bf16 w[AIS_WG_GROUPS][Path<PRECISION_BF16>::AIS_BN][64]; };
 struct AisFc4Cores { fp16 w[2][Path<PRECISION_FP32>::AIS_BN / 8][FC4_K / 8][8][8]; };
-[[maybe_unused]] constexpr uint32_t AIS_FC4_GROUP_BYTES = FC4_K / 8 * 128; // used by sm_90a code only
-[[maybe_unused]] constexpr uint32_t AIS_FC4_COPY_BYTES = Path<PRECISION_FP32>::AIS_BN / 8 * AIS_FC4_GROUP_BYTES;
+enum : uint32_t { AIS_FC4_GROUP_BYTES = FC4_K / 8 * 128 };
+enum : uint32_t { AIS_FC4_COPY_BYTES = Path<PRECISION_FP32>::AIS_BN / 8 * AIS_FC4_GROUP_BYTES };
 template <Precision P> struct AisWgmmaSmem {
     std::conditional_t<P == PRECISION_BF16, AisFc4Swizzled, AisFc4Cores> w4;
     AisW3Cores w3; // right after w4: the backward's last k16 step reads 8 rows past it
@@ -4323,9 +4267,6 @@ template <Precision P> struct AisWgmmaSmem {
 static_assert(offsetof(AisWgmmaSmem<PRECISION_BF16>, w3) == sizeof(AisFc4Swizzled) &&
                   offsetof(AisWgmmaSmem<PRECISION_FP32>, w3) == sizeof(AisFc4Cores),
               "the rows the backward's last k16 step reads past fc4 (times zero A) are fc3's: finite");
-static_assert(sizeof(AisWgmmaSmem<PRECISION_BF16>) + 1024 <= 232448 &&
-                  sizeof(AisWgmmaSmem<PRECISION_FP32>) + 1024 <= 232448,
-              "fits a block's shared memory, with room to align");
 static_assert(Path<PRECISION_FP32>::AIS_BN % 8 == 0 && FC4_K % 8 == 0, "fp32's fc4 in whole core matrices");
 static_assert(Path<PRECISION_BF16>::DEC_BN == Path<PRECISION_BF16>::AIS_BN,
               "ais_kernel loads its column block with the decoder's tensor map, whose box is DEC_BN rows");
@@ -4346,9 +4287,6 @@ __device__ inline void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4]
 // Turns at the tensor cores: a warpgroup issues its forward products in one, its backward in the next, merging between.
 __device__ inline void ais_turn_wait() { named_bar_sync(AIS_BAR_TURN + threadIdx.x / 128, 256); }
 __device__ inline void ais_turn_pass() { named_bar_arrive(AIS_BAR_TURN + 1 - threadIdx.x / 128, 256); }
-__device__ inline void ais_turns_first() { if (threadIdx.x >= 128) named_bar_arrive(AIS_BAR_TURN, 256); }
-
-__device__ inline void ais_turns_last() { if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256); }
 
 // The narrow N: fc3's last 16 units (K-major), the backward through fc3 (24; fp32 also 16, 8), fp32's fc4's last 16.
 template <int N, bool MN_MAJOR>
@@ -4588,7 +4526,20 @@ __device__ inline void ais_load_weights_wgmma(AisWgmmaSmem<P>& sm, const CUtenso
                        fc4_wb + ((size_t)copy * INPUT_DIM + col0 + col) * FC4_K + 8 * k8, true);
         }
     }
-    ais_copy_fc3(sm.w3, ais_w3);
+    for (int c = threadIdx.x; c < HIDDEN_DIM * 6; c += blockDim.x) { // fc3's parts
+        const int unit = c / 6, k8 = c % 6;
+        const fp16* hi = ais_w3 + (size_t)unit * AIS_W3_K;
+        const fp16* lo = hi + (size_t)HIDDEN_DIM * AIS_W3_K;
+        if (k8 < 3) {
+            cp_async16(&sm.w3.hi[unit / 8][k8][unit % 8][0], hi + 8 * k8, true);
+        } else if (k8 < 5) {
+            cp_async16(&sm.w3.lo[unit / 8][k8 - 3][unit % 8][0], lo + 8 * (k8 - 3), true);
+        } else {
+            *reinterpret_cast<uint2*>(&sm.w3.hi[unit / 8][3][unit % 8][0]) = *reinterpret_cast<const uint2*>(lo + 16);
+            *reinterpret_cast<uint2*>(&sm.w3.hi[unit / 8][3][unit % 8][4]) = *reinterpret_cast<const uint2*>(hi + 16);
+        }
+    }
+    cp_async_commit();
     cp_async_wait<0>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); // cp.async's and stores' writes, for wgmma
     __syncthreads();
@@ -4608,14 +4559,14 @@ template <Precision P> __global__ void __launch_bounds__(AIS_THREADS, 1)
     AisWgmmaSmem<P>& sm = smem_aligned_1024<AisWgmmaSmem<P>>(smem_raw);
     ais_load_weights_wgmma(sm, w4_map, fc4_wb, ais_w3, col0);
     ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
-    ais_turns_first();
+    if (threadIdx.x >= 128) named_bar_arrive(AIS_BAR_TURN, 256); // warpgroup 0 takes the first turn
     const uint32_t w4 = smem_addr(&sm.w4);
     ais_chains(io, state, rank, col0, sm.step, sm.accepted,
                [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2], float (&grad)[2][AIS_LATENTS],
                    float (&bce)[2], bool energy) {
                    ais_gradient_wgmma<P>(sm, w4, merges, z, x_row, skip, grad, bce, energy);
                });
-    ais_turns_last();
+    if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256); // warpgroup 1's last hand-over
     cluster_sync(); // no block leaves while another may still read its shares or arrive at its barriers
 #endif
 }
@@ -4684,10 +4635,6 @@ static cudaLaunchConfig_t ais_config(cudaLaunchAttribute* attr, int clusters, cu
     return cfg;
 }
 
-template <Precision P> static size_t ais_state_bytes(int clusters) {
-    return (size_t)clusters * Path<P>::AIS_CLUSTER * AIS_STATE_SLOTS * AIS_THREADS * sizeof(float);
-}
-
 template <Precision P>
 static void ais_launch(const AisIO& io, const void* fc4_wb, const CUtensorMap& w4_map, const void* ais_w3,
                        float* state, int clusters, cudaStream_t stream) {
@@ -4697,21 +4644,6 @@ static void ais_launch(const AisIO& io, const void* fc4_wb, const CUtensorMap& w
     const cudaLaunchConfig_t cfg = ais_config<P>(&attr, clusters < rounds ? clusters : rounds, stream);
     cudaCheck(cudaLaunchKernelEx(&cfg, ais_kernel<P>, static_cast<const T*>(fc4_wb), w4_map,
                                  static_cast<const fp16*>(ais_w3), state, io));
-}
-
-template <Precision P> static int ais_max_clusters() {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = ais_config<P>(&attr, 1, 0);
-    int clusters = 0;
-    cudaCheck(cudaOccupancyMaxActiveClusters(&clusters, ais_kernel<P>, &cfg));
-    return clusters;
-}
-
-template <Precision P> static void allow_shared_memory() {
-    const cudaFuncAttribute max = cudaFuncAttributeMaxDynamicSharedMemorySize;
-    cudaCheck(cudaFuncSetAttribute(ais_kernel<P>, max, ais_smem<P>()));
-    cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, max, enc_wg_smem<P>()));
-    cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, max, dec_wg_smem<P>()));
 }
 
 // ---- the Hopper engine's state, and the interface's entry points ----------------------------------------------------
@@ -4746,7 +4678,7 @@ struct Fused {
     float* enc_partials;                 // [max_batch][slices][40]
     unsigned *enc_tickets, *dec_tickets; // per 16 images, per 16 decoder rows; zero between launches
     int ais_clusters;                    // ais_kernel's clusters at once; 0 without sm_90a code (--ais needs it)
-    float* ais_state;                    // ais_kernel's chain state for ais_clusters (ais_state_bytes)
+    float* ais_state;                    // ais_kernel's chain state for ais_clusters (AIS_STATE_SLOTS a thread)
     float *h1, *h3, *mulv, *z, *logits, *recon; // [max_batch][...] (h1, h3: fp32 only, for the tests)
     float *bce_parts, *row_log_ratio;           // [decoder_rows][DEC_COL_BLOCKS], [decoder_rows]
 };
@@ -4775,10 +4707,16 @@ template <Precision P> static void fused_init_path(Fused* f, const float* const*
     launch(weights_kernel<PRECISION_FP32>, ais_fc3, 256, 256, f->stream, (fp16*)p, LAYER_AIS_FC3, tensor[FC3_W],
            tensor[FC3_B], (long long)ais_fc3);
     f->z_rows = (uint4*)device_alloc(R * Path<P>::Z_K * 2, "z rows");
-    allow_shared_memory<P>();
-    f->ais_clusters = ais_max_clusters<P>();
-    if (f->ais_clusters > 0) // not without sm_90a code, where --ais stops at require_ais
-        f->ais_state = (float*)device_alloc(ais_state_bytes<P>(f->ais_clusters), "the AIS chains' state");
+    const cudaFuncAttribute max_smem = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    cudaCheck(cudaFuncSetAttribute(ais_kernel<P>, max_smem, ais_smem<P>()));
+    cudaCheck(cudaFuncSetAttribute(encoder_wgmma_kernel<P>, max_smem, enc_wg_smem<P>()));
+    cudaCheck(cudaFuncSetAttribute(decoder_wgmma_kernel<P>, max_smem, dec_wg_smem<P>()));
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = ais_config<P>(&attr, 1, 0);
+    cudaCheck(cudaOccupancyMaxActiveClusters(&f->ais_clusters, ais_kernel<P>, &cfg));
+    if (f->ais_clusters > 0) // not without sm_90a code, where --ais stops at vae_ais_round
+        f->ais_state = (float*)device_alloc((size_t)f->ais_clusters * Path<P>::AIS_CLUSTER * AIS_STATE_SLOTS *
+                                            AIS_THREADS * sizeof(float), "the AIS chains' state");
     f->w1_map = tensor_map_16bit(f->fc1_wp, Path<P>::ENC_SLICES * ENC_BN, FC1_K, ENC_BN);
     f->w4_map = tensor_map_16bit(f->fc4_wb, COPIES * INPUT_DIM, FC4_K, Path<P>::DEC_BN);
     f->w3_map = tensor_map_16bit(f->fc3_wb, HIDDEN_DIM, Path<P>::Z_K, HIDDEN_DIM / 2, Path<P>::Z_K);
@@ -4822,7 +4760,8 @@ static void fused_free(Fused* f) {
 
 static_assert(std::max({enc_wg_smem<PRECISION_FP32>(), enc_wg_smem<PRECISION_BF16>(), dec_wg_smem<PRECISION_FP32>(),
                         dec_wg_smem<PRECISION_BF16>(), ais_smem<PRECISION_FP32>(), ais_smem<PRECISION_BF16>()}) ==
-                  FUSED_SMEM_BYTES, "the interface's count of the shared memory the fused kernels ask for");
+                  FUSED_SMEM_BYTES && FUSED_SMEM_BYTES <= 232448,
+              "the interface's count of the shared memory the fused kernels ask for, within a block's 227 KB");
 
 // With pixels, row r is scored against image r / rows_per_image, its BCE into bce[r] (NULL: left in f->bce_parts).
 static void fused_decoder(Fused* f, const uint8_t* pixels, int rows, int rows_per_image, float* bce, float* logits,

@@ -78,14 +78,14 @@ __global__ void __launch_bounds__(AIS_THREADS, 1)
     const int col0 = ais_columns<P>(cluster_rank(), &skip);
     ais_load_weights_wgmma(sm, w4_map, fc4_wb, ais_w3, col0);
     ais_meet_init<Path<P>::AIS_CLUSTER>(sm.meet);
-    ais_turns_first();
+    if (threadIdx.x >= 128) named_bar_arrive(AIS_BAR_TURN, 256); // warpgroup 0 takes the first turn
     uint32_t merges = 0;
     const uint32_t w4 = (uint32_t)__cvta_generic_to_shared(&sm.w4);
     vae::ais_driver_tiles(a, col0, [&](const float (&z)[2][AIS_LATENTS], const uint8_t* const (&x_row)[2],
                                        float (&grad)[2][AIS_LATENTS], float (&bce)[2], bool energy) {
         ais_gradient_wgmma<P>(sm, w4, merges, z, x_row, skip, grad, bce, energy);
     });
-    ais_turns_last();
+    if (threadIdx.x < 128) named_bar_sync(AIS_BAR_TURN, 256); // warpgroup 1's last hand-over
     cluster_sync();
 #endif
 }
