@@ -1464,7 +1464,7 @@ static void fused_iwae_pass(Fused* f, const uint8_t* pixels, const float* mulv, 
                             uint32_t first_image, uint64_t seed);
 static int fused_ais_images(const Fused* f, int C);
 static void fused_ais(Fused* f, const AisIO& io);
-static bool gpu_has_wgmma(); // whether the code loaded for this GPU is sm_90a's
+static bool gpu_runs_sm90a_code(); // whether the code loaded for this GPU is sm_90a's
 enum { FUSED_AIS_CHAINS = 128 };     // the most chains an image the fused AIS kernel holds (its AIS_ROWS)
 enum { FUSED_SMEM_BYTES = 231976 }; // the most shared memory a fused block asks for (ais_kernel's in bf16)
 
@@ -1498,7 +1498,7 @@ static bool use_fused(Kernels kernels, ModelDims dims) {
     const int major = gpu_attribute(cudaDevAttrComputeCapabilityMajor);
     const int minor = gpu_attribute(cudaDevAttrComputeCapabilityMinor);
     const int smem = gpu_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
-    const bool fused_code = kernels != KERNELS_PLAIN && is_published(dims) && gpu_has_wgmma();
+    const bool fused_code = kernels != KERNELS_PLAIN && is_published(dims) && gpu_runs_sm90a_code();
     bool fused = false;
     Error err;
     if (!pick_engine(kernels, dims, major, minor, (size_t)smem, fused_code, &fused, &err)) fail("%s", err.msg);
@@ -1953,7 +1953,7 @@ static const char* USAGE =
     "      --zmu            use z = mu instead of sampling z\n"
     "      --precision P    fp32 (default): within 1e-5 of float64; bf16 (sm_80 on): 2-3x faster, ~1e-2\n"
     "      --kernels K      auto (default): fused where they run (H100, H200; sm_90a code), else plain;\n"
-    "                       plain: cuBLASLt and short kernels (sm_75 on); fused: wgmma, TMA, clusters\n"
+    "                       plain: cuBLASLt and short kernels (sm_75 on); fused: TMA and clusters\n"
     "      --devices L      the GPUs to spread the images over: all, or a list like 0,1 (default 0); on\n"
     "                       GPUs of one model the results are one GPU's, byte for byte\n"
     "outputs\n"
@@ -2278,7 +2278,7 @@ static Kernels run_kernels(const Config* cfg) {
 }
 
 static void print_kernels_row(const Config* cfg, ModelDims dims, bool fused) {
-    if (fused) print_row("kernels", "fused: wgmma, TMA, clusters (Hopper)");
+    if (fused) print_row("kernels", "fused: Hopper's tensor cores, TMA, clusters");
     else if (cfg->kernels == KERNELS_PLAIN) print_row("kernels", "plain: cuBLASLt (--kernels plain)");
     else if (!is_published(dims)) print_row("kernels", "plain: cuBLASLt (fused: 784-400-20-400 only)");
     else if (run_kernels(cfg) == KERNELS_PLAIN)
@@ -4656,7 +4656,7 @@ __global__ void has_wgmma_kernel(int* out) {
 #endif
 }
 
-static bool gpu_has_wgmma() {
+static bool gpu_runs_sm90a_code() {
     int *d_flag = NULL, flag = 0;
     cudaCheck(cudaMalloc(&d_flag, sizeof(int)));
     launch(has_wgmma_kernel, 1, 1, 1, 0, d_flag);
