@@ -1748,6 +1748,8 @@ static void test_gpu_plain_shared_memory() {
         (const void*)fp16_parts_kernel<false>,       (const void*)fp16_parts_kernel<true>,
         (const void*)decoder_output_kernel<float, float, 1, true>,
         (const void*)decoder_output_kernel<float, bf16, 1, true>,
+        (const void*)decoder_output_kernel<float, float, 1, true, float>,
+        (const void*)decoder_output_kernel<float, bf16, 1, true, float>, (const void*)pixel_weight_kernel,
         (const void*)decoder_output_kernel<fp16, float, FP16_PARTS>,
         (const void*)sample_kernel<float, LATENT_DIM>, (const void*)sample_kernel<bf16, LATENT_DIM>,
         (const void*)sample_kernel<float, MAX_LATENT>, (const void*)sample_kernel<bf16, MAX_LATENT>,

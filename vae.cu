@@ -551,22 +551,32 @@ __global__ void z_input_kernel(T* z_input, const float* __restrict__ z, int rows
     store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), row, nz);
 }
 
-// A lane's share of a row's BCE, sum max(l, 0) - x l + log(1 + e^-|l|) over its logits, in about ten instructions a
-// logit (dev/loss_v7.cu): the log terms as one product of the factors 1 + e^-|l| (at most 28 a lane, each in (1, 2])
-// and one log; e^-|l| by the hardware's exp2 (__expf: 2 instructions against expf's ~10; off by (2 + 1.2|l|) ulp of
-// e^-|l|, at most 2.4e-7 a logit; a row's sum measured within 2.3e-7 of float64); x l summed over the pixel bytes,
-// / 255 once. row_sum adds the lanes' shares in a fixed shuffle tree.
+// A lane's share of a row's BCE, sum max(l, 0) - x l + log(1 + e^-|l|) over its logits (dev/loss_v7.cu, loss_v9.cu):
+// - max(l, 0) - x l = (|l| + w l) / 2 with w = 1 - 2x (pixel_weight): an fma and an add a logit;
+// - the log terms as one product of the factors 1 + e^-|l| (at most 28 a lane, each in (1, 2]) and one log; e^-|l| by
+//   the hardware's exp2 (__expf: 2 instructions against expf's ~10; off by (2 + 1.2|l|) ulp of e^-|l|, at most 2.4e-7
+//   a logit; a row's sum measured within 2.3e-7 of float64).
+// row_sum adds the lanes' shares in a fixed shuffle tree.
 struct BceLane {
-    float relu_sum = 0.0f, byte_l_sum = 0.0f, product = 1.0f;
-    __device__ void add(float l, float byte, float e) {
-        relu_sum += fmaxf(l, 0.0f), byte_l_sum = fmaf(byte, l, byte_l_sum), product = fmaf(product, e, product);
+    float twice = 0.0f, product = 1.0f; // twice: the sum of |l| + w l
+    __device__ void add(float l, float w, float e) {
+        twice += fmaf(w, l, fabsf(l)), product = fmaf(product, e, product);
     }
     __device__ float row_sum() const {
-        float s = relu_sum - byte_l_sum * (1.0f / 255.0f) + logf(product);
+        float s = 0.5f * twice + logf(product);
         for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
         return s;
     }
 };
+
+// w = 1 - 2x from a pixel's byte in one fma: 1 at 0, within 2 ulp of (255 - 2 byte) / 255 elsewhere.
+__device__ inline float pixel_weight(float byte) { return fmaf(byte, -2.0f / 255.0f, 1.0f); }
+
+// --iwae's pixel weights, once for an image's K rows: six instructions a logit, not nine (bf16 1.3x; dev/loss_v9.cu).
+__global__ void pixel_weight_kernel(float* weight, const uint8_t* __restrict__ pixels, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) weight[i] = pixel_weight(pixels[i]);
+}
 
 // Byte k of a word (four pixels) as a float, exactly: the byte under the exponent of 2^23 (one byte permute), less
 // 2^23. An int-to-float conversion runs at a quarter of the rate on the pipe that also computes the exponentials.
@@ -574,37 +584,49 @@ __device__ inline float byte_as_float(uint32_t four, int k) {
     return __uint_as_float(__byte_perm(four, 0x4b000000u, 0x7540 | k)) - 8388608.0f;
 }
 
-// A lane's share of a row: its logits in packs of four and their pixels, every load issued before any is used (fp32's
-// pass at 100% of a copy's bandwidth, from 91% a pack at a time; dev/loss_v7.cu). Packs of 8 bf16 cost more: 98 a row
-// give the busiest lane 32 logits against 28, and bf16's kernel is bound by issue. Pack s: columns 4 (lane + 32 s) on.
-template <typename L> struct RowShare {
+// A lane's share of a row: its logits in packs of four and their pixels (X: bytes, or --iwae's weights). Logits and
+// bytes are loaded before any is used (fp32's pass at a copy's bandwidth; dev/loss_v7.cu); weights, shared in L1 by an
+// image's rows, as used (all first: 50 registers against 32, bf16 1.2x slower; dev/loss_v9.cu). Packs of 8 bf16 give
+// the busiest lane 32 logits against 28, and bf16's kernel is bound by issue. Pack s: columns 4 (lane + 32 s) on.
+template <typename L, typename X = uint8_t> struct RowShare {
     static constexpr int V = 4, PACKS = INPUT_DIM / V, STEPS = (PACKS + 31) / 32;
+    static constexpr bool BYTES = std::is_same<X, uint8_t>::value;
     static_assert(INPUT_DIM % V == 0, "rows of whole packs");
     Pack<L, V> l[STEPS];
-    Pack<uint8_t, V> x[STEPS];
-    __device__ RowShare(const L* l_row, const uint8_t* x_row, int lane) {
+    Pack<uint8_t, V> x[BYTES ? STEPS : 1];
+    const Pack<X, V>* x_lane; // the lane's first pack of pixels
+    __device__ RowShare(const L* l_row, const X* pixels, int lane)
+        : x_lane(reinterpret_cast<const Pack<X, V>*>(pixels) + lane) {
         #pragma unroll
         for (int s = 0; s < STEPS; s++) {
             const int i = lane + 32 * s;
             if (i >= PACKS) break;
             l[s] = reinterpret_cast<const Pack<L, V>*>(l_row)[i];
-            if (x_row) x[s] = reinterpret_cast<const Pack<uint8_t, V>*>(x_row)[i];
+            if (BYTES && pixels) x[s] = reinterpret_cast<const Pack<uint8_t, V>*>(pixels)[i];
         }
     }
     __device__ static bool has(int lane, int s) { return lane + 32 * s < PACKS; }
     __device__ float logit(int s, int k) const { return as_float(l[s].v[k]); }
-    __device__ float pixel(int s, int k) const {
-        return byte_as_float(reinterpret_cast<const uint32_t*>(x[s].v)[k / 4], k % 4);
+    __device__ float pixel(int s, int k) const { // bytes only
+        return byte_as_float(reinterpret_cast<const uint32_t*>(x[BYTES ? s : 0].v)[k / 4], k % 4);
+    }
+    __device__ Pack<float, V> weights(int s) const {
+        Pack<float, V> w;
+        if constexpr (BYTES)
+            for (int k = 0; k < V; k++) w.v[k] = pixel_weight(pixel(s, k));
+        else w = x_lane[32 * s];
+        return w;
     }
 };
 
 // Row r's logits l against image r / rows_per_image: its BCE, recon = sigmoid(l), and residual = sigmoid(l) - x (AIS's
 // backward's start; in fp32 as FP16_PARTS parts), each where asked for; BCE_ONLY, the BCE alone with no sigmoid
-// compiled in (--iwae's passes, the ELBO: bf16's 1.2x faster). A warp a row.
-template <typename R, typename L = float, int PARTS = 1, bool BCE_ONLY = false>
+// compiled in (--iwae's passes on weights X = float, the ELBO: bf16's 1.2x faster). A warp a row.
+template <typename R, typename L = float, int PARTS = 1, bool BCE_ONLY = false, typename X = uint8_t>
 __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, const L* __restrict__ logits,
-                                      const uint8_t* __restrict__ pixels, int rows, int rows_per_image) {
-    typedef RowShare<L> Share;
+                                      const X* __restrict__ pixels, int rows, int rows_per_image) {
+    typedef RowShare<L, X> Share;
+    static_assert(BCE_ONLY || Share::BYTES, "the residual takes the pixels' bytes");
     constexpr int V = Share::V;
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
     if (r >= rows) return;
@@ -616,7 +638,8 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
     for (int s = 0; s < Share::STEPS; s++) {
         if (!Share::has(lane, s)) break;
         const int i = lane + 32 * s;
-        Pack<float, V> sigmoid, d;
+        Pack<float, V> sigmoid, d, w;
+        if (BCE_ONLY || (bce && pixels)) w = share.weights(s);
         for (int k = 0; k < V; k++) {
             const float l = share.logit(s, k), e = __expf(-fabsf(l));
             if (want_sigmoid) {
@@ -624,9 +647,8 @@ __global__ void decoder_output_kernel(float* bce, float* recon, R* residual, con
                 sigmoid.v[k] = l >= 0.0f ? q : e * q;
             }
             if (!BCE_ONLY && pixels == NULL) continue;
-            const float byte = share.pixel(s, k);
-            if (!BCE_ONLY && residual) d.v[k] = sigmoid.v[k] - byte * (1.0f / 255.0f);
-            if (BCE_ONLY || bce) part.add(l, byte, e);
+            if (!BCE_ONLY && residual) d.v[k] = sigmoid.v[k] - share.pixel(s, k) * (1.0f / 255.0f);
+            if (BCE_ONLY || bce) part.add(l, w.v[k], e);
         }
         if (!BCE_ONLY && recon) reinterpret_cast<Pack<float, V>*>(recon + (size_t)r * INPUT_DIM)[i] = sigmoid;
         for (int p = 0; !BCE_ONLY && residual && pixels && p < PARTS; p++) {
@@ -1098,6 +1120,7 @@ typedef struct {
     void *z_input, *h3;    // [rows][z_width], [rows][H3]
     void* h3_parts;        // fp32's [rows][3 H3] fp16 parts of h3, fc4's input (else NULL)
     float *logits, *bce, *log_ratio; // [rows][784], [rows], [rows] fp32
+    float* pixel_weight;             // --iwae's [max_batch][784] w = 1 - 2x (pixel_weight)
     Gemm fc4_backward, fc3_backward;
     AisWork ais[PLAIN_LANES];        // allocated by AIS's first run
     cudaStream_t lanes[PLAIN_LANES]; // lanes[0]: the caller's stream, set by plain_fork
@@ -1212,12 +1235,13 @@ static Plain* plain_init(const float* const* tensors, ModelDims dims, Precision 
     pl->bce = (float*)device_alloc(R * sizeof(float), "the rows' BCE");
     pl->log_ratio = (float*)device_alloc(R * sizeof(float), "the rows' log-density ratios");
     pl->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon");
+    pl->pixel_weight = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "the pixel weights");
     return pl;
 }
 
 static void plain_free(Plain* pl) {
-    void* buffers[] = {pl->weights, pl->x, pl->h1, pl->mulv, pl->z, pl->z_input, pl->h3, pl->h3_parts, pl->logits,
-                       pl->bce, pl->log_ratio, pl->recon};
+    void* buffers[] = {pl->weights, pl->x,      pl->h1,  pl->mulv,      pl->z,     pl->z_input,     pl->h3,
+                       pl->h3_parts, pl->logits, pl->bce, pl->log_ratio, pl->recon, pl->pixel_weight};
     for (void* p : buffers) cudaCheck(cudaFree(p)); // cudaFree(NULL) is a no-op
     for (AisWork& w : pl->ais) {
         void* ais_buffers[] = {w.z_input, w.h3, w.h3_parts, w.residual, w.dh, w.logits, w.chains.z};
@@ -1302,15 +1326,19 @@ static const void* fc4_input(const Plain* pl, const void* h3, void* h3_parts, in
 }
 
 // t_logits (--iwae, bf16's ELBO where no one reads them): fc4_t writes the logits in T, in bf16 half the bytes.
-static void plain_decode(Plain* pl, const DecoderRows& d, const uint8_t* pixels, int rows, int rows_per_image,
-                         float* bce, float* recon, bool t_logits, cudaStream_t stream) {
+// X: the pixels' bytes, or --iwae's weights (the BCE alone).
+template <typename X>
+static void plain_decode(Plain* pl, const DecoderRows& d, const X* pixels, int rows, int rows_per_image, float* bce,
+                         float* recon, bool t_logits, cudaStream_t stream) {
     gemm(pl->lt, pl->fc3, d.h3, d.z_input, rows, stream);
     gemm(pl->lt, t_logits ? pl->fc4_t : pl->fc4, d.logits, fc4_input(pl, d.h3, d.h3_parts, rows, stream), rows, stream);
     const bool bce_only = recon == NULL && bce != NULL; // scoring only
     auto output = [&](auto l) { // L: the logits' type
         typedef decltype(l) L;
-        launch(bce_only ? decoder_output_kernel<float, L, 1, true> : decoder_output_kernel<float, L>, rows, 4, 128,
-               stream, bce, recon, (float*)NULL, (const L*)d.logits, pixels, rows, rows_per_image);
+        auto kernel = decoder_output_kernel<float, L, 1, true, X>;
+        if constexpr (std::is_same<X, uint8_t>::value) kernel = bce_only ? kernel : decoder_output_kernel<float, L>;
+        launch(kernel, rows, 4, 128, stream, bce, recon, (float*)NULL, (const L*)d.logits, pixels, rows,
+               rows_per_image);
     };
     if (t_logits && pl->precision == PRECISION_BF16) output(bf16());
     else output(0.0f);
@@ -1326,13 +1354,13 @@ static void plain_forward(Plain* pl, const uint8_t* pixels, int B, uint32_t firs
     plain_decode(pl, decoder_rows_from(pl, 0), pixels, B, 1, bce, opt->want_recon ? pl->recon : NULL, t_logits, stream);
 }
 
-// A --iwae pass on the decoder's rows from `first` on, in lane `lane`.
-static void plain_iwae_pass(Plain* pl, size_t first, int lane, const uint8_t* pixels, const float* mulv,
-                            const float* eps, int rows, int K, uint32_t first_image, uint64_t seed) {
+// A --iwae pass on the decoder's rows from `first` on, in lane `lane`, against the group's images from `image` on.
+static void plain_iwae_pass(Plain* pl, size_t first, int lane, int image, const float* mulv, const float* eps,
+                            int rows, int K, uint32_t first_image, uint64_t seed) {
     const DecoderRows d = decoder_rows_from(pl, first);
     cudaStream_t stream = pl->lanes[lane];
     plain_sample(pl, d.z_input, rows, K, mulv, eps, first_image, seed, false, NULL, NULL, d.log_ratio, stream);
-    plain_decode(pl, d, pixels, rows, K, d.bce, NULL, true, stream);
+    plain_decode(pl, d, pl->pixel_weight + (size_t)image * INPUT_DIM, rows, K, d.bce, NULL, true, stream);
 }
 
 // AIS's gradient at w.z_input into chains.grad, and the BCE at a trajectory's ends (`energy`); between, logits in T.
@@ -1562,7 +1590,8 @@ static void vae_encode(VAE* m, const uint8_t* pixels, int B) {
 static void vae_decode(VAE* m, const float* z, int B) {
     if (m->fused) return fused_decode(m->fused, z, B);
     plain_set_z(m->plain, z, B, m->stream);
-    plain_decode(m->plain, decoder_rows_from(m->plain, 0), NULL, B, 1, NULL, m->recon, false, m->stream);
+    const uint8_t* no_pixels = NULL;
+    plain_decode(m->plain, decoder_rows_from(m->plain, 0), no_pixels, B, 1, NULL, m->recon, false, m->stream);
 }
 
 static void vae_decode_interpolations(VAE* m, const int2* d_pairs, long long first_row, int rows, int steps) {
@@ -1596,8 +1625,13 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
     // The encoder runs over as many images as m->mulv holds: a pass's few (13 at K = 5000) would not fill the GPU.
     for (int group = 0; group < n; group += m->max_batch) {
         const int group_size = n - group < m->max_batch ? n - group : m->max_batch;
+        const long long group_pixels = (long long)group_size * INPUT_DIM;
         vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
-        if (m->plain) plain_fork(m->plain, m->stream);
+        if (m->plain) { // the group's pixel weights, then the lanes
+            launch(pixel_weight_kernel, group_pixels, 256, 256, m->stream, m->plain->pixel_weight,
+                   pixels + (size_t)group * INPUT_DIM, group_pixels);
+            plain_fork(m->plain, m->stream);
+        }
         for (int first = group; first < group + group_size; first += images_per_pass, pass++) {
             const int images = std::min(group + group_size - first, images_per_pass), rows = images * K;
             const int lane = pass % lanes;
@@ -1607,7 +1641,7 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
             const float* mulv = m->mulv + (size_t)(first - group) * 2 * m->dims.z;
             const float* eps = m->probe.eps ? m->probe.eps + (size_t)first * K * m->dims.z : NULL;
             if (m->fused) fused_iwae_pass(m->fused, x, mulv, eps, rows, K, image, seed);
-            else plain_iwae_pass(m->plain, row0, lane, x, mulv, eps, rows, K, image, seed);
+            else plain_iwae_pass(m->plain, row0, lane, first - group, mulv, eps, rows, K, image, seed);
             cudaStream_t stream = m->plain ? m->plain->lanes[lane] : m->stream;
             // a lane's partials: at most 2 lane_rows / LSE_CHUNK (above), so the lanes' stay apart
             float2* partials = m->lse_partials + row0 / LSE_CHUNK * 2;

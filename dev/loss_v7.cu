@@ -32,7 +32,7 @@ __global__ void bce_v6_kernel(float* bce, const L* __restrict__ logits, const ui
         const uint32_t px = x_row[i];
         for (int k = 0; k < 4; k++) {
             const float l = as_float(stored.v[k]);
-            part.add(l, byte_as_float(px, k), __expf(-fabsf(l)));
+            part.add(l, pixel_weight(byte_as_float(px, k)), __expf(-fabsf(l)));
         }
     }
     const float sum = part.row_sum();

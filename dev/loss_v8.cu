@@ -39,9 +39,10 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
         #pragma unroll
         for (int s = 0; s < Share::STEPS; s++) {
             if (!Share::has(lane, s)) break;
+            const Pack<float, V> w = share.weights(s);
             for (int k = 0; k < V; k++) {
                 const float l = share.logit(s, k);
-                part.add(l, share.pixel(s, k), __expf(-fabsf(l)));
+                part.add(l, w.v[k], __expf(-fabsf(l)));
             }
         }
         const float sum = part.row_sum();
