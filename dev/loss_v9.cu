@@ -2,8 +2,8 @@
 //
 // v7 (vae.cu's BCE_ONLY form before this step) spent about nine instructions on a logit: the logit from bf16,
 // e^-|l| (a multiply and the hardware's exp2), the product's fma, the pixel from its byte (a permute and a subtract),
-// max(l, 0) (a max and an add) and x l (an fma). ncu on an --iwae lane pass (H200): bound by issue, 82% of cycles issuing, at 63%
-// of a copy's bandwidth (bf16, 156 us for 262,144 rows).
+// max(l, 0) (a max and an add) and x l (an fma). ncu on an --iwae lane pass (H200): bound by issue, 82% of cycles
+// issuing, at 63% of a copy's bandwidth (bf16, 156 us for 262,144 rows).
 // v9: max(l, 0) - x l = (|l| + w l) / 2 with w = 1 - 2x, a float per pixel made once per image (--iwae's 5,000 rows of
 // an image share it in L1 and L2), so a logit's term is fma(w, l, |l|) and an add. v9 loads a lane's weights with its
 // logits, before any arithmetic; v9b loads each pack's weights as it uses them (32 registers against 50). v9c: v9b with
