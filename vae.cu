@@ -139,8 +139,7 @@ static bool read_file(const char* path, uint8_t** data, size_t* size, Error* err
                          path, (long long)st.st_size);
     FILE* f = fopen(path, "rb");
     if (f == NULL) return set_error(err, "%s: %s. HINT: check the file's permissions", path, strerror(errno));
-    *size = (size_t)st.st_size;
-    *data = (uint8_t*)malloc(*size > 0 ? *size : 1);
+    *size = (size_t)st.st_size, *data = (uint8_t*)malloc(*size > 0 ? *size : 1);
     if (*data == NULL) return fclose(f), set_error(err, "%s: out of host memory reading %zu bytes", path, *size);
     size_t got = fread(*data, 1, *size, f);
     fclose(f);
@@ -222,8 +221,7 @@ static bool outputs_commit(Error* err, FILE* report) {
                              pending_outputs[i].final_path, pending_outputs[i].temp_path, strerror(errno));
         if (report != NULL) fprintf(report, "wrote %s (%s)\n", pending_outputs[i].final_path, pending_outputs[i].what);
     }
-    num_pending_outputs = 0;
-    created_levels = 0;
+    num_pending_outputs = 0, created_levels = 0;
     return true;
 }
 
@@ -288,8 +286,7 @@ __host__ __device__ inline uint4 philox4x32(uint4 c, uint2 k) {
         uint32_t hi0 = mulhi32(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
         uint32_t hi1 = mulhi32(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
         c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
-        k.x += 0x9E3779B9u;
-        k.y += 0xBB67AE85u;
+        k.x += 0x9E3779B9u, k.y += 0xBB67AE85u;
     }
     return c;
 }
@@ -502,8 +499,7 @@ __device__ inline void sample_latents(float (&z)[ZMAX], int nz, float* kl, float
             if (j >= nz) break;
             float kl_term;
             z[j] = latent_z(mulv_row[j], mulv_row[nz + j], eps[i], &kl_term);
-            kl_sum += kl_term;
-            ratio += eps[i] * eps[i] + mulv_row[nz + j] - z[j] * z[j];
+            kl_sum += kl_term, ratio += eps[i] * eps[i] + mulv_row[nz + j] - z[j] * z[j];
         }
     }
     *kl = -0.5f * kl_sum, *log_ratio = 0.5f * ratio;
@@ -691,8 +687,7 @@ __global__ void plain_weights_kernel(T* dst, const float* __restrict__ w, int ro
 __device__ inline void logsumexp_merge(float& m, float& s, float m2, float s2) {
     const float top = fmaxf(m, m2);
     if (top == -INFINITY) return; // both empty
-    s = s * expf(m - top) + s2 * expf(m2 - top);
-    m = top;
+    s = s * expf(m - top) + s2 * expf(m2 - top), m = top;
 }
 
 enum { LSE_THREADS = 256, LSE_CHUNK = 1024 };
@@ -875,8 +870,7 @@ __device__ inline void drift_chain(const AisChains& c, T* z_input, size_t r, flo
                                    float step) {
     UNROLL_LATENTS(ZMAX)
     for (int j = 0; j < ZMAX; j++) z[j] = ais_drift(z[j], p[j], step);
-    c.store(c.z, r, z);
-    store_z_input(z_input + r * z_pad(latents<ZMAX>(c.nz)) * z_parts<T>(), z, latents<ZMAX>(c.nz));
+    c.store(c.z, r, z), store_z_input(z_input + r * z_pad(latents<ZMAX>(c.nz)) * z_parts<T>(), z, latents<ZMAX>(c.nz));
 }
 
 // The chains' start: z ~ p0 (or z_start), no weight yet, nothing accepted, each image at the first step size.
@@ -888,8 +882,7 @@ template <typename T, int ZMAX> __global__ void ais_start_kernel(AisIO io, AisCh
     float z[ZMAX];
     #pragma unroll
     for (int j = 0; j < ZMAX; j++) z[j] = j < nz ? ais_start_z(io, image, chain, j, nz, mulv[j], mulv[nz + j]) : 0.0f;
-    c.store(c.z, r, z);
-    store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), z, nz);
+    c.store(c.z, r, z), store_z_input(z_input + (size_t)r * z_pad(nz) * z_parts<T>(), z, nz);
     io.log_w[r] = 0.0, io.accepted[r] = 0;
     if (chain == 0) io.step_out[image] = io.step0;
 }
@@ -930,11 +923,9 @@ template <typename T, int ZMAX> __global__ void ais_begin_kernel(AisIO io, AisCh
         kinetic = fmaf(e.x, e.x, fmaf(e.y, e.y, kinetic));
     }
     c.h0[r] = ais_energy(beta, lpxz, lp0, kinetic);
-    c.bce0[r] = bce;
-    c.store(c.z0, r, z), c.store(c.grad0, r, grad);
+    c.bce0[r] = bce, c.store(c.z0, r, z), c.store(c.grad0, r, grad);
     const float step = io.step_out[image];
-    prior.kick(p, z, grad, beta, 0.5f * step);
-    c.store(c.p, r, p);
+    prior.kick(p, z, grad, beta, 0.5f * step), c.store(c.p, r, p);
     drift_chain(c, z_input, r, z, p, step);
 }
 
@@ -965,8 +956,7 @@ template <typename T, int ZMAX, bool LAST> __global__ void ais_kick_kernel(AisIO
     const bool accept = ais_accept(io, image, chain, s, c.h0[r], h1);
     if (io.probe.delta_h) io.probe.delta_h[r] = c.h0[r] - h1;
     if (!accept) { // back to the start: z, grad (fc3's backward's row) and BCE
-        c.bce[r] = c.bce0[r];
-        c.load(c.z0, r, z), c.load(c.grad0, r, grad);
+        c.bce[r] = c.bce0[r], c.load(c.z0, r, z), c.load(c.grad0, r, grad);
         c.store(c.z, r, z);
         UNROLL_LATENTS(ZMAX)
         for (int j = 0; j < ZMAX; j++)
@@ -1000,8 +990,7 @@ __global__ void ais_estimate_kernel(double* __restrict__ log_px, float* __restri
         sum += e, sum_sq += e * e;
     }
     const double estimate = top + log(sum) - log((double)C);
-    log_px[image] = reverse ? -estimate : estimate;
-    ess[image] = (float)(sum * sum / sum_sq);
+    log_px[image] = reverse ? -estimate : estimate, ess[image] = (float)(sum * sum / sum_sq);
     acceptance[image] = transitions > 0 ? (float)((double)taken / ((double)C * transitions)) : 0.0f;
 }
 
@@ -1120,7 +1109,7 @@ typedef struct {
     void *z_input, *h3;    // [rows][z_width], [rows][H3]
     void* h3_parts;        // fp32's [rows][3 H3] fp16 parts of h3, fc4's input (else NULL)
     float *logits, *bce, *log_ratio; // [rows][784], [rows], [rows] fp32
-    float* pixel_weight;             // --iwae's [max_batch][784] w = 1 - 2x (pixel_weight)
+    float* pixel_weight;             // --iwae's [max_batch][784] w = 1 - 2x (pixel_weight), allocated by its first run
     Gemm fc4_backward, fc3_backward;
     AisWork ais[PLAIN_LANES];        // allocated by AIS's first run
     cudaStream_t lanes[PLAIN_LANES]; // lanes[0]: the caller's stream, set by plain_fork
@@ -1228,14 +1217,12 @@ static Plain* plain_init(const float* const* tensors, ModelDims dims, Precision 
     pl->h1 = device_alloc(B * dims.h1 * t, "h1");
     pl->mulv = (float*)device_alloc(B * 2 * dims.z * sizeof(float), "mu/logvar");
     pl->z = (float*)device_alloc(B * dims.z * sizeof(float), "z");
-    pl->z_input = device_alloc(R * zk * t, "fc3's input");
-    pl->h3 = device_alloc(R * dims.h3 * t, "h3");
+    pl->z_input = device_alloc(R * zk * t, "fc3's input"), pl->h3 = device_alloc(R * dims.h3 * t, "h3");
     if (pl->parts) pl->h3_parts = device_alloc(R * FP16_PARTS * dims.h3 * sizeof(fp16), "h3's fp16 parts");
     pl->logits = (float*)device_alloc(R * INPUT_DIM * sizeof(float), "the logits");
     pl->bce = (float*)device_alloc(R * sizeof(float), "the rows' BCE");
     pl->log_ratio = (float*)device_alloc(R * sizeof(float), "the rows' log-density ratios");
     pl->recon = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "recon");
-    pl->pixel_weight = (float*)device_alloc(B * INPUT_DIM * sizeof(float), "the pixel weights");
     return pl;
 }
 
@@ -1251,22 +1238,18 @@ static void plain_free(Plain* pl) {
     cudaCheck(cudaEventDestroy(pl->fork)), cudaCheck(cudaEventDestroy(pl->join));
     Gemm* gemms[] = {&pl->fc1, &pl->fc2, &pl->fc3, &pl->fc4, &pl->fc4_t, &pl->fc4_backward, &pl->fc3_backward};
     for (Gemm* g : gemms) gemm_free(g);
-    cublasCheck(cublasLtDestroy(pl->lt));
-    free(pl);
+    cublasCheck(cublasLtDestroy(pl->lt)), free(pl);
 }
 
 // The other lanes start after what `stream` has queued (lane 0 is `stream`); plain_join makes `stream` wait for them.
 static void plain_fork(Plain* pl, cudaStream_t stream) {
-    pl->lanes[0] = stream;
-    cudaCheck(cudaEventRecord(pl->fork, stream));
+    pl->lanes[0] = stream, cudaCheck(cudaEventRecord(pl->fork, stream));
     for (int l = 1; l < PLAIN_LANES; l++) cudaCheck(cudaStreamWaitEvent(pl->lanes[l], pl->fork, 0));
 }
 
 static void plain_join(Plain* pl) {
-    for (int l = 1; l < PLAIN_LANES; l++) {
-        cudaCheck(cudaEventRecord(pl->join, pl->lanes[l]));
-        cudaCheck(cudaStreamWaitEvent(pl->lanes[0], pl->join, 0));
-    }
+    for (int l = 1; l < PLAIN_LANES; l++)
+        cudaCheck(cudaEventRecord(pl->join, pl->lanes[l])), cudaCheck(cudaStreamWaitEvent(pl->lanes[0], pl->join, 0));
 }
 
 // The decoder's buffers from row `first` on: a --iwae lane's share of them.
@@ -1517,8 +1500,7 @@ static bool pick_engine(Kernels kernels, ModelDims dims, int major, int minor, s
 
 static int gpu_attribute(cudaDeviceAttr attribute) {
     int device, value;
-    cudaCheck(cudaGetDevice(&device));
-    cudaCheck(cudaDeviceGetAttribute(&value, attribute, device));
+    cudaCheck(cudaGetDevice(&device)), cudaCheck(cudaDeviceGetAttribute(&value, attribute, device));
     return value;
 }
 
@@ -1547,8 +1529,7 @@ static int plain_decoder_rows(ModelDims d, Precision precision, int asked) {
 // max_batch: images a forward pass; decoder_rows: a --iwae pass's rows (a fused row costs at most 172 bytes).
 static void vae_init(VAE* m, const HostWeights* w, int max_batch, Precision precision, Kernels kernels,
                      int decoder_rows = 0) {
-    memset(m, 0, sizeof(*m));
-    m->dims = w->dims, m->max_batch = max_batch, m->precision = precision;
+    memset(m, 0, sizeof(*m)), m->dims = w->dims, m->max_batch = max_batch, m->precision = precision;
     cudaCheck(cudaStreamCreate(&m->stream));
     // device layout: fc1.w fc1.b | fc21.w fc22.w | fc21.b fc22.b | fc3.w fc3.b fc4.w fc4.b
     const int order[NUM_TENSORS] = {FC1_W, FC1_B, FC21_W, FC22_W, FC21_B, FC22_B, FC3_W, FC3_B, FC4_W, FC4_B};
@@ -1577,8 +1558,7 @@ static void vae_free(VAE* m) {
     if (m->fused) fused_free(m->fused);
     if (m->plain) plain_free(m->plain);
     cudaCheck(cudaFree(m->lse_partials)), cudaCheck(cudaFree(m->params));
-    cudaCheck(cudaStreamDestroy(m->stream));
-    memset(m, 0, sizeof(*m));
+    cudaCheck(cudaStreamDestroy(m->stream)), memset(m, 0, sizeof(*m));
 }
 
 // vae_encode gives m->mulv, vae_decode m->recon, vae_forward BCE and KL: on m->stream, allocating and copying nothing.
@@ -1628,8 +1608,11 @@ static void vae_iwae(VAE* m, const uint8_t* pixels, int n, uint32_t first_image,
         const long long group_pixels = (long long)group_size * INPUT_DIM;
         vae_encode(m, pixels + (size_t)group * INPUT_DIM, group_size);
         if (m->plain) { // the group's pixel weights, then the lanes
-            launch(pixel_weight_kernel, group_pixels, 256, 256, m->stream, m->plain->pixel_weight,
-                   pixels + (size_t)group * INPUT_DIM, group_pixels);
+            float*& weights = m->plain->pixel_weight;
+            const size_t bytes = (size_t)m->max_batch * INPUT_DIM * sizeof(float);
+            if (!weights) weights = (float*)device_alloc(bytes, "the pixel weights");
+            launch(pixel_weight_kernel, group_pixels, 256, 256, m->stream, weights, pixels + (size_t)group * INPUT_DIM,
+                   group_pixels);
             plain_fork(m->plain, m->stream);
         }
         for (int first = group; first < group + group_size; first += images_per_pass, pass++) {
@@ -1811,8 +1794,7 @@ static bool parse_pgm(const uint8_t* buf, size_t size, const char* name, Images*
             if (!pgm_number(buf, size, &pos, maxval, &v))
                 return set_error(err, "%s: sample %d is missing or above maxval %u. " PGM_HINT, name, i, maxval);
         } else {
-            v = bytes_per_sample == 2 ? (uint32_t)buf[pos] << 8 | buf[pos + 1] : buf[pos];
-            pos += bytes_per_sample;
+            v = bytes_per_sample == 2 ? (uint32_t)buf[pos] << 8 | buf[pos + 1] : buf[pos], pos += bytes_per_sample;
             if (v > maxval)
                 return set_error(err, "%s: sample %d is %u, above maxval %u. " PGM_HINT, name, i, v, maxval);
         }
@@ -2180,8 +2162,7 @@ static bool parse_args(int argc, char** argv, Config* cfg, Error* err) {
             return set_error(err, "%s takes no value, got '%s'. HINT: vae -h lists the options", flag,
                              argv[optind - 1]);
         if (!apply_option(cfg, o, flag, optarg, err)) return false;
-        cfg->given |= OPT_BIT(o);
-        snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "%s", flag);
+        cfg->given |= OPT_BIT(o), snprintf(cfg->flag[o], sizeof(cfg->flag[o]), "%s", flag);
     }
     if (optind < argc)
         return set_error(err, "unexpected argument '%s'. HINT: vae -h lists the options; files go after a flag "
@@ -2371,8 +2352,7 @@ static void write_images(VAE* m, const Images* images, const Labels* labels, int
             cudaCheck(cudaMemcpy(d_pair_pixels + (size_t)(2 * rows + k) * INPUT_DIM,
                                  d_pixels + (size_t)first[(d + k) % 10] * INPUT_DIM, INPUT_DIM,
                                  cudaMemcpyDeviceToDevice));
-        pairs[rows] = make_int2(2 * rows, 2 * rows + 1);
-        rows++;
+        pairs[rows] = make_int2(2 * rows, 2 * rows + 1), rows++;
     }
     if (rows == 0) {
         say("skipped interp.ppm: %s\n", labels->labels == NULL ? "the images have no labels"
@@ -2406,8 +2386,7 @@ typedef struct { int count; Gpu* gpu; } Gpus;
 template <typename Work> static void on_each_gpu(Gpus* gs, Work work) {
     auto drive = [&](Gpu* g) {
         if (gs->count > 1) snprintf(failing_gpu, sizeof(failing_gpu), "%s", g->label);
-        cudaCheck(cudaSetDevice(g->device));
-        work(g);
+        cudaCheck(cudaSetDevice(g->device)), work(g);
     };
     std::vector<std::thread> threads;
     for (int i = 1; i < gs->count; i++) threads.emplace_back(drive, &gs->gpu[i]);
@@ -2427,8 +2406,7 @@ struct Slices { // the work no GPU has taken yet; the time from the last GPU rea
     double start_ms = 0.0, end_ms = 0.0;
     Slices(int n, const Gpus* gs) : count(n), gpus(gs->count) {}
     bool take(int want, int* first, int* n) {
-        *first = next.fetch_add(want);
-        *n = std::min(want, count - *first);
+        *first = next.fetch_add(want), *n = std::min(want, count - *first);
         return *first < count;
     }
     static double now_ms() {
@@ -2451,11 +2429,9 @@ template <typename Body> static double over_slices(Gpus* gs, int count, Body bod
     Slices slices(count, gs);
     on_each_gpu(gs, [&](Gpu* g) {
         body(g, [&](int size, auto run) {
-            cudaCheck(cudaStreamSynchronize(g->m.stream));
-            slices.ready_to_start();
+            cudaCheck(cudaStreamSynchronize(g->m.stream)), slices.ready_to_start();
             for (int first, n; slices.take(size, &first, &n);) run(first, n);
-            cudaCheck(cudaStreamSynchronize(g->m.stream));
-            slices.done();
+            cudaCheck(cudaStreamSynchronize(g->m.stream)), slices.done();
         });
     });
     return slices.ms();
@@ -2479,8 +2455,7 @@ struct Progress { // on stderr unless -q: a bar on a terminal, else a line every
                     total);
             if (done == total) fputc('\n', stderr);
         } else if ((int)(10 * done / total) != decile) {
-            decile = (int)(10 * done / total);
-            fprintf(stderr, "%s: %lld/%lld\n", what, done, total);
+            decile = (int)(10 * done / total), fprintf(stderr, "%s: %lld/%lld\n", what, done, total);
         }
     }
 };
@@ -2528,8 +2503,7 @@ static Gpus open_gpus(const Config* cfg, ModelDims dims) {
                  g->sm, cudaGetErrorString(loaded));
         g->fused = use_fused(run_kernels(cfg), dims);
     }
-    failing_gpu[0] = '\0';
-    cudaCheck(cudaSetDevice(gs.gpu[0].device));
+    failing_gpu[0] = '\0', cudaCheck(cudaSetDevice(gs.gpu[0].device));
     return gs;
 }
 
@@ -2697,8 +2671,7 @@ static AisBuffers ais_buffers(int n, const Config* cfg) { // one allocation, bet
     double* beta = (double*)malloc((cfg->ais_t + 1) * sizeof(double));
     if (beta == NULL) fail("out of host memory for the AIS schedule");
     ais_schedule(beta, cfg->ais_t);
-    cudaCheck(cudaMemcpy(b.beta, beta, (cfg->ais_t + 1) * sizeof(double), cudaMemcpyHostToDevice));
-    free(beta);
+    cudaCheck(cudaMemcpy(b.beta, beta, (cfg->ais_t + 1) * sizeof(double), cudaMemcpyHostToDevice)), free(beta);
     return b;
 }
 
@@ -2725,8 +2698,7 @@ static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const floa
         vae_ais(m, io, cfg->ais_from_prior); // the warm-up
         io.T = cfg->ais_t, io.leapfrog = cfg->leapfrog, io.reverse = z_start != NULL;
         slices(slice, [&](int first, int k) {
-            io.n = k, io.first_image = (uint32_t)(image0 + first);
-            io.pixels = g->pixels + (size_t)first * INPUT_DIM;
+            io.n = k, io.first_image = (uint32_t)(image0 + first), io.pixels = g->pixels + (size_t)first * INPUT_DIM;
             io.z_start = d_z != NULL ? d_z + (size_t)first * Z : NULL;
             vae_ais(m, io, cfg->ais_from_prior);
             launch(ais_estimate_kernel, k, 128, 128, m->stream, b.log_px, b.ess, b.acceptance, b.log_w, b.accepted, k,
@@ -2738,8 +2710,7 @@ static double ais_all(Gpus* gs, int n, int image0, const Config* cfg, const floa
                                           m->stream));
             cudaCheck(cudaMemcpyAsync(out.log_px + first, b.log_px, k * sizeof(double), cudaMemcpyDeviceToHost,
                                       m->stream));
-            cudaCheck(cudaStreamSynchronize(m->stream));
-            progress.add(k);
+            cudaCheck(cudaStreamSynchronize(m->stream)), progress.add(k);
         });
         cudaCheck(cudaFree(d_z)), cudaCheck(cudaFree(b.beta));
     });
@@ -2889,8 +2860,7 @@ static void run_bench(const HostWeights* w, const uint8_t* d_pixels, const Confi
             cudaGraphExec_t exec;
             cudaCheck(cudaStreamBeginCapture(m.stream, cudaStreamCaptureModeGlobal));
             vae_forward(&m, d_pixels, B, 0, &opt, d_losses, d_losses + max_batch);
-            cudaCheck(cudaStreamEndCapture(m.stream, &graph));
-            cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
+            cudaCheck(cudaStreamEndCapture(m.stream, &graph)), cudaCheck(cudaGraphInstantiate(&exec, graph, 0));
             for (int i = 0; i < WARMUP; i++) cudaCheck(cudaGraphLaunch(exec, m.stream));
             cudaCheck(cudaStreamSynchronize(m.stream));
             Timer timer(m.stream);
@@ -2995,8 +2965,7 @@ static void idx_path(char path[MAX_PATH], const char* dir, const char* name) {
 }
 
 static void load_image_files(const Config* cfg, Images* images) {
-    images->count = cfg->num_image_files;
-    images->pixels = (uint8_t*)malloc((size_t)images->count * INPUT_DIM);
+    images->count = cfg->num_image_files, images->pixels = (uint8_t*)malloc((size_t)images->count * INPUT_DIM);
     if (images->pixels == NULL) fail("out of host memory for %d images", images->count);
     for (int i = 0; i < images->count; i++) {
         Images one = {};
